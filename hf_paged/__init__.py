@@ -1,0 +1,29 @@
+"""hf_paged: PagedAttention for Hugging Face transformers' ``generate()``.
+
+    from hf_paged import PagedCache, enable_paged_attention
+    enable_paged_attention(model)
+    out = model.generate(**inputs, past_key_values=PagedCache(model.config), max_new_tokens=256)
+"""
+
+from . import ops
+from .allocator import BlockAllocator
+from .attention import disable_paged_attention, enable_paged_attention, is_paged
+from .cache import PagedCache
+from .errors import OutOfBlocksError
+from .pool import BlockPool, parse_memory
+from .stats import MemoryStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockAllocator",
+    "BlockPool",
+    "MemoryStats",
+    "OutOfBlocksError",
+    "PagedCache",
+    "disable_paged_attention",
+    "enable_paged_attention",
+    "is_paged",
+    "ops",
+    "parse_memory",
+]

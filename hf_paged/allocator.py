@@ -1,0 +1,266 @@
+"""Tensor-free block bookkeeping: free list, reference counts and per-sequence block tables.
+
+A sequence is an integer handle. Its block table maps logical block ``i`` (tokens ``i*block_size`` to
+``(i+1)*block_size - 1``) to a physical block id. A block can sit in several tables (forks, shared prompts,
+beams); its reference count is the number of table entries pointing at it, and it returns to the free list at
+zero. Writing into a shared, partly filled block copies it first (copy-on-write); the copy is returned to the
+caller, who owns the tensors, as a ``(src, dst)`` pair.
+
+Entries equal to ``NULL_BLOCK`` mark blocks that slid out of a sliding window and were given back.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from .errors import OutOfBlocksError
+
+NULL_BLOCK = -1
+
+
+@dataclass
+class AppendPlan:
+    """What one batched append did: the slots written, per sequence, and the block copies to perform first."""
+
+    slots: list[list[int]]
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+class BlockAllocator:
+    """Hands out fixed-size blocks to sequences.
+
+    Args:
+        block_size: tokens per block.
+        num_blocks: the most blocks that may ever exist. ``None`` lets the pool grow on demand.
+    """
+
+    def __init__(self, block_size: int = 16, num_blocks: int | None = None):
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}; 16 is the usual choice.")
+        if num_blocks is not None and (
+            not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1
+        ):
+            raise ValueError(
+                f"num_blocks must be a positive int or None (grow on demand), got {num_blocks!r}."
+            )
+        self.block_size = block_size
+        self.max_blocks = num_blocks
+        self.capacity = 0
+        self.peak_blocks_in_use = 0
+        self.lock = threading.RLock()
+        self._free: deque[int] = deque()
+        self._refcount: list[int] = []
+        self._tables: dict[int, list[int]] = {}
+        self._lens: dict[int, int] = {}
+        self._next_seq = 0
+        if num_blocks is not None:
+            self._grow(num_blocks)
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_free(self) -> int:
+        """Blocks that can still be handed out, counting room the pool may still grow into."""
+        headroom = 0 if self.max_blocks is None else self.max_blocks - self.capacity
+        return len(self._free) + headroom
+
+    @property
+    def blocks_in_use(self) -> int:
+        return self.capacity - len(self._free)
+
+    @property
+    def sequences(self) -> list[int]:
+        return list(self._tables)
+
+    def block_table(self, seq: int) -> list[int]:
+        return self._tables[self._check_seq(seq)]
+
+    def seq_len(self, seq: int) -> int:
+        return self._lens[self._check_seq(seq)]
+
+    def refcount(self, block: int) -> int:
+        return self._refcount[block]
+
+    def blocks_needed(self, seq: int, num_tokens: int) -> int:
+        """Blocks an append of ``num_tokens`` to ``seq`` would take from the free list."""
+        if num_tokens <= 0:
+            return 0
+        table, length = self._tables[seq], self._lens[seq]
+        bs = self.block_size
+        new = -(-(length + num_tokens) // bs) - -(-length // bs)
+        last = table[length // bs] if length % bs else None
+        cow = last is not None and self._refcount[last] > 1
+        return new + int(cow)
+
+    # ------------------------------------------------------------- mutations
+    def set_limit(self, num_blocks: int) -> None:
+        """Cap a pool that was created unbounded (used when the cap is known only later, e.g. from bytes)."""
+        with self.lock:
+            if num_blocks < self.capacity:
+                raise ValueError(f"cannot cap the pool at {num_blocks} blocks: {self.capacity} already exist.")
+            self.max_blocks = num_blocks
+
+    def new_sequence(self) -> int:
+        with self.lock:
+            seq = self._next_seq
+            self._next_seq += 1
+            self._tables[seq] = []
+            self._lens[seq] = 0
+            return seq
+
+    def fork(self, seq: int) -> int:
+        """A new sequence sharing every block of ``seq`` (no copy)."""
+        with self.lock:
+            table = self._tables[self._check_seq(seq)]
+            child = self.new_sequence()
+            self._tables[child] = list(table)
+            self._lens[child] = self._lens[seq]
+            self._incref(table)
+            return child
+
+    def free(self, seq: int) -> None:
+        with self.lock:
+            self._check_seq(seq)
+            self._decref(self._tables.pop(seq))
+            del self._lens[seq]
+
+    def append(self, requests: list[tuple[int, int]]) -> AppendPlan:
+        """Reserve slots for ``n`` new tokens on each ``(seq, n)``, all or nothing.
+
+        Returns the slot ids (``block * block_size + offset``) per request and the copy-on-write copies to apply
+        to the KV tensors before writing. Raises :class:`OutOfBlocksError` without changing anything if the
+        blocks do not fit.
+        """
+        with self.lock:
+            for seq, _ in requests:
+                self._check_seq(seq)
+            needed = sum(self.blocks_needed(seq, n) for seq, n in requests)
+            if self.max_blocks is not None and needed > self.num_free:
+                raise OutOfBlocksError(needed=needed, free=self.num_free, block_size=self.block_size,
+                                       capacity=self.max_blocks if self.max_blocks is not None else self.capacity)
+            if needed > len(self._free):
+                self._grow(max(needed - len(self._free), self.capacity))
+            plan = AppendPlan(slots=[])
+            for seq, n in requests:
+                plan.slots.append(self._append_one(seq, n, plan.copies))
+            self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use)
+            return plan
+
+    def crop(self, seq: int, new_len: int) -> None:
+        """Keep the first ``new_len`` tokens of ``seq``; blocks that become empty are released."""
+        with self.lock:
+            length = self._lens[self._check_seq(seq)]
+            if not 0 <= new_len <= length:
+                raise ValueError(f"cannot crop a sequence of {length} tokens to {new_len}.")
+            table = self._tables[seq]
+            keep = -(-new_len // self.block_size)
+            if any(b == NULL_BLOCK for b in table[:keep]):
+                raise ValueError(
+                    f"cannot crop to {new_len} tokens: that part already slid out of the attention window and "
+                    "was released. Crop by fewer tokens."
+                )
+            self._decref(table[keep:])
+            del table[keep:]
+            self._lens[seq] = new_len
+
+    def reorder(self, seqs: list[int], order: list[int]) -> None:
+        """Make ``seqs[i]`` hold what ``seqs[order[i]]`` held (beam search), by table only."""
+        with self.lock:
+            if len(order) != len(seqs):
+                raise ValueError(f"reorder got {len(order)} indices for {len(seqs)} sequences.")
+            if any(not 0 <= i < len(seqs) for i in order):
+                raise ValueError(f"reorder indices must lie in [0, {len(seqs)}), got {order}.")
+            for seq in seqs:
+                self._check_seq(seq)
+            new_tables = [list(self._tables[seqs[i]]) for i in order]
+            new_lens = [self._lens[seqs[i]] for i in order]
+            for table in new_tables:
+                self._incref(table)
+            for seq, table, length in zip(seqs, new_tables, new_lens):
+                self._decref(self._tables[seq])
+                self._tables[seq] = table
+                self._lens[seq] = length
+
+    def release_outside_window(self, seq: int, keep_from: int) -> int:
+        """Release whole blocks holding only tokens before position ``keep_from``. Returns how many."""
+        with self.lock:
+            table = self._tables[self._check_seq(seq)]
+            released = []
+            for i in range(min(keep_from // self.block_size, len(table))):
+                if table[i] != NULL_BLOCK:
+                    released.append(table[i])
+                    table[i] = NULL_BLOCK
+            self._decref(released)
+            return len(released)
+
+    def reset(self) -> None:
+        """Free every sequence (the blocks stay allocated to the pool)."""
+        with self.lock:
+            for seq in list(self._tables):
+                self.free(seq)
+
+    # ------------------------------------------------------------- internals
+    def _append_one(self, seq: int, n: int, copies: list[tuple[int, int]]) -> list[int]:
+        if n <= 0:
+            return []
+        table, length, bs = self._tables[seq], self._lens[seq], self.block_size
+        if length % bs:
+            last = table[-1]
+            if self._refcount[last] > 1:
+                fresh = self._free.popleft()
+                self._refcount[fresh] = 1
+                self._refcount[last] -= 1
+                table[-1] = fresh
+                copies.append((last, fresh))
+        slots = []
+        for pos in range(length, length + n):
+            if pos % bs == 0:
+                fresh = self._free.popleft()
+                self._refcount[fresh] = 1
+                table.append(fresh)
+            slots.append(table[pos // bs] * bs + pos % bs)
+        self._lens[seq] = length + n
+        return slots
+
+    def _grow(self, count: int) -> None:
+        if self.max_blocks is not None:
+            count = min(count, self.max_blocks - self.capacity)
+        self._free.extend(range(self.capacity, self.capacity + count))
+        self._refcount.extend([0] * count)
+        self.capacity += count
+
+    def _incref(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if b != NULL_BLOCK:
+                self._refcount[b] += 1
+
+    def _decref(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if b == NULL_BLOCK:
+                continue
+            if self._refcount[b] <= 0:
+                raise RuntimeError(f"block {b} freed twice (allocator bookkeeping is corrupt).")
+            self._refcount[b] -= 1
+            if self._refcount[b] == 0:
+                self._free.append(b)
+
+    def _check_seq(self, seq: int) -> int:
+        if seq not in self._tables:
+            raise KeyError(f"sequence {seq} is not allocated (it was freed, or never existed).")
+        return seq
+
+    def check_invariants(self) -> None:
+        """Assert the bookkeeping is consistent: used for tests and debugging."""
+        counts = [0] * self.capacity
+        for seq, table in self._tables.items():
+            length = self._lens[seq]
+            assert len(table) == -(-length // self.block_size), (seq, len(table), length)
+            for b in table:
+                if b != NULL_BLOCK:
+                    counts[b] += 1
+        assert counts == self._refcount, "reference counts differ from the tables"
+        free = list(self._free)
+        assert len(set(free)) == len(free), "a block sits twice in the free list"
+        assert all(self._refcount[b] == 0 for b in free), "a referenced block sits in the free list"
+        assert len(free) + sum(1 for c in counts if c > 0) == self.capacity, "a block is neither free nor referenced"

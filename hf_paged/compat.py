@@ -1,0 +1,71 @@
+"""Every difference between supported transformers releases lives here."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+from packaging.version import Version
+from transformers.cache_utils import Cache
+
+TRANSFORMERS_VERSION = Version(transformers.__version__)
+# Keep in step with pyproject.toml and .ci/run.
+MIN_TRANSFORMERS = Version("5.0.0")
+
+# Names the decoder's forward has used for the cache argument, newest first.
+CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
+
+
+def init_cache_base(cache: Cache) -> None:
+    """Run ``Cache.__init__`` with no layers (``PagedCache`` keeps its own bookkeeping)."""
+    try:
+        Cache.__init__(cache, layers=[])
+    except TypeError:
+        Cache.__init__(cache)
+    cache.layers = []
+
+
+def query_length(arg) -> int:
+    """``get_mask_sizes`` takes the query length (5.x late) or a ``cache_position`` tensor (earlier)."""
+    if isinstance(arg, torch.Tensor):
+        return int(arg.shape[0])
+    return int(arg)
+
+
+def cache_from_kwargs(kwargs: dict):
+    for name in CACHE_KWARGS:
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return None
+
+
+def register_attention(name: str, attention_fn, mask_fn) -> None:
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(name, attention_fn)
+    AttentionMaskInterface.register(name, mask_fn)
+
+
+def mask_function(name: str):
+    """The mask builder registered for an attention implementation (eager's when it has none of its own)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    try:
+        return ALL_MASK_ATTENTION_FUNCTIONS[name]
+    except KeyError:
+        return ALL_MASK_ATTENTION_FUNCTIONS["eager"]
+
+
+def attention_function(name: str, eager_fn):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if name == "eager" or name is None:
+        return eager_fn
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def set_attn_implementation(model, name: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name
