@@ -274,8 +274,16 @@ class PagedCache(Cache):
         if done_rows and len(done_rows) + len(self._released) < len(self._rows):
             self.release_rows(done_rows)
 
-    def memory_stats(self) -> MemoryStats:
-        """Figures for this cache's rows, with the pool's size and peak (see :class:`MemoryStats`)."""
+    def memory_stats(self, all_ranks: bool = False) -> MemoryStats:
+        """Figures for this cache's rows, with the pool's size and peak (see :class:`MemoryStats`).
+
+        Under tensor parallelism each rank holds only its KV heads; ``all_ranks=True`` sums the byte figures over
+        the ranks of the default process group (a collective: call it on every rank).
+        """
+        if all_ranks:
+            from .distributed import sum_over_ranks
+
+            return sum_over_ranks(self.memory_stats())
         pool = self.pool
         with pool.lock:
             a = pool.allocator
@@ -343,8 +351,8 @@ class PagedCache(Cache):
         with self.pool.lock:
             if fresh:
                 self._rows = [a.new_sequence() for _ in range(batch)]
-            requests = [(seq, 0 if (row in alias or row in self._released) else counts[row])
-                        for row, seq in enumerate(self._rows)]
+            requests = [(seq, 0 if row in alias else counts[row])
+                        for row, seq in enumerate(self._rows) if row not in self._released]
             try:
                 plan = a.append(requests)
             except OutOfBlocksError:

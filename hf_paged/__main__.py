@@ -1,0 +1,25 @@
+"""``python -m hf_paged demo`` runs the main job; ``python -m hf_paged convert`` only prepares the embedded model."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv.pop(0) if argv else "demo"
+    if command == "demo":
+        from .demo import main as demo
+
+        return demo(argv)
+    if command == "convert":
+        from .embedded import local_model_dir
+
+        print(local_model_dir())
+        return 0
+    print("usage: python -m hf_paged [demo|convert] [options]  (demo --help for its options)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

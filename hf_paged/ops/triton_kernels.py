@@ -1,0 +1,587 @@
+"""Triton kernels for paged attention and the KV write; ``reference.py`` holds their PyTorch twins.
+
+Layout: ``key_cache``/``value_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD).
+
+Three kernels, one job each:
+
+* ``_decode_kernel``: one query per sequence. A program owns one (sequence, KV head, KV split); the query heads of
+  the GQA group are the rows of its tile, so each K/V tile is loaded once for the whole group. With more than one
+  split (flash-decoding) every program covers a slice of the context and ``_merge_splits_kernel`` combines the
+  partial results by their log-sum-exp.
+* ``_prefill_kernel``: many queries per sequence, with cached history before them (prefill, chunked prefill, extend,
+  speculative verification). A program owns one (query tile, KV head, sequence); rows are (query, head-in-group)
+  pairs, and the KV loop stops at the tile's causal limit and starts at its window start.
+* ``_write_kv_kernel``: scatter new K/V into the pool through ``slot_mapping``.
+
+Both attention kernels share ``_attend_kv_range``: block ids are loaded as a vector, one per KV position, so the KV
+tile size is independent of ``block_size`` (a tile may span several blocks or part of one). Address arithmetic is
+done in int64, so pools past 2**31 elements do not overflow.
+
+Runs on CUDA, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before importing triton).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # hf_paged.ops.triton_available() turns this into False
+    raise ImportError("hf_paged's Triton kernels need the `triton` package: pip install triton") from e
+
+__all__ = ["paged_attention_triton", "write_kv_triton", "choose_num_kv_splits"]
+
+_LOG2E = 1.4426950408889634
+_NO_WINDOW = 1 << 30  # "window" wider than any context: the window test is always true
+
+# Split-KV heuristic: aim for this many programs per SM, never split below this many KV positions per split.
+_PROGRAMS_PER_SM = 2
+_MIN_KV_PER_SPLIT = 256
+_MAX_KV_SPLITS = 32
+_DEFAULT_NUM_SMS = 132  # H100/H200; used when there is no CUDA device to ask (the interpreter)
+
+
+# Whether @triton.jit below builds interpreter functions: triton decides once, when this module is imported.
+_INTERPRETED = bool(triton.knobs.runtime.interpret)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Shared inner loop
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attend_kv_range(
+    acc,  # [BLOCK_M, HEAD_DIM_P] fp32, running sum of p @ V (not yet divided by l)
+    m_i,  # [BLOCK_M] fp32, running row max of the scores (log2 units)
+    l_i,  # [BLOCK_M] fp32, running row sum of exp2(score - m_i)
+    q,  # [BLOCK_M, HEAD_DIM_P], one query row per tile row
+    q_pos,  # [BLOCK_M] int32, position of each row's query in its sequence
+    kv_lo,  # first KV position any row of the tile may need
+    kv_hi,  # one past the last such position
+    block_table_ptr,  # this sequence's row of block_tables
+    stride_bt_block,
+    k_cache_ptr,
+    v_cache_ptr,
+    kv_head,
+    stride_cb,  # cache strides: block, token-in-block, head, dim (shared by K and V)
+    stride_ct,
+    stride_ch,
+    stride_cd,
+    qk_scale,  # softmax scale * log2(e): scores come out in log2 units, so exp2 replaces exp
+    sliding_window,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_ok = offs_d < HEAD_DIM
+    head_off = kv_head.to(tl.int64) * stride_ch
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    first_tile = (kv_lo // TILE_N) * TILE_N  # tiles stay aligned to TILE_N, hence to blocks
+    for tile_start in range(first_tile, kv_hi, TILE_N):
+        kv_pos = tile_start + offs_n  # [TILE_N]
+        in_range = (kv_pos >= kv_lo) & (kv_pos < kv_hi)
+        # One physical block id per KV position; entries outside the range (e.g. -1 for blocks that slid out of
+        # the window) are never loaded, and a -1 inside it is masked rather than dereferenced.
+        block_id = tl.load(block_table_ptr + (kv_pos // BLOCK_SIZE) * stride_bt_block, mask=in_range, other=-1)
+        kv_ok = in_range & (block_id >= 0)  # [TILE_N]
+        slot_off = block_id.to(tl.int64) * stride_cb + (kv_pos % BLOCK_SIZE).to(tl.int64) * stride_ct + head_off
+        kv_off = slot_off[:, None] + offs_d[None, :].to(tl.int64) * stride_cd  # [TILE_N, HEAD_DIM_P]
+        kv_mask = kv_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # [TILE_N, HEAD_DIM_P]
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # [TILE_N, HEAD_DIM_P]
+
+        # Scores, masked: causal, sliding window, and positions we did not load.
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+        visible = (
+            kv_ok[None, :]
+            & (kv_pos[None, :] <= q_pos[:, None])
+            & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
+        )
+        s = tl.where(visible, s, float("-inf"))
+
+        # Online softmax update, step by step:
+        # 1. the new running max includes this tile's scores;
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
+        # 2. a row that has seen no visible key yet still has max -inf; subtract 0 instead so that
+        #    exp2(-inf - -inf) = NaN never happens (its p and alpha are then exactly 0);
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # 3. rescale what was accumulated under the old max;
+        alpha = tl.exp2(m_i - m_ref)  # [BLOCK_M]
+        # 4. unnormalised probabilities of this tile under the new max;
+        p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, TILE_N]
+        # 5. fold them into the running sum and the running output.
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(v.dtype)
+        if DOT_FP32:
+            p = p.to(tl.float32)  # keeps the rounding to v's dtype, then multiplies in fp32
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Decode (one query per sequence), optionally split over the context
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_kernel(
+    query_ptr,  # [num_tokens, num_q_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    out_ptr,  # [num_tokens, num_q_heads, head_dim], written when not SPLIT_KV
+    partial_out_ptr,  # [num_seqs, num_q_heads, num_splits, head_dim] fp32, written when SPLIT_KV
+    partial_lse_ptr,  # [num_seqs, num_q_heads, num_splits] fp32 (log2 units), written when SPLIT_KV
+    qk_scale,
+    sliding_window,
+    num_splits,
+    num_q_heads,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_bt_seq,
+    stride_bt_block,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_cd,
+    GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_M: tl.constexpr,  # rows of the tile: GROUP padded to a power of two, at least 16
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_len == 0:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    q_pos = seq_len - 1
+
+    # KV range this program covers: the window, cut into num_splits runs of whole tiles.
+    kv_lo = tl.maximum(q_pos - sliding_window + 1, 0)
+    kv_hi = seq_len
+    first_tile = kv_lo // TILE_N
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_hi, TILE_N) - first_tile, num_splits)
+    split_lo = tl.maximum(kv_lo, (first_tile + split * tiles_per_split) * TILE_N)
+    split_hi = tl.minimum(kv_hi, (first_tile + (split + 1) * tiles_per_split) * TILE_N)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    row_ok = offs_m < GROUP
+    d_ok = offs_d < HEAD_DIM
+    q_head = kv_head * GROUP + offs_m  # [BLOCK_M]
+
+    q_off = q_start.to(tl.int64) * stride_qt + q_head[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(query_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    q_pos_rows = tl.full([BLOCK_M], 0, dtype=tl.int32) + q_pos
+    acc, m_i, l_i = _attend_kv_range(
+        acc, m_i, l_i, q, q_pos_rows, split_lo, split_hi,
+        block_tables_ptr + seq.to(tl.int64) * stride_bt_seq, stride_bt_block,
+        k_cache_ptr, v_cache_ptr, kv_head, stride_cb, stride_ct, stride_ch, stride_cd,
+        qk_scale, sliding_window,
+        BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_FP32, DOT_PRECISION,
+    )
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # a row that saw no key (empty split) outputs 0
+    o = acc / l_safe[:, None]  # [BLOCK_M, HEAD_DIM_P]
+    if SPLIT_KV:
+        row = (seq.to(tl.int64) * num_q_heads + q_head) * num_splits + split  # [BLOCK_M]
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(partial_lse_ptr + row, lse, mask=row_ok)
+        tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        o_off = q_start.to(tl.int64) * stride_ot + q_head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od
+        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,  # [num_tokens, num_q_heads, head_dim]
+    partial_out_ptr,  # [num_seqs, num_q_heads, num_splits, head_dim] fp32
+    partial_lse_ptr,  # [num_seqs, num_q_heads, num_splits] fp32
+    query_start_loc_ptr,
+    num_splits,
+    num_q_heads,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    SPLITS_P: tl.constexpr,  # num_splits padded to a power of two
+):
+    seq = tl.program_id(0)
+    q_head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) == q_start:
+        return
+
+    offs_s = tl.arange(0, SPLITS_P)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    s_ok = offs_s < num_splits
+    d_ok = offs_d < HEAD_DIM
+    row = (seq.to(tl.int64) * num_q_heads + q_head) * num_splits + offs_s  # [SPLITS_P]
+    lse = tl.load(partial_lse_ptr + row, mask=s_ok, other=float("-inf"))  # [SPLITS_P]
+    o = tl.load(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # Each split's output is already normalised by its own sum; weight it by its share of the total sum.
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # every split empty: weights all 0
+    w = tl.exp2(lse - lse_max)  # [SPLITS_P]
+    w_sum = tl.sum(w, 0)
+    merged = tl.sum(w[:, None] * o, 0) / tl.where(w_sum > 0, w_sum, 1.0)  # [HEAD_DIM_P]
+    o_off = q_start.to(tl.int64) * stride_ot + q_head.to(tl.int64) * stride_oh + offs_d * stride_od
+    tl.store(out_ptr + o_off, merged.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Prefill / extend (many queries per sequence, history before them)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _prefill_kernel(
+    query_ptr,  # [num_tokens, num_q_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    out_ptr,  # [num_tokens, num_q_heads, head_dim]
+    qk_scale,
+    sliding_window,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_bt_seq,
+    stride_bt_block,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_cd,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_P: tl.constexpr,  # GROUP padded to a power of two
+    BLOCK_Q: tl.constexpr,  # queries per tile; the tile has BLOCK_Q * GROUP_P rows
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
+    q_tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:  # past this sequence's queries (or q_len == 0)
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len  # cached history before the new queries
+
+    # Row r of the tile is query q_tile * BLOCK_Q + r // GROUP_P, head r % GROUP_P of the group.
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    q_idx = q_tile * BLOCK_Q + offs_m // GROUP_P  # [BLOCK_M], index among this sequence's queries
+    head_in_group = offs_m % GROUP_P
+    row_ok = (q_idx < q_len) & (head_in_group < GROUP)
+    d_ok = offs_d < HEAD_DIM
+    q_head = kv_head * GROUP + head_in_group  # [BLOCK_M]
+    q_token = (q_start + q_idx).to(tl.int64)  # [BLOCK_M]
+    q_off = q_token[:, None] * stride_qt + q_head[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(query_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
+    q_pos = context_len + q_idx  # [BLOCK_M]
+
+    # KV tiles this query tile can see: from the first query's window start to the last query's own position.
+    first_q_pos = context_len + q_tile * BLOCK_Q
+    last_q_pos = tl.minimum(first_q_pos + BLOCK_Q, seq_len) - 1
+    kv_lo = tl.maximum(first_q_pos - sliding_window + 1, 0)
+    kv_hi = last_q_pos + 1
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attend_kv_range(
+        acc, m_i, l_i, q, q_pos, kv_lo, kv_hi,
+        block_tables_ptr + seq.to(tl.int64) * stride_bt_seq, stride_bt_block,
+        k_cache_ptr, v_cache_ptr, kv_head, stride_cb, stride_ct, stride_ch, stride_cd,
+        qk_scale, sliding_window,
+        BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_FP32, DOT_PRECISION,
+    )
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [BLOCK_M, HEAD_DIM_P]
+    o_off = q_token[:, None] * stride_ot + q_head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od
+    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# KV write
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    value_ptr,
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    slot_mapping_ptr,  # [num_tokens] int32 or int64
+    num_kv_heads,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_cd,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_P: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token: nothing to write
+        return
+    offs_h = tl.arange(0, HEADS_P)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < HEAD_DIM)  # [HEADS_P, HEAD_DIM_P]
+    k = tl.load(key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
+    dst_off = dst + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd  # [HEADS_P, HEAD_DIM_P]
+    tl.store(k_cache_ptr + dst_off, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst_off, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _check_runnable(t: torch.Tensor) -> None:
+    if t.device.type != "cuda" and not _INTERPRETED:
+        raise ValueError(
+            f"The Triton kernels need CUDA tensors, got tensors on {t.device}. Use backend='torch' on CPU, or set "
+            "TRITON_INTERPRET=1 before hf_paged.ops.triton_kernels is first imported to run them in the (slow) "
+            "interpreter."
+        )
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _DEFAULT_NUM_SMS
+
+
+def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, num_sms: int) -> int:
+    """How many splits the decode kernel cuts each context into (1: no split-KV).
+
+    One split per (sequence, KV head) already gives ``num_seqs * num_kv_heads`` programs. When that is below the
+    target of ``_PROGRAMS_PER_SM * num_sms``, the GPU would idle, so the context is split until the target is met,
+    but never into splits shorter than ``_MIN_KV_PER_SPLIT`` positions (the merge pass would cost more than it
+    saves) and never into more than ``_MAX_KV_SPLITS``. ``max_kv_len`` is the longest KV range attended (the
+    window, when one is set).
+    """
+    base = num_seqs * num_kv_heads
+    target = _PROGRAMS_PER_SM * num_sms
+    if base >= target:
+        return 1
+    by_parallelism = -(-target // base)
+    by_length = max_kv_len // _MIN_KV_PER_SPLIT
+    return max(1, min(by_parallelism, by_length, _MAX_KV_SPLITS))
+
+
+def _dot_settings(dtype: torch.dtype) -> tuple[bool, str]:
+    """(DOT_FP32, DOT_PRECISION) for operands of ``dtype``."""
+    # Triton 3.9's interpreter multiplies bf16 operands as their raw uint16 bits; upcast there (exactly) instead.
+    dot_fp32 = _INTERPRETED and dtype == torch.bfloat16
+    # fp32 inputs get true fp32 products (tf32 would lose ~3 digits vs the torch reference).
+    return dot_fp32, "ieee" if dtype == torch.float32 else "tf32"
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """Triton paged attention; same contract as ``hf_paged.ops.paged_attention`` (which checks the arguments).
+
+    A batch whose sequences have at most one query each runs the decode kernel (split-KV when
+    ``choose_num_kv_splits`` asks for it, or ``num_kv_splits`` forces a count); anything else the prefill kernel.
+
+    Returns:
+        ``[num_tokens, num_q_heads, head_dim]``, same dtype as ``query``.
+    """
+    _check_runnable(query)
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    num_seqs = seq_lens.shape[0]
+    assert key_cache.stride() == value_cache.stride(), "key_cache and value_cache must share strides"
+    assert num_q_heads % num_kv_heads == 0
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [num_tokens, num_q_heads, head_dim]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if max_query_len == 0:
+        return out
+    seq_lens = seq_lens.contiguous()
+    query_start_loc = query_start_loc.contiguous()
+
+    group = num_q_heads // num_kv_heads
+    head_dim_p = max(16, _next_pow2(head_dim))
+    dot_fp32, dot_precision = _dot_settings(query.dtype)
+    window = _NO_WINDOW if sliding_window is None else int(sliding_window)
+    qk_scale = float(scale) * _LOG2E
+    common = dict(
+        stride_qt=query.stride(0), stride_qh=query.stride(1), stride_qd=query.stride(2),
+        stride_ot=out.stride(0), stride_oh=out.stride(1), stride_od=out.stride(2),
+        stride_bt_seq=block_tables.stride(0), stride_bt_block=block_tables.stride(1),
+        stride_cb=key_cache.stride(0), stride_ct=key_cache.stride(1),
+        stride_ch=key_cache.stride(2), stride_cd=key_cache.stride(3),
+        GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+        DOT_FP32=dot_fp32, DOT_PRECISION=dot_precision,
+    )
+    device_ctx = torch.cuda.device(query.device) if query.device.type == "cuda" else nullcontext()
+
+    with device_ctx:
+        if max_query_len == 1:
+            if num_kv_splits is None:
+                if max_seq_len is None:
+                    max_seq_len = int(seq_lens.max())
+                max_kv_len = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
+                num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_kv_len, _num_sms(query.device))
+            _launch_decode(
+                query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
+                qk_scale, window, num_kv_splits, common,
+            )
+        else:
+            _launch_prefill(
+                query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
+                qk_scale, window, max_query_len, common,
+            )
+    return out
+
+
+def _launch_decode(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
+                   qk_scale, window, num_splits, common):
+    num_seqs = seq_lens.shape[0]
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    block_m = max(16, _next_pow2(common["GROUP"]))
+    tile_n = 64 if common["HEAD_DIM_P"] <= 128 else 32
+    split_kv = num_splits > 1
+    if split_kv:
+        partial_out = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=out.device)
+        partial_lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=out.device)
+    else:
+        partial_out = partial_lse = out  # unused
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        out, partial_out, partial_lse,
+        qk_scale, window, num_splits, num_q_heads,
+        BLOCK_M=block_m, TILE_N=tile_n, SPLIT_KV=split_kv, num_warps=4, num_stages=2, **common,
+    )
+    if split_kv:
+        _merge_splits_kernel[(num_seqs, num_q_heads)](
+            out, partial_out, partial_lse, query_start_loc, num_splits, num_q_heads,
+            out.stride(0), out.stride(1), out.stride(2),
+            HEAD_DIM=head_dim, HEAD_DIM_P=common["HEAD_DIM_P"], SPLITS_P=_next_pow2(num_splits), num_warps=1,
+        )
+
+
+def _launch_prefill(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
+                    qk_scale, window, max_query_len, common):
+    num_seqs = seq_lens.shape[0]
+    num_kv_heads = key_cache.shape[2]
+    group_p = _next_pow2(common["GROUP"])
+    # ~64 rows per tile (queries x heads of the group), at least 16 rows for tl.dot, no more queries than needed.
+    block_q = max(1, 64 // group_p)
+    block_q = min(block_q, max(_next_pow2(max_query_len), max(1, 16 // group_p)))
+    tile_n = 64 if common["HEAD_DIM_P"] <= 128 else 32
+    grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, num_seqs)
+    _prefill_kernel[grid](
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
+        qk_scale, window,
+        GROUP_P=group_p, BLOCK_Q=block_q, TILE_N=tile_n, num_warps=4, num_stages=2, **common,
+    )
+
+
+def write_kv_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the pool at ``slot_mapping``, in place.
+
+    Tokens whose slot is negative (padding) are skipped.
+    """
+    _check_runnable(key)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    assert key_cache.stride() == value_cache.stride(), "key_cache and value_cache must share strides"
+    slot_mapping = slot_mapping.contiguous()
+    device_ctx = torch.cuda.device(key.device) if key.device.type == "cuda" else nullcontext()
+    with device_ctx:
+        _write_kv_kernel[(num_tokens,)](
+            key, value, key_cache, value_cache, slot_mapping, num_kv_heads,
+            key.stride(0), key.stride(1), key.stride(2),
+            value.stride(0), value.stride(1), value.stride(2),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.stride(3),
+            BLOCK_SIZE=key_cache.shape[1], HEAD_DIM=head_dim,
+            HEADS_P=_next_pow2(num_kv_heads), HEAD_DIM_P=_next_pow2(head_dim), num_warps=4,
+        )

@@ -1,0 +1,56 @@
+"""Shared measurements for the demo, the benchmarks and the notebooks: KV figures of each cache, tables."""
+
+from __future__ import annotations
+
+import torch
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """K+V bytes one token takes over all layers."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype.itemsize
+
+
+def real_kv_tokens(sequences: torch.Tensor, prompt_mask: torch.Tensor, eos_token_id, pad_token_id=None) -> int:
+    """Tokens whose KV a cache must keep after ``generate()``: real prompt tokens, then each row's generated
+    tokens up to and including its end-of-sequence token (the final generated column never enters the cache)."""
+    prompt_len = prompt_mask.shape[1]
+    generated = sequences[:, prompt_len:]
+    steps = generated.shape[1]
+    eos = torch.tensor(eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id])
+    total = int(prompt_mask.sum())
+    for row in generated:
+        hits = torch.isin(row, eos).nonzero()
+        used = int(hits[0]) + 1 if len(hits) else steps
+        total += min(used, steps - 1)
+    return total
+
+
+def dynamic_cache_bytes(cache) -> int:
+    """Bytes a DynamicCache holds (its K/V tensors, padding and finished rows included)."""
+    return sum(t.numel() * t.element_size() for layer in cache.layers
+               for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+
+
+def format_table(headers: list[str], rows: list[list], align: str | None = None) -> str:
+    """A plain-text table with right-aligned numbers."""
+    cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else _fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for n, r in enumerate(cells):
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(x) -> str:
+    if isinstance(x, float):
+        return f"{x:.3g}" if abs(x) < 100 else f"{x:,.0f}"
+    if isinstance(x, int):
+        return f"{x:,}"
+    return str(x)
+
+
+def mb(nbytes: int) -> str:
+    return f"{nbytes / 1e6:.2f} MB"

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Runs the test suite with the given Python (default: .venv/bin/python). Exit code 5 (no tests collected) fails.
+set -uo pipefail
+PY=${1:-.venv/bin/python}
+export TRITON_INTERPRET=1 PYTHONUNBUFFERED=1
+"$PY" -m pytest -q tests
+status=$?
+if [ "$status" -eq 5 ]; then echo "no tests were collected: treating as failure" >&2; exit 1; fi
+exit "$status"
