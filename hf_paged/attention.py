@@ -11,6 +11,7 @@ in threads and nested models do not mix).
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -111,6 +112,17 @@ class _ReleaseFinishedRows(StoppingCriteriaList):
         return is_done
 
 
+def _wrap_generate(generate):
+    @functools.wraps(generate)
+    def wrapped(*args, **kwargs):
+        cache = compat.cache_from_kwargs(kwargs)
+        if isinstance(cache, PagedCache):
+            cache._start_generate()
+        return generate(*args, **kwargs)
+
+    return wrapped
+
+
 def enable_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module:
     """Put a Llama or Mistral model on the paged attention path; returns the model.
 
@@ -149,6 +161,8 @@ def enable_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module
         if hasattr(model, "_get_stopping_criteria"):
             unpatched = model._get_stopping_criteria
             model._get_stopping_criteria = lambda *a, **kw: _ReleaseFinishedRows(unpatched(*a, **kw))
+        if hasattr(model, "generate"):
+            model.generate = _wrap_generate(model.generate)
         state = model._hf_paged_state = {"original": original, "handles": handles, "decoder": decoder}
     decoder._hf_paged_backend = backend
     return model
@@ -163,6 +177,7 @@ def disable_paged_attention(model: nn.Module) -> nn.Module:
         handle.remove()
     compat.set_attn_implementation(model, state["original"])
     model.__dict__.pop("_get_stopping_criteria", None)
+    model.__dict__.pop("generate", None)
     for sub in model.modules():
         sub.__dict__.pop("_hf_paged_eager", None)
     state["decoder"].__dict__.pop("_hf_paged_backend", None)

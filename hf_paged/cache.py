@@ -107,6 +107,7 @@ class PagedCache(Cache):
         self._recording = False
         self._warned = False
         self._backend_name = "auto"
+        self._new_call = False
 
     # ---------------------------------------------------------- Cache contract
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -257,6 +258,10 @@ class PagedCache(Cache):
         child._mode = self._mode
         return child
 
+    def _start_generate(self) -> None:
+        """A new generate() call begins: rows released in an earlier call cannot take part."""
+        self._new_call = True
+
     def release_rows(self, rows) -> None:
         """Give back the blocks of finished ``rows``; they will take no KV and may not be continued."""
         with self.pool.lock:
@@ -336,6 +341,13 @@ class PagedCache(Cache):
                 "PagedCache (or cache.reset()) for a new batch."
             )
 
+        new_call, self._new_call = self._new_call, False
+        if new_call and self._released:
+            raise RuntimeError(
+                f"rows {sorted(self._released)} of this PagedCache finished in an earlier generate() call and were "
+                "released (their blocks went back to the pool), so they cannot be continued. Use "
+                "PagedCache(config, release_finished=False) to continue finished rows later, or start a new cache."
+            )
         real = _real_columns(pending, batch, query_len)  # [B, S] bool
         counts = real.sum(1).tolist() if real is not None else [query_len] * batch
         alias = _duplicate_rows(pending, real) if fresh and mode == "paged" else {}
@@ -369,8 +381,8 @@ class PagedCache(Cache):
             lens = [a.seq_len(s) if i not in self._released else 0 for i, s in enumerate(self._rows)]
             if self.sliding_window is not None and mode == "paged" and not self._recording:
                 for row, seq in enumerate(self._rows):
-                    if row not in self._released:
-                        a.release_outside_window(seq, lens[row] - self.sliding_window)
+                    if row not in self._released:  # keep what this step's first query still sees
+                        a.release_outside_window(seq, lens[row] - counts[row] - self.sliding_window + 1)
         self._columns += query_len
         self._step = _build_metadata(plan, tables, lens, counts, real, alias, batch, query_len, a.block_size,
                                      gathered=mode == "gathered")

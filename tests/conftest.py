@@ -1,0 +1,73 @@
+"""Tiny random-weight Llama/Mistral models and helpers shared by the tests."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+from hf_paged import compat
+
+warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
+
+VOCAB = 96
+PAD, EOS, BOS = 0, 1, 2
+
+
+def tiny_config(kind: str = "llama", **overrides):
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS)
+    common.update(overrides)
+    if kind == "llama":
+        return LlamaConfig(**common)
+    common.setdefault("sliding_window", None)
+    return MistralConfig(**common)
+
+
+def tiny_model(kind: str = "llama", seed: int = 0, attn: str = "sdpa", **overrides):
+    torch.manual_seed(seed)
+    config = tiny_config(kind, **overrides)
+    config._attn_implementation = attn
+    cls = LlamaForCausalLM if kind == "llama" else MistralForCausalLM
+    model = cls(config).eval()
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = EOS
+    return model
+
+
+def left_padded(lengths: list[int], seed: int = 0):
+    """input_ids/attention_mask for prompts of the given lengths, left-padded; no special tokens inside."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
+    mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, width - n:] = torch.randint(3, VOCAB, (n,), generator=g)
+        mask[row, width - n:] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def generate(model, inputs, cache, **kwargs):
+    kwargs.setdefault("max_new_tokens", 12)
+    kwargs.setdefault("do_sample", False)
+    return model.generate(**inputs, **{compat.GENERATE_CACHE_KWARG: cache}, **kwargs)
+
+
+def dynamic(model):
+    return DynamicCache(config=model.config)
+
+
+@pytest.fixture
+def llama():
+    return tiny_model("llama")
+
+
+@pytest.fixture
+def mistral():
+    return tiny_model("mistral", sliding_window=6)
