@@ -184,8 +184,9 @@ class PagedCache(Cache):
         return _gather(key_cache, step.gather_slots), _gather(value_cache, step.gather_slots)
 
     def crop(self, max_length: int) -> None:
-        """Drop tokens from the end: ``crop(-n)`` removes ``n`` (transformers' call), ``crop(n)`` keeps ``n``."""
-        new_columns = self._columns + max_length if max_length < 0 else min(max_length, self._columns)
+        """Drop tokens from the end: ``crop(-n)`` removes ``n`` (transformers' call); ``crop(n)`` with ``n > 0``
+        keeps the first ``n`` (the older, absolute form)."""
+        new_columns = self._columns + max_length if max_length <= 0 else min(max_length, self._columns)
         if new_columns < 0:
             raise ValueError(f"cannot crop {-max_length} tokens from a cache of {self._columns}.")
         drop = self._columns - new_columns

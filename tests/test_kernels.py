@@ -111,13 +111,19 @@ def attention_float64(query, key_cache, value_cache, block_tables, seq_lens, que
     return out
 
 
-def assert_close_to_float64(case, run_kernel):
-    """The kernel's max error vs float64 is within ERR_MULTIPLE x the torch reference's, or a few ulps."""
+def assert_close_to_float64(case, run_kernel, reference_case=None):
+    """The kernel's max error vs float64 is within ERR_MULTIPLE x the torch reference's, or one ulp at 1.0.
+
+    ``reference_case`` (default: ``case`` with NaN garbage zeroed) is what the torch reference runs on; it must hold
+    the same sequences.
+    """
     expected = attention_float64(**case)  # [num_tokens, num_q_heads, head_dim] float64
     dtype = case["query"].dtype
-    # The reference multiplies masked slots by 0, so NaN garbage there would poison it: give it a zero-filled pool.
-    finite = dict(case, key_cache=case["key_cache"].nan_to_num(0.0), value_cache=case["value_cache"].nan_to_num(0.0))
-    reference = paged_attention_torch(**finite)
+    if reference_case is None:
+        # The reference multiplies masked slots by 0, so NaN garbage there would poison it: zero the pool for it.
+        zeroed = {name: case[name].nan_to_num(0.0) for name in ("key_cache", "value_cache")}
+        reference_case = dict(case, **zeroed)
+    reference = paged_attention_torch(**reference_case)
     kernel = run_kernel(case)
     assert kernel.shape == case["query"].shape and kernel.dtype == dtype
     ref_err = (reference.cpu().double() - expected).abs().max().item()
@@ -258,7 +264,9 @@ def test_pool_past_int32_offsets():
         block_tables=block_tables, seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=DEVICE),
         query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE), scale=0.125, sliding_window=None,
     )
-    assert_close_to_float64(case, triton_direct())
+    compact = dict(case, key_cache=pool[block_tables[0].long()], block_tables=torch.arange(3, dtype=torch.int32, device=DEVICE)[None])
+    compact["value_cache"] = compact["key_cache"]  # the same sequence in a 3-block pool, for the torch reference
+    assert_close_to_float64(case, triton_direct(), reference_case=compact)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
