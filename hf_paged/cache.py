@@ -484,4 +484,5 @@ def _pack(states: torch.Tensor, step: StepMetadata) -> torch.Tensor:
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """``[B, L]`` slots -> ``[B, H, L, D]`` contiguous history."""
     num_blocks, block_size, heads, dim = cache.shape
-    return cache.view(num_blocks * block_size, heads, dim)[slots].transpose(1, 2)
+    flat = cache.view(num_blocks * block_size, heads, dim)
+    return flat.index_select(0, slots.flatten()).view(*slots.shape, heads, dim).transpose(1, 2)

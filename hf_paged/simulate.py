@@ -236,7 +236,7 @@ class PagedScheduler:
         return not self.queue and not self.running
 
     def step(self) -> tuple[int, int, int, bool]:
-        """Admit, grow every running sequence by one token, release finished ones. Returns (held, real, live, waiting)."""
+        """Admit, grow each running sequence by a token, release finished ones. Returns (held, real, live, waiting)."""
         a, bs = self.allocator, self.allocator.block_size
         while self.queue:
             r = self.queue[0]
@@ -487,8 +487,14 @@ class BlockMap:
             owner[table] = r
         return owner
 
+    def gather(self, r: int) -> tuple[np.ndarray, np.ndarray]:
+        """Request ``r``'s tokens read back through its block table: ``([len] request index + 1, [len] position)``."""
+        pos = np.arange(self.lens[r])
+        slots = np.array(self.tables[r])[pos // self.block_size] * self.block_size + pos % self.block_size
+        return (self.key_cache.view(-1)[slots].numpy(), self.value_cache.view(-1)[slots].numpy())
 
-def block_map_snapshot(requests: list[Request], block_size: int = 16, num_blocks: int = 128, step: int = 60,
+
+def block_map_snapshot(requests: list[Request], block_size: int = 16, num_blocks: int = 128, step: int = 70,
                        watermark: float = 0.01) -> BlockMap:
     """Serve ``requests`` from a small real :class:`BlockPool` for ``step`` steps and take a :class:`BlockMap`.
 
@@ -541,28 +547,35 @@ def plot_waste_vs_block_size(results: list[WorkloadResult], path=None):
         ok = [bs for bs in sizes if not res.paged[bs].error]
         ax_w.plot(ok, [100 * res.paged[bs].waste for bs in ok], "o-", color=color, label=f"{res.name}: paged")
         caps = [(bs, res.paged[bs].capacity) for bs in ok if res.paged[bs].capacity and res.ideal.capacity]
-        ax_c.plot([c[0] for c in caps], [c[1] / res.ideal.capacity for c in caps], "o-", color=color,
-                  label=f"{res.name}: paged")
+        if caps:
+            ax_c.plot([c[0] for c in caps], [c[1] / res.ideal.capacity for c in caps], "o-", color=color)
         refs = [res.reservation, *res.padded.values()]
         for run, style in zip(refs, styles * 3):
             if run.error:
                 continue
             ax_w.axhline(100 * run.waste, color=color, ls=style, lw=1.2, label=f"{res.name}: {run.label}")
             if run.capacity and res.ideal.capacity:
-                ax_c.axhline(run.capacity / res.ideal.capacity, color=color, ls=style, lw=1.2,
-                             label=f"{res.name}: {run.label}")
+                ax_c.axhline(run.capacity / res.ideal.capacity, color=color, ls=style, lw=1.2)
+    sizes = sorted({bs for res in results for bs in res.paged})
     for ax in (ax_w, ax_c):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(bs) for bs in sizes])
+        ax.minorticks_off()
         ax.set_xlabel("block size (tokens)")
         ax.grid(alpha=0.3)
+    if not ax_c.lines:
+        ax_c.text(0.5, 0.5, "the budget never bound: no request waited", transform=ax_c.transAxes, ha="center")
+    ax_w.axhline(4, color="0.4", lw=0.8)
+    ax_w.text(ax_w.get_xlim()[1], 4.5, "4%: vLLM's paged waste ", fontsize=7, color="0.3", ha="right", va="bottom")
     ax_w.set_ylabel("KV waste, time-averaged (% of held)")
     ax_w.set_ylim(0, 100)
     ax_w.set_title("KV held but not holding a live token")
     ax_c.set_ylabel("sequences running / ideal")
     ax_c.set_ylim(0, 1.05)
     ax_c.set_title("Sequences that fit in the budget (ideal = every slot a real token)")
-    ax_c.legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
+    handles, labels = ax_w.get_legend_handles_labels()
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
     return _save(fig, path)
 
 
@@ -574,7 +587,8 @@ def plot_memory_over_steps(trace: BatchTrace, shape: ModelShape | None = None, p
     fig, ax = plt.subplots(figsize=(9, 4.8))
     ax.plot(t, trace.static * scale, color="C3", label=f"StaticCache (reserve {trace.max_len} per row)")
     ax.plot(t, trace.dynamic * scale, color="C1", label="DynamicCache (padded to longest row, finished rows held)")
-    ax.plot(t, trace.paged * scale, color="C0", label=f"PagedCache (block size {trace.block_size}, finished rows freed)")
+    ax.plot(t, trace.paged * scale, color="C0",
+            label=f"PagedCache (block size {trace.block_size}, finished rows freed)")
     ax.fill_between(t, trace.real * scale, color="C2", alpha=0.25, label="real tokens of running rows")
     ends = sorted({o for _, o in trace.requests})
     for o in ends:
@@ -614,7 +628,8 @@ def plot_block_map(block_map: BlockMap, path=None, columns: int = 16):
     rows = -(-bm.num_blocks // columns)
     longest = max((len(t) for t in bm.tables.values()), default=1)
 
-    fig, (ax_p, ax_t) = plt.subplots(1, 2, figsize=(15, 6.5), gridspec_kw={"width_ratios": [columns, longest + 4]})
+    fig, (ax_p, ax_t) = plt.subplots(1, 2, figsize=(15, max(4.5, 0.28 * len(order) + 1)),
+                                     gridspec_kw={"width_ratios": [columns, longest + 4]})
     for b in range(bm.num_blocks):
         x, y = b % columns, rows - 1 - b // columns
         if owner[b] < 0:
@@ -640,7 +655,7 @@ def plot_block_map(block_map: BlockMap, path=None, columns: int = 16):
         for i, b in enumerate(bm.tables[r]):
             ax_t.add_patch(Rectangle((i, y), 0.95, 0.9, facecolor=color_of[r], edgecolor="none"))
             ax_t.text(i + 0.47, y + 0.45, str(b), ha="center", va="center", fontsize=6)
-    ax_t.set_xlim(-4, longest)
+    ax_t.set_xlim(-4, longest + 0.5)
     ax_t.set_ylim(0, max(len(order), 1))
     ax_t.axis("off")
     ax_t.set_title("Block tables: logical block i -> physical block id", fontsize=9)

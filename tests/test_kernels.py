@@ -132,6 +132,9 @@ def assert_close_to_float64(case, run_kernel, reference_case=None):
     assert ref_err <= REF_ULPS * eps * max(1.0, expected.abs().max().item()), f"torch reference off by {ref_err:.3g}"
     floor = eps  # one ulp at 1.0, for cases where the reference happens to be (nearly) exact
     bound = max(ERR_MULTIPLE * ref_err, floor)
+    if triton_kernels._INTERPRETED and dtype == torch.bfloat16:
+        # Triton 3.9's interpreter truncates fp32 -> bf16 where GPUs round to nearest: up to one more ulp of |out|.
+        bound += eps * expected.abs().max().item()
     assert kernel_err <= bound, f"kernel error {kernel_err:.3g} > bound {bound:.3g} (reference error {ref_err:.3g})"
 
 
