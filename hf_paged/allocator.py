@@ -93,6 +93,23 @@ class BlockAllocator:
         cow = last is not None and self._refcount[last] > 1
         return new + int(cow)
 
+    def blocks_needed_for(self, requests: list[tuple[int, int]]) -> int:
+        """Blocks a batched append takes: new blocks, plus copies of shared partly filled last blocks, where the
+        last of a block's holders to write in the batch finds it unshared and writes in place."""
+        bs = self.block_size
+        new = 0
+        writers: dict[int, int] = {}
+        for seq, n in requests:
+            if n <= 0:
+                continue
+            length = self._lens[seq]
+            new += -(-(length + n) // bs) - -(-length // bs)
+            if length % bs:
+                last = self._tables[seq][length // bs]
+                writers[last] = writers.get(last, 0) + 1
+        copies = sum(min(count, self._refcount[b] - 1) for b, count in writers.items())
+        return new + copies
+
     # ------------------------------------------------------------- mutations
     def set_limit(self, num_blocks: int) -> None:
         """Cap a pool that was created unbounded (used when the cap is known only later, e.g. from bytes)."""
@@ -133,9 +150,10 @@ class BlockAllocator:
         blocks do not fit.
         """
         with self.lock:
-            for seq, _ in requests:
-                self._check_seq(seq)
-            needed = sum(self.blocks_needed(seq, n) for seq, n in requests)
+            seqs = [self._check_seq(seq) for seq, _ in requests]
+            if len(set(seqs)) != len(seqs):
+                raise ValueError(f"append got a sequence twice in one batch ({seqs}); merge its requests.")
+            needed = self.blocks_needed_for(requests)
             if self.max_blocks is not None and needed > self.num_free:
                 raise OutOfBlocksError(needed=needed, free=self.num_free, block_size=self.block_size,
                                        capacity=self.max_blocks if self.max_blocks is not None else self.capacity)
@@ -155,10 +173,11 @@ class BlockAllocator:
                 raise ValueError(f"cannot crop a sequence of {length} tokens to {new_len}.")
             table = self._tables[seq]
             keep = -(-new_len // self.block_size)
-            if any(b == NULL_BLOCK for b in table[:keep]):
+            if keep and table[keep - 1] == NULL_BLOCK:
                 raise ValueError(
-                    f"cannot crop to {new_len} tokens: that part already slid out of the attention window and "
-                    "was released. Crop by fewer tokens."
+                    f"cannot crop to {new_len} tokens: the block holding token {new_len - 1} already slid out of the "
+                    "attention window and was released. Crop fewer tokens, or record past states before generating "
+                    "(PagedCache.activate_past_recording()) so no block is released."
                 )
             self._decref(table[keep:])
             del table[keep:]
@@ -186,8 +205,9 @@ class BlockAllocator:
         """Release whole blocks holding only tokens before position ``keep_from``. Returns how many."""
         with self.lock:
             table = self._tables[self._check_seq(seq)]
+            keep_from = min(keep_from, self._lens[seq])  # never the partly filled last block
             released = []
-            for i in range(min(keep_from // self.block_size, len(table))):
+            for i in range(max(0, keep_from) // self.block_size):
                 if table[i] != NULL_BLOCK:
                     released.append(table[i])
                     table[i] = NULL_BLOCK

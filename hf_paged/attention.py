@@ -44,13 +44,13 @@ def _paged_forward(module, query, attention_mask, scaling, kwargs, cache: PagedC
     q = query.transpose(1, 2).reshape(batch * query_len, num_q_heads, head_dim)  # [B*S, Hq, D]
     if step.token_index is not None:
         q = q.index_select(0, step.token_index)  # [num_tokens, Hq, D]
-    out = ops.paged_attention(
+    window = kwargs.get("sliding_window")
+    backend = ops.resolve_backend(cache._backend, query.device)
+    out = ops.paged_attention_unchecked(
         q, key_cache, value_cache, step.block_tables, step.seq_lens, step.query_start_loc,
-        scale=float(scaling if scaling is not None else head_dim**-0.5),
-        sliding_window=kwargs.get("sliding_window"),
-        backend=cache._backend,
-        max_query_len=step.max_query_len,
-        max_seq_len=step.max_seq_len,
+        float(scaling if scaling is not None else head_dim**-0.5), window, backend,
+        step.max_query_len, step.max_seq_len,
+        plan=step.torch_plan(key_cache.shape[1], q.shape[0], window) if backend == "torch" else None,
     )
     if step.token_index is not None:
         full = out.new_zeros(batch * query_len, num_q_heads, head_dim)

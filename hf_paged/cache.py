@@ -32,9 +32,20 @@ class StepMetadata:
     copy_dst: torch.Tensor | None = None
     gather_slots: torch.Tensor | None = None  # [B, L] int64, gathered mode only
     _on_device: dict = field(default_factory=dict)
+    _plans: dict = field(default_factory=dict)
 
     _TENSORS = ("token_index", "write_index", "slot_mapping", "block_tables", "seq_lens", "query_start_loc",
                 "copy_src", "copy_dst", "gather_slots")
+
+    def torch_plan(self, block_size: int, num_tokens: int, sliding_window: int | None):
+        """The torch backend's gather indices and mask for this step, built by the first layer that asks."""
+        key = (block_size, sliding_window)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = ops.plan_torch_attention(
+                self.block_tables, self.seq_lens, self.query_start_loc, block_size, num_tokens, sliding_window,
+                self.max_query_len, self.max_seq_len)
+        return plan
 
     def to(self, device: torch.device) -> "StepMetadata":
         """A view of this metadata on ``device``, copied there once per step however many layers live there."""
@@ -176,9 +187,9 @@ class PagedCache(Cache):
             if step.copy_src is not None:
                 ops.copy_blocks(key_cache, value_cache, step.copy_src, step.copy_dst)
             if step.slot_mapping.numel():
-                k = _pack(key_states, step)
-                v = _pack(value_states, step)
-                ops.write_kv(k, v, key_cache, value_cache, step.slot_mapping, backend=self._backend)
+                backend = ops.resolve_backend(self._backend, key_cache.device)
+                ops.write_kv_unchecked(_pack(key_states, step), _pack(value_states, step), key_cache, value_cache,
+                                       step.slot_mapping, backend)
         if self._mode == "paged":
             return key_states, value_states
         return _gather(key_cache, step.gather_slots), _gather(value_cache, step.gather_slots)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import copy_blocks_torch, paged_attention_torch, write_kv_torch
+from .reference import copy_blocks_torch, paged_attention_torch, plan_torch_attention, write_kv_torch
 
 __all__ = ["paged_attention", "write_kv", "copy_blocks", "resolve_backend", "BACKENDS", "triton_available"]
 
@@ -56,11 +56,16 @@ def _fail(msg: str):
 
 
 def _check_pool(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    if not isinstance(key_cache, torch.Tensor) or not isinstance(value_cache, torch.Tensor):
+        _fail("key_cache and value_cache must be torch.Tensors of shape [num_blocks, block_size, num_kv_heads, "
+              "head_dim].")
     if key_cache.dim() != 4:
         _fail(
             f"key_cache must be [num_blocks, block_size, num_kv_heads, head_dim] (4 dims), got shape "
             f"{tuple(key_cache.shape)}."
         )
+    if 0 in key_cache.shape:
+        _fail(f"key_cache has an empty dimension: shape {tuple(key_cache.shape)}.")
     if value_cache.shape != key_cache.shape:
         _fail(f"value_cache shape {tuple(value_cache.shape)} must equal key_cache shape {tuple(key_cache.shape)}.")
     if key_cache.dtype not in _FLOAT_DTYPES or value_cache.dtype != key_cache.dtype:
@@ -100,6 +105,13 @@ def write_kv(
     """
     _check_pool(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    if not isinstance(key, torch.Tensor) or not isinstance(value, torch.Tensor):
+        _fail(f"key and value must be torch.Tensors of shape [num_tokens, {num_kv_heads}, {head_dim}].")
+    if key.device != key_cache.device or value.device != key_cache.device:
+        _fail(f"key/value are on {key.device}/{value.device} but the KV cache is on {key_cache.device}; "
+              "move them with .to(key_cache.device).")
+    if key.dtype not in _FLOAT_DTYPES or value.dtype not in _FLOAT_DTYPES:
+        _fail(f"key/value must be floating point ({_FLOAT_DTYPES}), got {key.dtype} and {value.dtype}.")
     if key.dim() != 3 or key.shape[1:] != (num_kv_heads, head_dim) or value.shape != key.shape:
         _fail(
             f"key/value must be [num_tokens, {num_kv_heads}, {head_dim}] to match the cache, got "
@@ -108,7 +120,12 @@ def write_kv(
     _check_index("slot_mapping", slot_mapping, 1, key_cache.device, (torch.int32, torch.int64))
     if slot_mapping.shape[0] != key.shape[0]:
         _fail(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens.")
-    if resolve_backend(backend, key_cache.device) == "triton":
+    write_kv_unchecked(key, value, key_cache, value_cache, slot_mapping, resolve_backend(backend, key_cache.device))
+
+
+def write_kv_unchecked(key, value, key_cache, value_cache, slot_mapping, backend: str) -> None:
+    """:func:`write_kv` without argument checks or ``"auto"`` (the model path checks once per step)."""
+    if backend == "triton":
         from .triton_kernels import write_kv_triton
 
         write_kv_triton(key, value, key_cache, value_cache, slot_mapping)
@@ -174,11 +191,25 @@ def paged_attention(
         _fail(f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences (seq_lens).")
     if query_start_loc.shape[0] != num_seqs + 1:
         _fail(f"query_start_loc must have num_seqs + 1 = {num_seqs + 1} entries, got {query_start_loc.shape[0]}.")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+    if sliding_window is not None and (
+        not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1
+    ):
         _fail(f"sliding_window must be a positive int or None, got {sliding_window!r}.")
     if not isinstance(scale, (int, float)):
         _fail(f"scale must be a Python float, got {type(scale).__name__}.")
-    if resolve_backend(backend, query.device) == "triton":
+    return paged_attention_unchecked(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+        resolve_backend(backend, query.device), max_query_len, max_seq_len,
+    )
+
+
+def paged_attention_unchecked(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                              sliding_window, backend: str, max_query_len=None, max_seq_len=None, plan=None):
+    """:func:`paged_attention` without argument checks; ``backend`` is ``"torch"`` or ``"triton"``.
+
+    ``plan`` (torch backend): a :class:`~hf_paged.ops.reference.TorchAttentionPlan` shared by the layers of a step.
+    """
+    if backend == "triton":
         from .triton_kernels import paged_attention_triton
 
         return paged_attention_triton(
@@ -187,5 +218,5 @@ def paged_attention(
         )
     return paged_attention_torch(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-        max_query_len=max_query_len, max_seq_len=max_seq_len,
+        max_query_len=max_query_len, max_seq_len=max_seq_len, plan=plan,
     )

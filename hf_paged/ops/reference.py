@@ -5,6 +5,8 @@ Layout (everywhere in hf_paged): ``key_cache``/``value_cache`` are ``[num_blocks
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +27,55 @@ def copy_blocks_torch(key_cache, value_cache, src, dst) -> None:
     value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
 
 
+@dataclass
+class TorchAttentionPlan:
+    """Index and mask tensors of one batch's attention, shared by every layer with the same pool shape."""
+
+    tables: torch.Tensor  # [S * nb] int64, physical block of each context block
+    context_len: int  # L: the longest sequence
+    num_ctx_blocks: int
+    q_index: torch.Tensor | None  # [S, Q] int64 into the packed queries; None for decode
+    q_valid: torch.Tensor | None  # [S, Q] bool
+    mask: torch.Tensor | None  # [S, 1, Q, L] bool; None when every query sees its whole (equal-length) context
+
+
+def plan_torch_attention(
+    block_tables, seq_lens, query_start_loc, block_size: int, num_tokens: int,
+    sliding_window: int | None = None, max_query_len: int | None = None, max_seq_len: int | None = None,
+) -> TorchAttentionPlan:
+    device = block_tables.device
+    seq_lens_l = seq_lens.to(torch.long)
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.long)  # [S]
+    if max_query_len is None:
+        max_query_len = int(q_lens.max())
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens_l.max())
+    max_seq_len = max(max_seq_len, 1)
+    num_ctx_blocks = -(-max_seq_len // block_size)
+    tables = block_tables[:, :num_ctx_blocks].to(torch.long).clamp_min(0).flatten()
+
+    num_seqs = seq_lens.shape[0]
+    decode = max_query_len == 1 and num_tokens == num_seqs
+    q_index = q_valid = None
+    if decode:
+        queries = 1
+        if sliding_window is None and bool((seq_lens_l == max_seq_len).all()):
+            return TorchAttentionPlan(tables, max_seq_len, num_ctx_blocks, None, None, None)
+    else:
+        queries = max_query_len
+        offs = torch.arange(queries, device=device)
+        q_index = (query_start_loc[:-1].to(torch.long)[:, None] + offs).clamp(max=max(num_tokens - 1, 0))
+        q_valid = offs[None, :] < q_lens[:, None]
+    q_pos = (seq_lens_l - q_lens)[:, None] + torch.arange(queries, device=device)  # [S, Q]
+    kv_pos = torch.arange(max_seq_len, device=device)
+    mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # [S, Q, L]
+    if sliding_window is not None:
+        mask &= kv_pos[None, None, :] > (q_pos[:, :, None] - sliding_window)
+    if q_valid is not None:
+        mask |= ~q_valid[:, :, None]  # padded query slots: any finite row, discarded afterwards
+    return TorchAttentionPlan(tables, max_seq_len, num_ctx_blocks, q_index, q_valid, mask[:, None])
+
+
 def paged_attention_torch(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -36,57 +87,32 @@ def paged_attention_torch(
     sliding_window: int | None = None,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    plan: TorchAttentionPlan | None = None,
 ) -> torch.Tensor:
     """Gather each sequence's blocks, then one batched SDPA call with a causal (and window) mask."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
-    block_size = key_cache.shape[1]
-    num_kv_heads = key_cache.shape[2]
-    device = query.device
+    _, block_size, num_kv_heads, _ = key_cache.shape
     if num_tokens == 0:
         return query.new_empty(query.shape)
+    if plan is None:
+        plan = plan_torch_attention(block_tables, seq_lens, query_start_loc, block_size, num_tokens,
+                                    sliding_window, max_query_len, max_seq_len)
 
-    seq_lens_l = seq_lens.to(torch.long)
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.long)  # [num_seqs]
-    if max_query_len is None:
-        max_query_len = int(q_lens.max())
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens_l.max())
-    max_seq_len = max(max_seq_len, 1)
-    num_ctx_blocks = -(-max_seq_len // block_size)
-
-    tables = block_tables[:, :num_ctx_blocks].to(torch.long).clamp_min(0).flatten()  # [S * nb]
     # index_select copies whole blocks; advanced indexing (key_cache[tables]) is ~20x slower on CPU.
-    ctx_shape = (num_seqs, num_ctx_blocks * block_size, num_kv_heads, head_dim)
-    keys = key_cache.index_select(0, tables).view(ctx_shape)[:, :max_seq_len]  # [S, L, Hkv, D]
-    values = value_cache.index_select(0, tables).view(ctx_shape)[:, :max_seq_len]
+    ctx_shape = (num_seqs, plan.num_ctx_blocks * block_size, num_kv_heads, head_dim)
+    keys = key_cache.index_select(0, plan.tables).view(ctx_shape)[:, : plan.context_len]  # [S, L, Hkv, D]
+    values = value_cache.index_select(0, plan.tables).view(ctx_shape)[:, : plan.context_len]
 
-    decode = max_query_len == 1 and num_tokens == num_seqs
-    if decode:
-        q = query.unsqueeze(1)  # [S, 1, Hq, D]
-        q_valid = None
-    else:
-        offs = torch.arange(max_query_len, device=device)
-        q_idx = query_start_loc[:-1].to(torch.long)[:, None] + offs  # [S, Q]
-        q_valid = offs[None, :] < q_lens[:, None]
-        q = query[q_idx.clamp(max=num_tokens - 1)]  # [S, Q, Hq, D]
-
-    q_pos = (seq_lens_l - q_lens)[:, None] + torch.arange(q.shape[1], device=device)  # [S, Q]
-    kv_pos = torch.arange(max_seq_len, device=device)
-    mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # [S, Q, L]
-    if sliding_window is not None:
-        mask &= kv_pos[None, None, :] > (q_pos[:, :, None] - sliding_window)
-    if q_valid is not None:
-        mask |= ~q_valid[:, :, None]  # padded query slots: any finite row, discarded below
-
+    q = query.unsqueeze(1) if plan.q_index is None else query[plan.q_index]  # [S, Q, Hq, D]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         keys.transpose(1, 2).to(q.dtype),
         values.transpose(1, 2).to(q.dtype),
-        attn_mask=mask[:, None],
+        attn_mask=plan.mask,
         scale=scale,
         enable_gqa=num_q_heads != num_kv_heads,
     ).transpose(1, 2)  # [S, Q, Hq, D]
-    if decode:
+    if plan.q_index is None:
         return out.reshape(num_tokens, num_q_heads, head_dim)
-    return out[q_valid]
+    return out[plan.q_valid]

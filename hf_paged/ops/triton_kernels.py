@@ -17,7 +17,8 @@ Both attention kernels share ``_attend_kv_range``: block ids are loaded as a vec
 tile size is independent of ``block_size`` (a tile may span several blocks or part of one). Address arithmetic is
 done in int64, so pools past 2**31 elements do not overflow.
 
-Runs on CUDA, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before importing triton).
+Runs on CUDA, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before this module is first
+imported: triton decides interpreter or compiler when the kernels are defined).
 """
 
 from __future__ import annotations
@@ -58,6 +59,16 @@ def _next_pow2(n: int) -> int:
 
 
 @triton.jit
+def _dot(a, b, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``a @ b`` accumulated in fp32. DOT_FP32 multiplies exact fp32 copies of the operands instead: Triton 3.9's
+    interpreter multiplies bf16 operands as their raw uint16 bits."""
+    if DOT_FP32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _attend_kv_range(
     acc,  # [BLOCK_M, HEAD_DIM_P] fp32, running sum of p @ V (not yet divided by l)
     m_i,  # [BLOCK_M] fp32, running row max of the scores (log2 units)
@@ -88,8 +99,6 @@ def _attend_kv_range(
     offs_d = tl.arange(0, HEAD_DIM_P)
     d_ok = offs_d < HEAD_DIM
     head_off = kv_head.to(tl.int64) * stride_ch
-    if DOT_FP32:
-        q = q.to(tl.float32)
 
     first_tile = (kv_lo // TILE_N) * TILE_N  # tiles stay aligned to TILE_N, hence to blocks
     for tile_start in range(first_tile, kv_hi, TILE_N):
@@ -106,7 +115,7 @@ def _attend_kv_range(
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # [TILE_N, HEAD_DIM_P]
 
         # Scores, masked: causal, sliding window, and positions we did not load.
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+        s = _dot(q, tl.trans(k), DOT_FP32, DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
         visible = (
             kv_ok[None, :]
             & (kv_pos[None, :] <= q_pos[:, None])
@@ -126,11 +135,7 @@ def _attend_kv_range(
         p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, TILE_N]
         # 5. fold them into the running sum and the running output.
         l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(v.dtype)
-        if DOT_FP32:
-            p = p.to(tl.float32)  # keeps the rounding to v's dtype, then multiplies in fp32
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32, DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -435,8 +440,7 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, num_
 
 
 def _dot_settings(dtype: torch.dtype) -> tuple[bool, str]:
-    """(DOT_FP32, DOT_PRECISION) for operands of ``dtype``."""
-    # Triton 3.9's interpreter multiplies bf16 operands as their raw uint16 bits; upcast there (exactly) instead.
+    """(DOT_FP32, DOT_PRECISION) for operands of ``dtype``: see ``_dot``."""
     dot_fp32 = _INTERPRETED and dtype == torch.bfloat16
     # fp32 inputs get true fp32 products (tf32 would lose ~3 digits vs the torch reference).
     return dot_fp32, "ieee" if dtype == torch.float32 else "tf32"
@@ -495,6 +499,9 @@ def paged_attention_triton(
     )
     device_ctx = torch.cuda.device(query.device) if query.device.type == "cuda" else nullcontext()
 
+    if num_kv_splits is not None and num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be >= 1 (or None to choose), got {num_kv_splits}.")
+
     with device_ctx:
         if max_query_len == 1:
             if num_kv_splits is None:
@@ -514,13 +521,26 @@ def paged_attention_triton(
     return out
 
 
+def _tile_config(head_dim_p: int, element_size: int) -> tuple[int, int, int]:
+    """(target query rows per prefill tile, KV positions per tile, num_warps) for a head size and input width.
+
+    Picked so that sm_90 builds neither spill nor exceed shared memory (checked by compiling ahead of time); not tuned
+    by measurement yet: bench/kernels.py is where that happens.
+    """
+    if element_size >= 4:  # fp32 tiles are twice the bytes
+        return (16 if head_dim_p > 128 else 32), 32, 8
+    if head_dim_p > 128:
+        return 64, 32, 8
+    return 64, 64, 8 if head_dim_p == 128 else 4
+
+
 def _launch_decode(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
                    qk_scale, window, num_splits, common):
     num_seqs = seq_lens.shape[0]
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = key_cache.shape[2]
     block_m = max(16, _next_pow2(common["GROUP"]))
-    tile_n = 64 if common["HEAD_DIM_P"] <= 128 else 32
+    _, tile_n, num_warps = _tile_config(common["HEAD_DIM_P"], query.element_size())
     split_kv = num_splits > 1
     if split_kv:
         partial_out = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=out.device)
@@ -531,13 +551,13 @@ def _launch_decode(query, key_cache, value_cache, block_tables, seq_lens, query_
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         out, partial_out, partial_lse,
         qk_scale, window, num_splits, num_q_heads,
-        BLOCK_M=block_m, TILE_N=tile_n, SPLIT_KV=split_kv, num_warps=4, num_stages=2, **common,
+        BLOCK_M=block_m, TILE_N=tile_n, SPLIT_KV=split_kv, num_warps=num_warps, num_stages=2, **common,
     )
     if split_kv:
         _merge_splits_kernel[(num_seqs, num_q_heads)](
             out, partial_out, partial_lse, query_start_loc, num_splits, num_q_heads,
             out.stride(0), out.stride(1), out.stride(2),
-            HEAD_DIM=head_dim, HEAD_DIM_P=common["HEAD_DIM_P"], SPLITS_P=_next_pow2(num_splits), num_warps=1,
+            HEAD_DIM=head_dim, HEAD_DIM_P=common["HEAD_DIM_P"], SPLITS_P=_next_pow2(num_splits), num_warps=4,
         )
 
 
@@ -546,15 +566,15 @@ def _launch_prefill(query, key_cache, value_cache, block_tables, seq_lens, query
     num_seqs = seq_lens.shape[0]
     num_kv_heads = key_cache.shape[2]
     group_p = _next_pow2(common["GROUP"])
-    # ~64 rows per tile (queries x heads of the group), at least 16 rows for tl.dot, no more queries than needed.
-    block_q = max(1, 64 // group_p)
+    rows, tile_n, num_warps = _tile_config(common["HEAD_DIM_P"], query.element_size())
+    # ~`rows` rows per tile (queries x heads of the group), at least 16 for tl.dot, no more queries than needed.
+    block_q = max(1, rows // group_p)
     block_q = min(block_q, max(_next_pow2(max_query_len), max(1, 16 // group_p)))
-    tile_n = 64 if common["HEAD_DIM_P"] <= 128 else 32
     grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, num_seqs)
     _prefill_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
         qk_scale, window,
-        GROUP_P=group_p, BLOCK_Q=block_q, TILE_N=tile_n, num_warps=4, num_stages=2, **common,
+        GROUP_P=group_p, BLOCK_Q=block_q, TILE_N=tile_n, num_warps=num_warps, num_stages=2, **common,
     )
 
 

@@ -1,0 +1,376 @@
+"""Argument checks of ``hf_paged.ops.paged_attention`` / ``write_kv``, and a fuzz of valid calls against float64.
+
+Every bad argument must raise ValueError naming the problem before any kernel runs: the kernels are replaced by
+functions that fail the test if called. Valid random configurations (scrambled block tables, GQA, sliding windows,
+idle sequences) must run and match a float64 per-sequence computation done from the logical K/V, never the pool.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from contextlib import contextmanager
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hf_paged import ops
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+GARBAGE = 50.0  # what every slot nobody wrote holds: reading one by mistake shows up as a large error
+ULPS = 8  # allowed error vs float64: ULPS x eps(dtype) x max(1, max|output|)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Valid cases
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def make_case(seq_lens, q_lens, *, num_kv_heads=2, group=2, head_dim=4, block_size=4, dtype=torch.float32,
+              window=None, extra_blocks=2, extra_columns=1, seed=0):
+    """A scrambled pool filled through ``ops.write_kv``, plus the logical K/V each sequence should read back.
+
+    Returns ``(attention kwargs, write_kv kwargs, logical)``; ``logical[s] = (k, v)``, each ``[seq_len, Hkv, D]``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    num_seqs = len(seq_lens)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    width = max(blocks_per_seq, default=0) + extra_columns
+    num_blocks = sum(blocks_per_seq) + extra_blocks
+    physical = torch.randperm(num_blocks, generator=gen)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.full(shape, GARBAGE, dtype=dtype)  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache = torch.full(shape, -GARBAGE, dtype=dtype)
+    block_tables = torch.full((num_seqs, width), -1, dtype=torch.int32)  # [num_seqs, width]
+    logical, slots = [], []
+    taken = 0
+    for s, (seq_len, n_blocks) in enumerate(zip(seq_lens, blocks_per_seq)):
+        block_tables[s, :n_blocks] = physical[taken : taken + n_blocks].to(torch.int32)
+        taken += n_blocks
+        pos = torch.arange(seq_len)
+        slots.append(block_tables[s, pos // block_size].long() * block_size + pos % block_size)  # [seq_len]
+        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)  # [seq_len, Hkv, D]
+        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        logical.append((k, v))
+    if window is not None:  # blocks wholly before every query's window were given back: -1, as the allocator does
+        for s, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens)):
+            first_visible = max(0, seq_len - q_len - window + 1)
+            block_tables[s, : first_visible // block_size] = -1
+    write = dict(
+        key=torch.cat([k for k, _ in logical]) if logical else torch.empty(0, num_kv_heads, head_dim, dtype=dtype),
+        value=torch.cat([v for _, v in logical]) if logical else torch.empty(0, num_kv_heads, head_dim, dtype=dtype),
+        key_cache=key_cache,
+        value_cache=value_cache,
+        slot_mapping=torch.cat(slots).to(torch.int32) if slots else torch.empty(0, dtype=torch.int32),
+    )
+    query = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)  # [T, Hq, D]
+    query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
+    attn = dict(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=block_tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=query_start_loc,
+        scale=head_dim**-0.5,
+        sliding_window=window,
+    )
+    return attn, write, logical
+
+
+def attention_float64(query, query_start_loc, seq_lens, scale, sliding_window, logical):
+    """Per sequence, per query: softmax(q k^T) v over its visible positions, in float64, from the logical K/V."""
+    out = torch.zeros(query.shape, dtype=torch.float64)  # [num_tokens, Hq, D]
+    for s, (k, v) in enumerate(logical):
+        start, end, seq_len = int(query_start_loc[s]), int(query_start_loc[s + 1]), int(seq_lens[s])
+        group = query.shape[1] // k.shape[1]
+        k = k.double().repeat_interleave(group, 1)  # [L, Hq, D]
+        v = v.double().repeat_interleave(group, 1)
+        for i in range(start, end):
+            p = seq_len - (end - start) + (i - start)
+            lo = 0 if sliding_window is None else max(0, p - sliding_window + 1)
+            scores = torch.einsum("hd,khd->hk", query[i].double(), k[lo : p + 1]) * scale  # [Hq, visible]
+            out[i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v[lo : p + 1])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Corruptions: (name, applies to the case?, change one argument, what the message must say)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _non_contiguous(t):
+    strided = torch.empty((2 * t.shape[0], *t.shape[1:]), dtype=t.dtype)[::2]  # same shape, every other block
+    strided.copy_(t)
+    return strided
+
+
+def _other_float(dtype):
+    return torch.float16 if dtype != torch.float16 else torch.bfloat16
+
+
+def _always(c):
+    return True
+
+
+POOL_CORRUPTIONS = [
+    ("key_cache 3 dims", _always, lambda c: c.update(key_cache=c["key_cache"][0]),
+     r"key_cache must be \[num_blocks, block_size, num_kv_heads, head_dim\] \(4 dims\), got shape"),
+    ("value_cache shape", _always, lambda c: c.update(value_cache=torch.cat([c["value_cache"], c["value_cache"][:1]])),
+     r"value_cache shape \(\d+, .*\) must equal key_cache shape"),
+    ("cache float64", _always,
+     lambda c: c.update(key_cache=c["key_cache"].double(), value_cache=c["value_cache"].double()),
+     r"key/value caches must share one of .*got torch.float64 and torch.float64"),
+    ("cache int32", _always,
+     lambda c: c.update(key_cache=c["key_cache"].int(), value_cache=c["value_cache"].int()),
+     r"key/value caches must share one of .*got torch.int32"),
+    ("value_cache other dtype", _always,
+     lambda c: c.update(value_cache=c["value_cache"].to(_other_float(c["key_cache"].dtype))),
+     r"key/value caches must share one of"),
+    ("key_cache non-contiguous", _always, lambda c: c.update(key_cache=_non_contiguous(c["key_cache"])),
+     r"must be contiguous; call .contiguous\(\)"),
+    ("value_cache non-contiguous", _always, lambda c: c.update(value_cache=_non_contiguous(c["value_cache"])),
+     r"must be contiguous; call .contiguous\(\)"),
+    ("value_cache on another device", _always, lambda c: c.update(value_cache=c["value_cache"].to("meta")),
+     r"key_cache is on cpu but value_cache is on meta; put both on one device"),
+    ("bad backend", _always, lambda c: c.update(backend="cuda"),
+     r"backend must be one of \('auto', 'torch', 'triton'\), got 'cuda'"),
+]
+
+ATTENTION_CORRUPTIONS = POOL_CORRUPTIONS + [
+    ("query 2 dims", _always, lambda c: c.update(query=c["query"][:, 0]),
+     r"query must be \[num_tokens, num_q_heads, head_dim\], got shape"),
+    ("query not a tensor", _always, lambda c: c.update(query=c["query"].tolist()),
+     r"query must be \[num_tokens, num_q_heads, head_dim\]"),
+    ("query head_dim", _always, lambda c: c.update(query=torch.cat([c["query"], c["query"][..., :1]], -1)),
+     r"query head_dim (\d+) differs from the cache's head_dim"),
+    ("q heads not a multiple of kv heads", lambda c: c["key_cache"].shape[2] > 1,
+     lambda c: c.update(query=torch.cat([c["query"], c["query"][:, :1]], 1)),
+     r"num_q_heads \(\d+\) must be a multiple of num_kv_heads \(\d+\)"),
+    ("query float64", _always, lambda c: c.update(query=c["query"].double()),
+     r"query dtype must be one of .*got torch.float64"),
+    ("query int64", _always, lambda c: c.update(query=c["query"].long()),
+     r"query dtype must be one of .*got torch.int64"),
+    ("query on another device", _always, lambda c: c.update(query=c["query"].to("meta")),
+     r"query is on meta but the KV cache is on cpu"),
+    ("block_tables int64", _always, lambda c: c.update(block_tables=c["block_tables"].long()),
+     r"block_tables must be torch.int32, got torch.int64; convert with .to\(torch.int32\)"),
+    ("seq_lens int64", _always, lambda c: c.update(seq_lens=c["seq_lens"].long()),
+     r"seq_lens must be torch.int32, got torch.int64; convert with .to\(torch.int32\)"),
+    ("query_start_loc int64", _always, lambda c: c.update(query_start_loc=c["query_start_loc"].long()),
+     r"query_start_loc must be torch.int32, got torch.int64; convert with .to\(torch.int32\)"),
+    ("block_tables float32", _always, lambda c: c.update(block_tables=c["block_tables"].float()),
+     r"block_tables must be torch.int32, got torch.float32"),
+    ("block_tables not a tensor", _always, lambda c: c.update(block_tables=c["block_tables"].tolist()),
+     r"block_tables must be a torch.Tensor, got list"),
+    ("block_tables 1 dim", _always, lambda c: c.update(block_tables=c["block_tables"].flatten()),
+     r"block_tables must have 2 dims, got shape"),
+    ("seq_lens 2 dims", _always, lambda c: c.update(seq_lens=c["seq_lens"][None]), r"seq_lens must have 1 dims"),
+    ("query_start_loc 2 dims", _always, lambda c: c.update(query_start_loc=c["query_start_loc"][None]),
+     r"query_start_loc must have 1 dims"),
+    ("block_tables on another device", _always, lambda c: c.update(block_tables=c["block_tables"].to("meta")),
+     r"block_tables is on meta but the KV cache is on cpu; move it with .to\(key_cache.device\)"),
+    ("seq_lens on another device", _always, lambda c: c.update(seq_lens=c["seq_lens"].to("meta")),
+     r"seq_lens is on meta but the KV cache is on cpu"),
+    ("block_tables extra row", _always,
+     lambda c: c.update(block_tables=torch.cat([c["block_tables"], c["block_tables"][:1]])),
+     r"block_tables has (\d+) rows for (\d+) sequences \(seq_lens\)"),
+    ("query_start_loc too short", _always, lambda c: c.update(query_start_loc=c["query_start_loc"][:-1]),
+     r"query_start_loc must have num_seqs \+ 1 = (\d+) entries, got (\d+)"),
+    ("query_start_loc too long", _always,
+     lambda c: c.update(query_start_loc=torch.cat([c["query_start_loc"], c["query_start_loc"][-1:]])),
+     r"query_start_loc must have num_seqs \+ 1 = (\d+) entries, got (\d+)"),
+    ("sliding_window 0", _always, lambda c: c.update(sliding_window=0),
+     r"sliding_window must be a positive int or None, got 0"),
+    ("sliding_window negative", _always, lambda c: c.update(sliding_window=-4),
+     r"sliding_window must be a positive int or None, got -4"),
+    ("sliding_window float", _always, lambda c: c.update(sliding_window=2.5),
+     r"sliding_window must be a positive int or None, got 2.5"),
+    ("sliding_window str", _always, lambda c: c.update(sliding_window="8"),
+     r"sliding_window must be a positive int or None, got '8'"),
+    ("scale tensor", _always, lambda c: c.update(scale=torch.tensor(0.5)), r"scale must be a Python float, got Tensor"),
+]
+
+WRITE_CORRUPTIONS = POOL_CORRUPTIONS + [
+    ("key heads", _always, lambda c: c.update(key=torch.cat([c["key"], c["key"][:, :1]], 1)),
+     r"key/value must be \[num_tokens, \d+, \d+\] to match the cache, got"),
+    ("key head_dim", _always, lambda c: c.update(key=torch.cat([c["key"], c["key"][..., :1]], -1)),
+     r"key/value must be \[num_tokens, \d+, \d+\] to match the cache, got"),
+    ("key 2 dims", _always, lambda c: c.update(key=c["key"][:, 0]), r"key/value must be \[num_tokens, \d+, \d+\]"),
+    ("value shape", _always, lambda c: c.update(value=torch.cat([c["value"], c["value"][:1]])),
+     r"key/value must be \[num_tokens, \d+, \d+\] to match the cache, got \(\d+, \d+, \d+\) and"),
+    ("slot_mapping float32", _always, lambda c: c.update(slot_mapping=c["slot_mapping"].float()),
+     r"slot_mapping must be torch.int32 or torch.int64, got torch.float32"),
+    ("slot_mapping int16", _always, lambda c: c.update(slot_mapping=c["slot_mapping"].short()),
+     r"slot_mapping must be torch.int32 or torch.int64, got torch.int16"),
+    ("slot_mapping 2 dims", _always, lambda c: c.update(slot_mapping=c["slot_mapping"][None]),
+     r"slot_mapping must have 1 dims"),
+    ("slot_mapping too long", _always,
+     lambda c: c.update(slot_mapping=torch.cat([c["slot_mapping"], c["slot_mapping"].new_zeros(1)])),
+     r"slot_mapping has (\d+) entries for (\d+) tokens"),
+    ("slot_mapping on another device", _always, lambda c: c.update(slot_mapping=c["slot_mapping"].to("meta")),
+     r"slot_mapping is on meta but the KV cache is on cpu"),
+]
+
+
+@contextmanager
+def no_kernels():
+    """Any kernel launch (torch reference or Triton) fails the test."""
+
+    def launched(*args, **kwargs):
+        raise AssertionError("a kernel ran before the arguments were rejected")
+
+    fake_triton = types.ModuleType("hf_paged.ops.triton_kernels")
+    fake_triton.paged_attention_triton = fake_triton.write_kv_triton = launched
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("paged_attention_unchecked", "write_kv_unchecked", "plan_torch_attention",
+                     "paged_attention_torch", "write_kv_torch", "copy_blocks_torch"):
+            if hasattr(ops, name):
+                mp.setattr(ops, name, launched)
+        mp.setitem(sys.modules, "hf_paged.ops.triton_kernels", fake_triton)
+        yield
+
+
+def assert_rejected(fn, kwargs, corrupt, match):
+    kwargs = dict(kwargs)
+    corrupt(kwargs)
+    with no_kernels(), pytest.raises(ValueError, match=match):
+        fn(**kwargs)
+
+
+def _ids(corruptions):
+    return [c[0] for c in corruptions]
+
+
+BASE_ATTN, BASE_WRITE, _ = make_case([5, 9, 0], [1, 3, 0], num_kv_heads=2, group=2, window=6)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Each bad argument, on one fixed case, for each backend
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+@pytest.mark.parametrize("name, applies, corrupt, match", ATTENTION_CORRUPTIONS, ids=_ids(ATTENTION_CORRUPTIONS))
+def test_paged_attention_rejects(name, applies, corrupt, match, backend):
+    assert applies(BASE_ATTN)
+    assert_rejected(ops.paged_attention, dict(BASE_ATTN, backend=backend), corrupt, match)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+@pytest.mark.parametrize("name, applies, corrupt, match", WRITE_CORRUPTIONS, ids=_ids(WRITE_CORRUPTIONS))
+def test_write_kv_rejects(name, applies, corrupt, match, backend):
+    assert applies(BASE_WRITE)
+    assert_rejected(ops.write_kv, dict(BASE_WRITE, backend=backend), corrupt, match)
+
+
+def test_messages_carry_the_numbers():
+    """Expected vs got, with the actual numbers of this case."""
+    with no_kernels():
+        with pytest.raises(ValueError, match=r"num_q_heads \(5\) must be a multiple of num_kv_heads \(2\)"):
+            ops.paged_attention(**dict(BASE_ATTN, query=torch.randn(4, 5, 4)))
+        with pytest.raises(ValueError, match=r"query head_dim 8 differs from the cache's head_dim 4"):
+            ops.paged_attention(**dict(BASE_ATTN, query=torch.randn(4, 4, 8)))
+        with pytest.raises(ValueError, match=r"block_tables has 4 rows for 3 sequences"):
+            ops.paged_attention(**dict(BASE_ATTN, block_tables=torch.zeros(4, 3, dtype=torch.int32)))
+        with pytest.raises(ValueError, match=r"query_start_loc must have num_seqs \+ 1 = 4 entries, got 3"):
+            ops.paged_attention(**dict(BASE_ATTN, query_start_loc=torch.tensor([0, 1, 4], dtype=torch.int32)))
+        with pytest.raises(ValueError, match=r"slot_mapping has 15 entries for 14 tokens"):
+            ops.write_kv(**dict(BASE_WRITE, slot_mapping=torch.arange(15)))
+        with pytest.raises(ValueError, match=r"key/value must be \[num_tokens, 2, 4\] to match the cache, got "
+                                             r"\(14, 3, 4\) and \(14, 2, 4\)"):
+            ops.write_kv(**dict(BASE_WRITE, key=torch.randn(14, 3, 4)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real device mismatch needs a CUDA device")
+def test_cuda_cpu_mismatch_rejected():
+    cuda = {k: (v.cuda() if k in ("query", "key_cache", "value_cache") else v) for k, v in BASE_ATTN.items()}
+    with no_kernels(), pytest.raises(ValueError, match=r"block_tables is on cpu but the KV cache is on cuda"):
+        ops.paged_attention(**cuda)
+
+
+def test_write_kv_rejects_non_tensor_key():
+    assert_rejected(ops.write_kv, BASE_WRITE, lambda c: c.update(key=c["key"].tolist()), r"key")
+
+
+def test_write_kv_rejects_key_on_another_device():
+    assert_rejected(ops.write_kv, BASE_WRITE, lambda c: c.update(key=c["key"].to("meta"), value=c["value"].to("meta")),
+                    r"key/value are on meta/meta but the KV cache is on cpu")
+
+
+def test_paged_attention_rejects_bool_sliding_window():
+    assert_rejected(ops.paged_attention, BASE_ATTN, lambda c: c.update(sliding_window=True), r"sliding_window")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fuzz: valid random configurations run and match float64; one corrupted argument is rejected
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def configs(draw):
+    num_seqs = draw(st.integers(1, 4))
+    decode = draw(st.booleans())
+    seq_lens, q_lens = [], []
+    for _ in range(num_seqs):
+        seq_len = draw(st.integers(1 if decode else 0, 24))
+        seq_lens.append(seq_len)
+        q_lens.append(1 if decode else draw(st.integers(0, min(seq_len, 5))))
+    return dict(
+        seq_lens=seq_lens,
+        q_lens=q_lens,
+        num_kv_heads=draw(st.integers(1, 3)),
+        group=draw(st.integers(1, 3)),
+        head_dim=draw(st.sampled_from([1, 2, 3, 4, 8, 16])),
+        block_size=draw(st.sampled_from([1, 2, 3, 4, 8, 16])),
+        dtype=draw(st.sampled_from(DTYPES)),
+        window=draw(st.one_of(st.none(), st.integers(1, 26))),
+        extra_blocks=draw(st.integers(1, 3)),
+        extra_columns=draw(st.integers(0, 2)),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FUZZ
+@given(cfg=configs(), backend=st.sampled_from(["auto", "torch"]),
+       slot_dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_valid_configs_match_float64(cfg, backend, slot_dtype):
+    seq_lens, q_lens = cfg.pop("seq_lens"), cfg.pop("q_lens")
+    attn, write, logical = make_case(seq_lens, q_lens, **cfg)
+    write["slot_mapping"] = write["slot_mapping"].to(slot_dtype)
+    key_cache = attn["key_cache"]
+    untouched = key_cache.clone()
+    ops.write_kv(**write, backend=backend)
+    written = torch.zeros(key_cache.shape[:2], dtype=torch.bool).flatten()  # [num_blocks * block_size]
+    written[write["slot_mapping"].long()] = True
+    flat = key_cache.flatten(0, 1)  # [num_blocks * block_size, Hkv, D]
+    assert torch.equal(flat[write["slot_mapping"].long()], write["key"])
+    assert torch.equal(flat[~written], untouched.flatten(0, 1)[~written])
+
+    out = ops.paged_attention(**attn, backend=backend)
+    query = attn["query"]
+    assert out.shape == query.shape and out.dtype == query.dtype
+    expected = attention_float64(query, attn["query_start_loc"], attn["seq_lens"], attn["scale"],
+                                 attn["sliding_window"], logical)
+    err = (out.double() - expected).abs().max().item() if out.numel() else 0.0
+    bound = ULPS * torch.finfo(query.dtype).eps * max(1.0, expected.abs().max().item() if out.numel() else 0.0)
+    assert err <= bound, f"error {err:.3g} > {bound:.3g} ({query.dtype})"
+
+
+@FUZZ
+@given(cfg=configs(), data=st.data(), backend=st.sampled_from(["auto", "torch", "triton"]))
+def test_one_bad_argument_is_rejected(cfg, data, backend):
+    seq_lens, q_lens = cfg.pop("seq_lens"), cfg.pop("q_lens")
+    attn, write, _ = make_case(seq_lens, q_lens, **cfg)
+    if data.draw(st.booleans(), label="attention?"):
+        fn, kwargs, corruptions = ops.paged_attention, dict(attn, backend=backend), ATTENTION_CORRUPTIONS
+    else:
+        fn, kwargs, corruptions = ops.write_kv, dict(write, backend=backend), WRITE_CORRUPTIONS
+    name, _, corrupt, match = data.draw(st.sampled_from([c for c in corruptions if c[1](kwargs)]), label="corruption")
+    assert_rejected(fn, kwargs, corrupt, match)
