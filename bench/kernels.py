@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def scrambled_pool(num_seqs: int, seq_len: int, args, device) -> dict:
-    """A pool holding ``num_seqs`` sequences of ``seq_len`` tokens at random physical blocks, plus their contiguous K/V."""
+    """``num_seqs`` sequences of ``seq_len`` tokens at random physical blocks, plus the same K/V contiguous."""
     dtype = DTYPES[args.dtype]
     bs, hkv, d = args.block_size, args.num_kv_heads, args.head_dim
     blocks_per_seq = -(-seq_len // bs)
@@ -56,11 +56,13 @@ def scrambled_pool(num_seqs: int, seq_len: int, args, device) -> dict:
     value_cache = torch.randn_like(key_cache)
     block_tables = torch.randperm(num_blocks, device=device).view(num_seqs, blocks_per_seq).to(torch.int32)
     # contiguous copies for SDPA: [num_seqs, Hkv, seq_len, D]
-    gather = lambda cache: cache[block_tables.long()].flatten(1, 2)[:, :seq_len].transpose(1, 2).contiguous()  # noqa: E731
+    def contiguous(cache):
+        return cache[block_tables.long()].flatten(1, 2)[:, :seq_len].transpose(1, 2).contiguous()
+
     return dict(
         key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
         seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device),
-        k_contig=gather(key_cache), v_contig=gather(value_cache),
+        k_contig=contiguous(key_cache), v_contig=contiguous(value_cache),
     )
 
 

@@ -178,6 +178,11 @@ class PagedCache(Cache):
         On the paged attention path the attention reads the pool directly and the fresh K/V are returned as they
         came. Otherwise the row's whole history is gathered to ``[B, num_kv_heads, kv_len, head_dim]``.
         """
+        if self.num_layers is not None and layer_idx >= self.num_layers:
+            raise ValueError(
+                f"this PagedCache was built for a model with {self.num_layers} layers but layer {layer_idx} wrote to "
+                "it. Build the cache from this model's config: PagedCache(model.config)."
+            )
         self.pool.bind_layer(layer_idx, self.num_layers or layer_idx + 1, key_states)
         if layer_idx == 0 or self._step is None:
             self._begin_step(key_states)
@@ -221,8 +226,9 @@ class PagedCache(Cache):
     def reset(self) -> None:
         """Give every block back to the pool; the cache can then start a new generation."""
         with self.pool.lock:
-            for seq in self._rows:
-                self.pool.allocator.free(seq)
+            for row, seq in enumerate(self._rows):
+                if row not in self._released:
+                    self.pool.allocator.free(seq)
         self._rows, self._released, self._columns = [], set(), 0
         self._mode, self._step, self._pending = None, None, None
         self._beam_reordered = self._recording = False
@@ -235,6 +241,8 @@ class PagedCache(Cache):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         keep = indices.tolist()
+        if self._released:
+            raise RuntimeError("batch_select_indices on a cache with released rows; use release_finished=False.")
         with self.pool.lock:
             kept = [self.pool.allocator.fork(self._rows[i]) for i in keep]
             for seq in self._rows:

@@ -11,8 +11,12 @@ TRANSFORMERS_VERSION = Version(transformers.__version__)
 # Keep in step with pyproject.toml and .ci/run.
 MIN_TRANSFORMERS = Version("5.0.0")
 
-# generate() took the cache as past_key_values until 5.x renamed it cache (the old name warns, gone in 6.0).
-GENERATE_CACHE_KWARG = "cache" if TRANSFORMERS_VERSION >= Version("5.20.0") else "past_key_values"
+# generate() and the model forwards took the cache as past_key_values until 5.24.0 renamed it cache (first in
+# 5.24.0: 5.23.0's generate() rejects cache= as an unused model kwarg). The old name warns from 5.24.0 on and goes
+# in 5.40.0 (forwards) / 6.0.0 (generate).
+CACHE_RENAMED = TRANSFORMERS_VERSION >= Version("5.24.0")
+GENERATE_CACHE_KWARG = "cache" if CACHE_RENAMED else "past_key_values"
+FORWARD_CACHE_KWARG = GENERATE_CACHE_KWARG
 
 # Names the decoder's forward has used for the cache argument, newest first.
 CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")

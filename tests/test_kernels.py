@@ -121,7 +121,7 @@ def assert_close_to_float64(case, run_kernel, reference_case=None):
     expected = attention_float64(**case)  # [num_tokens, num_q_heads, head_dim] float64
     dtype = case["query"].dtype
     if reference_case is None:
-        # The reference multiplies masked slots by 0, so NaN garbage there would poison it: zero the pool for it.
+        # The reference lets NaN in masked slots through (0 * NaN in SDPA), so it gets a zeroed pool.
         zeroed = {name: case[name].nan_to_num(0.0) for name in ("key_cache", "value_cache")}
         reference_case = dict(case, **zeroed)
     reference = paged_attention_torch(**reference_case)
@@ -267,8 +267,10 @@ def test_pool_past_int32_offsets():
         block_tables=block_tables, seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=DEVICE),
         query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE), scale=0.125, sliding_window=None,
     )
-    compact = dict(case, key_cache=pool[block_tables[0].long()], block_tables=torch.arange(3, dtype=torch.int32, device=DEVICE)[None])
-    compact["value_cache"] = compact["key_cache"]  # the same sequence in a 3-block pool, for the torch reference
+    # the same sequence in a 3-block pool, for the torch reference
+    small_pool = pool[block_tables[0].long()]
+    small_table = torch.arange(3, dtype=torch.int32, device=DEVICE)[None]
+    compact = dict(case, key_cache=small_pool, value_cache=small_pool, block_tables=small_table)
     assert_close_to_float64(case, triton_direct(), reference_case=compact)
 
 

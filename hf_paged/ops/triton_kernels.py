@@ -100,7 +100,7 @@ def _attend_kv_range(
     d_ok = offs_d < HEAD_DIM
     head_off = kv_head.to(tl.int64) * stride_ch
 
-    first_tile = (kv_lo // TILE_N) * TILE_N  # tiles stay aligned to TILE_N, hence to blocks
+    first_tile = (kv_lo // TILE_N) * TILE_N  # tiles aligned to TILE_N, so to blocks (both powers of two)
     for tile_start in range(first_tile, kv_hi, TILE_N):
         kv_pos = tile_start + offs_n  # [TILE_N]
         in_range = (kv_pos >= kv_lo) & (kv_pos < kv_hi)
@@ -230,7 +230,8 @@ def _decode_kernel(
         tl.store(partial_lse_ptr + row, lse, mask=row_ok)
         tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
     else:
-        o_off = q_start.to(tl.int64) * stride_ot + q_head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od
+        o_off = q_start.to(tl.int64) * stride_ot + q_head[:, None].to(tl.int64) * stride_oh
+        o_off += offs_d[None, :] * stride_od  # [BLOCK_M, HEAD_DIM_P]
         tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
@@ -261,7 +262,8 @@ def _merge_splits_kernel(
     d_ok = offs_d < HEAD_DIM
     row = (seq.to(tl.int64) * num_q_heads + q_head) * num_splits + offs_s  # [SPLITS_P]
     lse = tl.load(partial_lse_ptr + row, mask=s_ok, other=float("-inf"))  # [SPLITS_P]
-    o = tl.load(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    o_mask = s_ok[:, None] & d_ok[None, :]
+    o = tl.load(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=o_mask, other=0.0)  # [SPLITS_P, D_P]
 
     # Each split's output is already normalised by its own sum; weight it by its share of the total sum.
     lse_max = tl.max(lse, 0)
@@ -469,7 +471,7 @@ def paged_attention_triton(
     """
     _check_runnable(query)
     num_tokens, num_q_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
     assert key_cache.stride() == value_cache.stride(), "key_cache and value_cache must share strides"
     assert num_q_heads % num_kv_heads == 0

@@ -1,0 +1,441 @@
+"""End to end on a real model: what do tokens/s and KV memory look like with PagedCache in generate()?
+
+1. Greedy batch: DynamicCache (model not patched), PagedCache (torch backend; Triton on CUDA) and transformers' own
+   continuous batching (a persistent manager) on the same chat prompts, runs alternated in one process. Tokens/s,
+   token equality with DynamicCache, and the KV each cache held.
+2. Sharing: beam search and parallel sampling (num_return_sequences) with DynamicCache vs PagedCache: equal tokens,
+   KV bytes, and blocks in use vs the blocks the same rows would take unshared.
+
+Default model: the embedded SmolLM2-135M-Instruct (fp32). Tokens/s count each row's generated tokens up to and
+including its end-of-sequence token.
+
+    python bench/generate.py                     # 8 prompts x 64 new tokens, 2 rounds
+    python bench/generate.py --quick             # smoke run, under a minute on 2 cores
+    python bench/generate.py --plots bench/out   # + kv_over_steps.png (KV bytes per decoding step)
+    python bench/generate.py --json out.json     # + JSON (stdout without a path)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, StoppingCriteria
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import transformers  # noqa: E402
+
+from hf_paged import compat, embedded  # noqa: E402
+from hf_paged.attention import disable_paged_attention, enable_paged_attention  # noqa: E402
+from hf_paged.cache import PagedCache  # noqa: E402
+from hf_paged.progress import GenerationProgress  # noqa: E402
+from hf_paged.report import dynamic_cache_bytes, format_table, kv_bytes_per_token, mb, real_kv_tokens  # noqa: E402
+
+DYNAMIC, CB = "DynamicCache", "continuous batching"
+VLLM_SAVINGS = {"beam search": "37-66%", "parallel sampling": "6-30%"}  # Kwon et al., SOSP 2023
+
+
+def paged_name(backend: str) -> str:
+    return f"PagedCache ({backend})"
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"
+    return (f"{cpu} ({platform.processor() or platform.machine()}), torch threads {torch.get_num_threads()}{gpu}; "
+            f"Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}")
+
+
+class KVTrace(StoppingCriteria):
+    """Never stops; after every decoding step records the KV bytes the cache holds (and advances a progress bar)."""
+
+    def __init__(self, cache, total: int, desc: str):
+        self.cache = cache
+        self.bytes: list[int] = []
+        self.progress = GenerationProgress(total, desc)
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        if isinstance(self.cache, PagedCache):
+            self.bytes.append(self.cache.memory_stats().bytes_in_use)
+        else:
+            self.bytes.append(dynamic_cache_bytes(self.cache))
+        return self.progress(input_ids, scores)
+
+    def close(self) -> None:
+        self.progress.close()
+
+
+def generated_lengths(sequences: torch.Tensor, prompt_columns: int, eos_token_id) -> list[int]:
+    """Per row: generated tokens up to and including the first end-of-sequence token."""
+    eos = torch.tensor(eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id])
+    lengths = []
+    for row in sequences[:, prompt_columns:].cpu():
+        hits = torch.isin(row, eos).nonzero()
+        lengths.append(int(hits[0]) + 1 if len(hits) else row.shape[0])
+    return lengths
+
+
+def row_kv_tokens(sequences, prompt_mask, eos_token_id) -> list[int]:
+    """Per row: the KV tokens a cache must keep after generate() (see ``report.real_kv_tokens``)."""
+    return [real_kv_tokens(sequences[i:i + 1].cpu(), prompt_mask[i:i + 1].cpu(), eos_token_id)
+            for i in range(sequences.shape[0])]
+
+
+def run_generate(model, inputs, cache, max_new_tokens: int, label: str, **gen_kwargs):
+    """One generate() call; returns (sequences, seconds, KV trace)."""
+    trace = KVTrace(cache, max_new_tokens, label)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = model.generate(**inputs, **{compat.GENERATE_CACHE_KWARG: cache}, max_new_tokens=max_new_tokens,
+                         stopping_criteria=[trace], **gen_kwargs)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    trace.close()
+    return out, elapsed, trace.bytes
+
+
+# --------------------------------------------------------------------------------------------------- contenders
+def set_contender(model, name: str) -> None:
+    """Put the model in the state a contender runs in: unpatched, or paged with the named backend."""
+    if name.startswith("PagedCache"):
+        enable_paged_attention(model, backend=name[len("PagedCache ("):-1])
+    else:
+        disable_paged_attention(model)
+
+
+def new_cache(model, name: str, block_size: int):
+    return DynamicCache(config=model.config) if name == DYNAMIC else PagedCache(model.config, block_size=block_size)
+
+
+class ContinuousBatching:
+    """A persistent ``init_continuous_batching`` manager, sized for the workload (its CPU defaults build a
+    multi-GB attention mask), pages the same size as PagedCache's blocks, no prefix sharing between rounds."""
+
+    def __init__(self, model, prompts: list[list[int]], max_new_tokens: int, page_size: int):
+        from transformers.generation import ContinuousBatchingConfig
+
+        blocks_per_request = math.ceil((max(map(len, prompts)) + max_new_tokens) / page_size)
+        self.config = ContinuousBatchingConfig(
+            page_size=page_size,
+            num_blocks=len(prompts) * (blocks_per_request + 1),
+            max_batch_tokens=max(sum(map(len, prompts)), 64),
+            allow_block_sharing=False,
+            auto_switch_to_flash=False,  # keep the model on sdpa, as the generate() runs are
+        )
+        generation_config = copy.deepcopy(model.generation_config)
+        generation_config.do_sample = False
+        generation_config.max_new_tokens = max_new_tokens
+        self.manager = model.init_continuous_batching(generation_config=generation_config,
+                                                      continuous_batching_config=self.config)
+        if model.device.type == "cuda":
+            self.manager.warmup()
+        self.manager.start()
+
+    def run(self, prompts: list[list[int]], max_new_tokens: int, label: str):
+        """Returns (generated token lists in prompt order, seconds)."""
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(prompts), desc=label, unit="req", leave=False)
+        start = time.perf_counter()
+        ids = self.manager.add_requests(prompts, max_new_tokens=max_new_tokens)
+        results = {}
+        while len(results) < len(ids):
+            result = self.manager.get_result(timeout=1)
+            if result is None:
+                if not self.manager.is_running():
+                    raise RuntimeError("the continuous batching thread stopped before all requests finished.")
+                continue
+            if result.is_finished():
+                if result.error is not None:
+                    raise RuntimeError(f"continuous batching request {result.request_id} failed: {result.error}")
+                results[result.request_id] = result
+                bar.update(1)
+        elapsed = time.perf_counter() - start
+        bar.close()
+        return [list(results[i].generated_tokens) for i in ids], elapsed
+
+    def kv_reserved(self) -> int | None:
+        cache = getattr(self.manager.batch_processor, "cache", None)
+        tensor = getattr(cache, "cache_tensor", None)
+        return tensor.numel() * tensor.element_size() if tensor is not None else None
+
+    def stop(self) -> None:
+        self.manager.stop(block=True, timeout=30)
+        self.manager.destroy()
+
+
+# ----------------------------------------------------------------------------------------------------- section 1
+def section_greedy(model, tokenizer, args, backends: list[str]) -> dict:
+    inputs = embedded.chat_batch(tokenizer, args.batch_size).to(model.device)
+    mask = inputs["attention_mask"]
+    prompt_columns = inputs["input_ids"].shape[1]
+    prompts = [ids[m.bool()].tolist() for ids, m in zip(inputs["input_ids"], mask)]
+    eos = model.generation_config.eos_token_id
+    per_token = kv_bytes_per_token(model.config, model.dtype)
+    print(f"\n== 1. Greedy batch: {args.batch_size} chat prompts ({int(mask.sum())} real tokens padded to "
+          f"{prompt_columns} columns) x {args.max_new_tokens} new tokens, {model.dtype}, block size "
+          f"{args.block_size}, {args.repeats} rounds alternated ==", flush=True)
+
+    contenders = [DYNAMIC] + [paged_name(b) for b in backends] + [CB]
+    try:
+        cb = ContinuousBatching(model, prompts, args.max_new_tokens, args.block_size)
+    except Exception as err:  # report it, measure the rest
+        print(f"continuous batching unavailable: {type(err).__name__}: {err}")
+        cb, contenders = None, contenders[:-1]
+
+    def one_run(name: str, max_new_tokens: int, label: str):
+        set_contender(model, name)
+        if name == CB:
+            tokens, seconds = cb.run(prompts, max_new_tokens, label)
+            return {"tokens": tokens, "seconds": seconds, "generated": sum(map(len, tokens))}
+        cache = new_cache(model, name, args.block_size)
+        out, seconds, trace = run_generate(model, inputs, cache, max_new_tokens, label, do_sample=False)
+        return {"out": out, "seconds": seconds, "trace": trace, "cache": cache,
+                "generated": sum(generated_lengths(out, prompt_columns, eos))}
+
+    for name in contenders:  # untimed: first-call costs (allocator growth, Triton compiles, CB's cache)
+        one_run(name, 2, f"warm-up {name}")
+    runs: dict[str, list[dict]] = {name: [] for name in contenders}
+    errors: dict[str, str] = {}
+    for round_ in range(args.repeats):
+        for name in contenders:
+            if name in errors:
+                continue
+            try:
+                runs[name].append(one_run(name, args.max_new_tokens, f"round {round_ + 1}/{args.repeats} {name}"))
+            except Exception as err:
+                errors[name] = f"{type(err).__name__}: {err}"
+                print(f"{name} failed: {errors[name]}", flush=True)
+    disable_paged_attention(model)
+    cb_reserved = cb.kv_reserved() if cb is not None else None
+    if cb is not None:
+        cb.stop()
+
+    reference = runs[DYNAMIC][-1]["out"]
+    equal: dict[str, str] = {}
+    for name in contenders:
+        if name in errors:
+            equal[name] = "failed"
+        elif name == DYNAMIC:
+            equal[name] = "reference"
+        elif name == CB:
+            expected = [row[prompt_columns:prompt_columns + n].tolist()
+                        for row, n in zip(reference, generated_lengths(reference, prompt_columns, eos))]
+            same = [sum(e == got for e, got in zip(expected, r["tokens"])) for r in runs[name]]
+            equal[name] = f"{min(same)}/{len(prompts)} rows"
+        else:
+            same = all(torch.equal(r["out"], reference) for r in runs[name])
+            equal[name] = "yes" if same else "NO"
+
+    median_s = {n: statistics.median(r["seconds"] for r in runs[n]) for n in contenders if runs[n]}
+    tok_s = {n: statistics.median(r["generated"] / r["seconds"] for r in runs[n]) for n in median_s}
+    speed_rows = [[n, " ".join(f"{r['seconds']:.1f}" for r in runs[n]), median_s[n], tok_s[n],
+                   f"{tok_s[n] / tok_s[DYNAMIC]:.2f}x", equal[n]] for n in median_s]
+    print(format_table(["contender", "runs (s)", "median s", "tokens/s", "vs DynamicCache", "tokens equal"],
+                       speed_rows))
+    print(f"tokens/s: median over rounds of (generated tokens up to EOS, {runs[DYNAMIC][-1]['generated']}) / "
+          "seconds; runs alternated D, P, ..., CB within each round.")
+    for name, err in errors.items():
+        print(f"{name}: FAILED ({err})")
+
+    # KV figures, from the last round
+    real = real_kv_tokens(reference.cpu(), mask.cpu(), eos)
+    dyn_bytes = dynamic_cache_bytes(runs[DYNAMIC][-1]["cache"])
+    kv_rows = [[DYNAMIC, mb(dyn_bytes), mb(dyn_bytes), mb(dyn_bytes), f"{real * per_token / dyn_bytes:.0%}"]]
+    kv = {DYNAMIC: {"peak_bytes": dyn_bytes, "end_bytes": dyn_bytes, "reserved_bytes": dyn_bytes}}
+    for name in contenders:
+        if name.startswith("PagedCache") and runs[name]:
+            stats = runs[name][-1]["cache"].memory_stats()
+            kv_rows.append([name, mb(stats.peak_bytes_in_use), mb(stats.bytes_in_use), mb(stats.bytes_reserved),
+                            f"{real * per_token / stats.peak_bytes_in_use:.0%}"])
+            kv[name] = {"peak_bytes": stats.peak_bytes_in_use, "end_bytes": stats.bytes_in_use,
+                        "reserved_bytes": stats.bytes_reserved, "peak_blocks_in_use": stats.peak_blocks_in_use}
+    if cb_reserved is not None:
+        kv_rows.append([CB, "-", "-", mb(cb_reserved), "-"])
+        kv[CB] = {"reserved_bytes": cb_reserved}
+    print()
+    print(format_table(["cache", "KV peak", "KV at end", "KV reserved", "real tokens / peak"], kv_rows))
+    print(f"real KV tokens at the end: {real:,} ({mb(real * per_token)}); DynamicCache keeps padding and finished "
+          f"rows, PagedCache gives finished rows' blocks back. Continuous batching: a pool of "
+          f"{cb.config.num_blocks if cb else '-'} pages x {args.block_size} tokens sized by this script.")
+
+    result = {
+        "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "block_size": args.block_size,
+        "prompt_tokens": int(mask.sum()), "prompt_columns": prompt_columns, "repeats": args.repeats,
+        "seconds": {n: [r["seconds"] for r in runs[n]] for n in contenders},
+        "tokens_per_s": tok_s, "ratio_to_dynamic": {n: tok_s[n] / tok_s[DYNAMIC] for n in tok_s},
+        "tokens_equal": equal, "errors": errors, "kv": kv,
+        "real_kv_tokens": real, "real_kv_bytes": real * per_token, "kv_bytes_per_token": per_token,
+        "traces": {n: runs[n][-1]["trace"] for n in contenders if n != CB and runs[n]},
+        "real_trace": real_kv_trace(reference, mask, eos, len(runs[DYNAMIC][-1]["trace"]), per_token),
+    }
+    result["paged_equal"] = all(equal[n] == "yes" for n in contenders if n.startswith("PagedCache"))
+    return result
+
+
+def real_kv_trace(sequences, prompt_mask, eos_token_id, steps: int, per_token: int) -> list[int]:
+    """Bytes of real tokens in the cache at each decoding step (step i holds the prompt and i-1 generated tokens)."""
+    prompt = prompt_mask.sum(1).tolist()
+    used = generated_lengths(sequences, prompt_mask.shape[1], eos_token_id)
+    return [per_token * sum(p + min(i, u) for p, u in zip(prompt, used)) for i in range(steps)]
+
+
+# ----------------------------------------------------------------------------------------------------- section 2
+def section_sharing(model, tokenizer, args, backends: list[str]) -> dict:
+    inputs = embedded.chat_batch(tokenizer, args.sharing_prompts).to(model.device)
+    mask = inputs["attention_mask"]
+    prompt_columns = inputs["input_ids"].shape[1]
+    eos = model.generation_config.eos_token_id
+    bs = args.block_size
+    print(f"\n== 2. Sharing: {args.sharing_prompts} chat prompts x {args.sharing_tokens} new tokens, 4 beams / "
+          f"4 samples per prompt (seed {args.seed}); PagedCache shares prompt blocks between a prompt's rows ==",
+          flush=True)
+    modes = {
+        "beam search": dict(num_beams=4, do_sample=False),
+        "parallel sampling": dict(num_return_sequences=4, do_sample=True),
+    }
+    rows, result = [], {}
+    for mode, gen_kwargs in modes.items():
+        outs = {}
+        for name in [DYNAMIC] + [paged_name(b) for b in backends]:
+            set_contender(model, name)
+            cache = new_cache(model, name, bs)
+            torch.manual_seed(args.seed)
+            out, seconds, _ = run_generate(model, inputs, cache, args.sharing_tokens, f"{mode} {name}", **gen_kwargs)
+            outs[name] = (out, seconds, cache)
+        disable_paged_attention(model)
+
+        reference, _, dyn_cache = outs[DYNAMIC]
+        dyn_bytes = dynamic_cache_bytes(dyn_cache)
+        if mode == "beam search":  # every beam holds the same number of columns
+            columns = dyn_cache.get_seq_length() - prompt_columns
+            lens = [p + columns for p in mask.sum(1).tolist() for _ in range(4)]
+        else:
+            expanded = mask.repeat_interleave(4, dim=0)
+            lens = row_kv_tokens(reference, expanded, eos)
+        unshared_blocks = sum(math.ceil(n / bs) for n in lens)
+        result[mode] = {"dynamic_bytes": dyn_bytes, "unshared_blocks": unshared_blocks, "row_kv_tokens": lens}
+        for name, (out, seconds, cache) in outs.items():
+            if name == DYNAMIC:
+                rows.append([mode, name, "reference", mb(dyn_bytes), "1.00", "-", "-", f"{seconds:.1f}"])
+                continue
+            stats = cache.memory_stats()
+            same = out.shape == reference.shape and torch.equal(out, reference)
+            saving = 1 - stats.peak_blocks_in_use / unshared_blocks
+            rows.append([mode, name, "yes" if same else "NO", mb(stats.peak_bytes_in_use),
+                         f"{stats.peak_bytes_in_use / dyn_bytes:.2f}",
+                         f"{stats.peak_blocks_in_use}/{unshared_blocks}", f"{saving:.0%}", f"{seconds:.1f}"])
+            result[mode][name] = {"tokens_equal": same, "peak_bytes": stats.peak_bytes_in_use,
+                                  "peak_blocks_in_use": stats.peak_blocks_in_use, "saving_vs_unshared": saving,
+                                  "seconds": seconds}
+    print(format_table(["workload", "cache", "tokens equal", "KV peak", "vs DynamicCache", "blocks / unshared",
+                        "saved by sharing", "s"], rows))
+    print("DynamicCache: bytes held at the end (its peak). Unshared: sum over rows of ceil(row KV tokens / "
+          f"{bs}), what a paged cache without sharing needs. vLLM paper's sharing savings: "
+          + ", ".join(f"{k} {v}" for k, v in VLLM_SAVINGS.items()) + " (longer outputs, so prompts weigh less there).")
+    return result
+
+
+# --------------------------------------------------------------------------------------------------------- plots
+def plot_traces(greedy: dict, directory: str, args) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, trace in greedy["traces"].items():
+        ax.plot(range(len(trace)), [b / 1e6 for b in trace], label=name)
+    real = greedy["real_trace"]
+    ax.plot(range(len(real)), [b / 1e6 for b in real], "k--", linewidth=1, label="real tokens")
+    ax.set_xlabel("decoding step")
+    ax.set_ylabel("KV bytes held (MB)")
+    ax.set_title(f"KV memory in generate(): {args.batch_size} prompts x {args.max_new_tokens} new tokens, greedy")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    path = Path(directory) / "kv_over_steps.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="a local model directory (default: the embedded SmolLM2)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2, help="rounds of alternated runs in section 1")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--sharing-prompts", type=int, default=2)
+    p.add_argument("--sharing-tokens", type=int, default=None, help="new tokens in section 2 (default: half)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backends", default=None,
+                   help="PagedCache backends, comma separated (default: torch, plus triton when CUDA is available)")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 prompts x 16 tokens, 1 round")
+    p.add_argument("--plots", metavar="DIR", default=None, help="write DIR/kv_over_steps.png")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="also write the results as JSON to PATH (stdout without PATH)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch_size, args.max_new_tokens, args.repeats = 2, 16, 1
+        args.sharing_prompts, args.sharing_tokens = 1, 8
+    if args.sharing_tokens is None:
+        args.sharing_tokens = max(8, args.max_new_tokens // 2)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    backends = args.backends.split(",") if args.backends else ["torch"] + (["triton"] if device.type == "cuda" else [])
+    print(f"machine: {machine()}")
+    print(f"model: {args.model or 'embedded SmolLM2-135M-Instruct'} on {device}; PagedCache backends: "
+          f"{', '.join(backends)}", flush=True)
+    model, tokenizer = embedded.load(args.model)
+    model.to(device)
+
+    greedy = section_greedy(model, tokenizer, args, backends)
+    sharing = section_sharing(model, tokenizer, args, backends)
+    if args.plots:
+        print(f"\nplot: {plot_traces(greedy, args.plots, args)}")
+    total = time.perf_counter() - started
+    print(f"\ntotal {total:.0f} s")
+    if not greedy["paged_equal"]:
+        print("FAIL: PagedCache's greedy tokens differ from DynamicCache's (section 1).")
+
+    if args.json:
+        result = {"machine": machine(), "device": str(device), "backends": backends, "seconds_total": total,
+                  "greedy": greedy, "sharing": sharing}
+        text = json.dumps(result, indent=1, default=str)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(text)
+    return 0 if greedy["paged_equal"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
