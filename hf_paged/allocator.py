@@ -22,10 +22,22 @@ NULL_BLOCK = -1
 
 @dataclass
 class AppendPlan:
-    """What one batched append did: the slots written, per sequence, and the block copies to perform first."""
+    """What one batched append did, per request: where it started (``starts``), how many tokens (``counts``), the
+    block table covering them (``tables``), and the copy-on-write block copies to perform before writing."""
 
-    slots: list[list[int]]
+    block_size: int
+    starts: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def slots(self) -> list[list[int]]:
+        """Slot ids (``block * block_size + offset``) per request, token by token (for tests and small tools;
+        the cache computes them vectorised from ``starts``, ``counts`` and the block tables)."""
+        bs = self.block_size
+        return [[table[p // bs] * bs + p % bs for p in range(start, start + n)]
+                for start, n, table in zip(self.starts, self.counts, self.tables)]
 
 
 class BlockAllocator:
@@ -159,9 +171,12 @@ class BlockAllocator:
                                        capacity=self.max_blocks if self.max_blocks is not None else self.capacity)
             if needed > len(self._free):
                 self._grow(max(needed - len(self._free), self.capacity))
-            plan = AppendPlan(slots=[])
+            plan = AppendPlan(self.block_size)
             for seq, n in requests:
-                plan.slots.append(self._append_one(seq, n, plan.copies))
+                plan.starts.append(self._lens[seq])
+                plan.counts.append(max(n, 0))
+                self._append_one(seq, n, plan.copies)
+                plan.tables.append(list(self._tables[seq]))
             self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use)
             return plan
 
@@ -221,9 +236,9 @@ class BlockAllocator:
                 self.free(seq)
 
     # ------------------------------------------------------------- internals
-    def _append_one(self, seq: int, n: int, copies: list[tuple[int, int]]) -> list[int]:
+    def _append_one(self, seq: int, n: int, copies: list[tuple[int, int]]) -> None:
         if n <= 0:
-            return []
+            return
         table, length, bs = self._tables[seq], self._lens[seq], self.block_size
         if length % bs:
             last = table[-1]
@@ -233,15 +248,11 @@ class BlockAllocator:
                 self._refcount[last] -= 1
                 table[-1] = fresh
                 copies.append((last, fresh))
-        slots = []
-        for pos in range(length, length + n):
-            if pos % bs == 0:
-                fresh = self._free.popleft()
-                self._refcount[fresh] = 1
-                table.append(fresh)
-            slots.append(table[pos // bs] * bs + pos % bs)
+        for _ in range(-(-(length + n) // bs) - len(table)):
+            fresh = self._free.popleft()
+            self._refcount[fresh] = 1
+            table.append(fresh)
         self._lens[seq] = length + n
-        return slots
 
     def _grow(self, count: int) -> None:
         if self.max_blocks is not None:

@@ -404,8 +404,9 @@ class PagedCache(Cache):
                     if row not in self._released:  # keep what this step's first query still sees
                         a.release_outside_window(seq, lens[row] - counts[row] - self.sliding_window + 1)
         self._columns += query_len
-        self._step = _build_metadata(plan, tables, lens, counts, real, alias, batch, query_len, a.block_size,
-                                     gathered=mode == "gathered")
+        plan_rows = [row for row in range(batch) if row not in self._released]
+        self._step = _build_metadata(plan, plan_rows, tables, lens, counts, real, alias, batch, query_len,
+                                     a.block_size, gathered=mode == "gathered")
 
 
 def _real_columns(pending: dict | None, batch: int, query_len: int) -> torch.Tensor | None:
@@ -439,7 +440,8 @@ def _duplicate_rows(pending: dict | None, real: torch.Tensor | None) -> dict[int
     return alias
 
 
-def _build_metadata(plan, tables, lens, counts, real, alias, batch, query_len, block_size, gathered) -> StepMetadata:
+def _build_metadata(plan, plan_rows, tables, lens, counts, real, alias, batch, query_len, block_size,
+                    gathered) -> StepMetadata:
     max_blocks = max(1, max((len(t) for t in tables), default=1))
     block_tables = torch.full((batch, max_blocks), 0, dtype=torch.int32)
     for row, table in enumerate(tables):
@@ -450,8 +452,13 @@ def _build_metadata(plan, tables, lens, counts, real, alias, batch, query_len, b
     q_lens = torch.tensor(counts, dtype=torch.int32)
     query_start_loc = torch.zeros(batch + 1, dtype=torch.int32)
     torch.cumsum(q_lens, 0, out=query_start_loc[1:])
-    slots = [s for row_slots in plan.slots for s in row_slots]
-    slot_mapping = torch.tensor(slots, dtype=torch.long)
+    # Slots of the written tokens, vectorised: token t of request r sits at position starts[r] + t.
+    written = torch.tensor(plan.counts, dtype=torch.long)
+    token_row = torch.repeat_interleave(torch.tensor(plan_rows, dtype=torch.long), written)
+    first = torch.repeat_interleave(torch.cumsum(written, 0) - written, written)
+    pos = torch.repeat_interleave(torch.tensor(plan.starts, dtype=torch.long), written) + (
+        torch.arange(token_row.shape[0]) - first)
+    slot_mapping = block_tables[token_row, pos // block_size].long() * block_size + pos % block_size
 
     token_index = None if real is None else real.flatten().nonzero().flatten()
     write_index = None

@@ -37,6 +37,7 @@ class TorchAttentionPlan:
     q_index: torch.Tensor | None  # [S, Q] int64 into the packed queries; None for decode
     q_valid: torch.Tensor | None  # [S, Q] bool
     mask: torch.Tensor | None  # [S, 1, Q, L] bool; None when every query sees its whole (equal-length) context
+    kv_valid: torch.Tensor | None = None  # [S, L, 1, 1] bool: slots holding a token (others zeroed: may be NaN)
 
 
 def plan_torch_attention(
@@ -98,11 +99,18 @@ def paged_attention_torch(
     if plan is None:
         plan = plan_torch_attention(block_tables, seq_lens, query_start_loc, block_size, num_tokens,
                                     sliding_window, max_query_len, max_seq_len)
+        # A caller's pool may hold NaN in slots no sequence owns (torch.empty); masked scores still multiply them,
+        # so zero them. hf_paged's own pools start zeroed and only hold written tokens, so the model path skips it.
+        pos = torch.arange(plan.context_len, device=block_tables.device)
+        owned = block_tables[:, : plan.num_ctx_blocks].repeat_interleave(block_size, 1)[:, : plan.context_len] >= 0
+        plan.kv_valid = ((pos[None, :] < seq_lens[:, None].to(torch.long)) & owned)[:, :, None, None]
 
     # index_select copies whole blocks; advanced indexing (key_cache[tables]) is ~20x slower on CPU.
     ctx_shape = (num_seqs, plan.num_ctx_blocks * block_size, num_kv_heads, head_dim)
     keys = key_cache.index_select(0, plan.tables).view(ctx_shape)[:, : plan.context_len]  # [S, L, Hkv, D]
     values = value_cache.index_select(0, plan.tables).view(ctx_shape)[:, : plan.context_len]
+    if plan.kv_valid is not None:
+        keys, values = keys.masked_fill(~plan.kv_valid, 0), values.masked_fill(~plan.kv_valid, 0)
 
     q = query.unsqueeze(1) if plan.q_index is None else query[plan.q_index]  # [S, Q, Hq, D]
     out = F.scaled_dot_product_attention(
