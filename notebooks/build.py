@@ -491,8 +491,8 @@ print(f"device {DEVICE}; backends compared: {BACKENDS}"
 
 The pool is `[num_blocks, block_size, num_kv_heads, head_dim]` for K and for V. Each sequence gets its blocks at
 random physical places; its token at position `p` goes to slot `block_tables[s, p // block_size] * block_size +
-p % block_size`, written with `ops.write_kv`. Slots nobody owns hold 100.0, so a kernel that reads one shows a large
-error. Table entries past a sequence's last block are -1 and must never be read.
+p % block_size`, written with `ops.write_kv`. Slots nobody owns hold NaN, so a kernel that reads one returns NaN.
+Table entries past a sequence's last block are -1 and must never be read.
 """),
     code("""
 def scrambled_case(seq_lens, q_lens, *, num_kv_heads=2, group=2, head_dim=32, block_size=8, dtype=torch.float32,
@@ -508,7 +508,8 @@ def scrambled_case(seq_lens, q_lens, *, num_kv_heads=2, group=2, head_dim=32, bl
     slot_mapping = torch.cat([block_tables[s, torch.arange(n) // block_size].long() * block_size
                               + torch.arange(n) % block_size for s, n in enumerate(seq_lens)])  # [sum(seq_lens)]
 
-    key_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), 100.0, dtype=dtype, device=DEVICE)
+    key_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), torch.nan, dtype=dtype,
+                           device=DEVICE)
     value_cache = key_cache.clone()  # [num_blocks, block_size, num_kv_heads, head_dim]
     keys, values = (torch.randn(sum(seq_lens), num_kv_heads, head_dim, generator=g).to(DEVICE, dtype) for _ in "kv")
     ops.write_kv(keys, values, key_cache, value_cache, slot_mapping.to(DEVICE))
