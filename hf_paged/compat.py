@@ -1,4 +1,17 @@
-"""Every difference between supported transformers releases lives here."""
+"""Every difference between supported transformers releases lives here.
+
+Supported: 4.56.0 (``MIN_TRANSFORMERS``) up to, not including, 6.0. Tested end to end on 4.56.0
+(``scripts/test_oldest.sh``) and the release the main venv pins; 4.57.6, 5.0.0, 5.4.0 and 5.23.0 were checked by hand.
+What changed inside that range, and where this module absorbs it:
+
+- 4.56.0: ``Cache(layers=...)`` / ``DynamicCache(config=...)`` appear (4.55 built caches from ``layer_classes`` and
+  created layer objects itself, which a cache with its own bookkeeping cannot satisfy: hence the floor).
+- 5.4.0: ``cache_position`` leaves the model forwards; ``get_mask_sizes(cache_position)`` becomes
+  ``get_mask_sizes(query_length)`` (:func:`query_length`); ``update()`` loses its positional ``cache_kwargs``.
+- 5.14.0: generate() crops with ``crop(-n)`` (before: ``crop(new_length)``); ``PagedCache.crop`` takes both.
+- 5.24.0: the cache argument is renamed ``past_key_values`` -> ``cache`` (:data:`GENERATE_CACHE_KWARG`);
+  ``update()`` gets ``kwargs=``.
+"""
 
 from __future__ import annotations
 
@@ -8,31 +21,28 @@ from packaging.version import Version
 from transformers.cache_utils import Cache
 
 TRANSFORMERS_VERSION = Version(transformers.__version__)
-# Keep in step with pyproject.toml and .ci/run.
-MIN_TRANSFORMERS = Version("5.0.0")
+# Keep in step with pyproject.toml ("transformers>=4.56.0,<6") and scripts/test_oldest.sh (which pins it and checks).
+MIN_TRANSFORMERS = Version("4.56.0")
 
 # generate() and the model forwards took the cache as past_key_values until 5.24.0 renamed it cache (first in
 # 5.24.0: 5.23.0's generate() rejects cache= as an unused model kwarg). The old name warns from 5.24.0 on and goes
 # in 5.40.0 (forwards) / 6.0.0 (generate).
 CACHE_RENAMED = TRANSFORMERS_VERSION >= Version("5.24.0")
 GENERATE_CACHE_KWARG = "cache" if CACHE_RENAMED else "past_key_values"
-FORWARD_CACHE_KWARG = GENERATE_CACHE_KWARG
+FORWARD_CACHE_KWARG = GENERATE_CACHE_KWARG  # model(**inputs, **{FORWARD_CACHE_KWARG: cache})
 
 # Names the decoder's forward has used for the cache argument, newest first.
 CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
 
 
 def init_cache_base(cache: Cache) -> None:
-    """Run ``Cache.__init__`` with no layers (``PagedCache`` keeps its own bookkeeping)."""
-    try:
-        Cache.__init__(cache, layers=[])
-    except TypeError:
-        Cache.__init__(cache)
+    """Run ``Cache.__init__`` with no layers (``PagedCache`` keeps its own bookkeeping); same call 4.56 -> 5.x."""
+    Cache.__init__(cache, layers=[])
     cache.layers = []
 
 
 def query_length(arg) -> int:
-    """``get_mask_sizes`` takes the query length (5.x late) or a ``cache_position`` tensor (earlier)."""
+    """``get_mask_sizes`` takes the query length (5.4.0 on) or a ``cache_position`` tensor (before)."""
     if isinstance(arg, torch.Tensor):
         return int(arg.shape[0])
     return int(arg)

@@ -35,7 +35,7 @@ class TorchAttentionPlan:
     context_len: int  # L: the longest sequence
     num_ctx_blocks: int
     q_index: torch.Tensor | None  # [S, Q] int64 into the packed queries; None for decode
-    q_valid: torch.Tensor | None  # [S, Q] bool
+    q_valid: torch.Tensor | None  # [S * Q] int64: flat positions of the real query slots
     mask: torch.Tensor | None  # [S, 1, Q, L] bool; None when every query sees its whole (equal-length) context
     kv_valid: torch.Tensor | None = None  # [S, L, 1, 1] bool: slots holding a token (others zeroed: may be NaN)
 
@@ -66,14 +66,15 @@ def plan_torch_attention(
         queries = max_query_len
         offs = torch.arange(queries, device=device)
         q_index = (query_start_loc[:-1].to(torch.long)[:, None] + offs).clamp(max=max(num_tokens - 1, 0))
-        q_valid = offs[None, :] < q_lens[:, None]
+        valid = offs[None, :] < q_lens[:, None]
+        q_valid = valid.flatten().nonzero().flatten()
     q_pos = (seq_lens_l - q_lens)[:, None] + torch.arange(queries, device=device)  # [S, Q]
     kv_pos = torch.arange(max_seq_len, device=device)
     mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # [S, Q, L]
     if sliding_window is not None:
         mask &= kv_pos[None, None, :] > (q_pos[:, :, None] - sliding_window)
     if q_valid is not None:
-        mask |= ~q_valid[:, :, None]  # padded query slots: any finite row, discarded afterwards
+        mask |= ~valid[:, :, None]  # padded query slots: any finite row, discarded afterwards
     return TorchAttentionPlan(tables, max_seq_len, num_ctx_blocks, q_index, q_valid, mask[:, None])
 
 
@@ -112,7 +113,10 @@ def paged_attention_torch(
     if plan.kv_valid is not None:
         keys, values = keys.masked_fill(~plan.kv_valid, 0), values.masked_fill(~plan.kv_valid, 0)
 
-    q = query.unsqueeze(1) if plan.q_index is None else query[plan.q_index]  # [S, Q, Hq, D]
+    if plan.q_index is None:
+        q = query.unsqueeze(1)  # [S, 1, Hq, D]
+    else:  # index_select: advanced indexing is many times slower on CPU
+        q = query.index_select(0, plan.q_index.flatten()).view(*plan.q_index.shape, num_q_heads, head_dim)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         keys.transpose(1, 2).to(q.dtype),
@@ -123,4 +127,4 @@ def paged_attention_torch(
     ).transpose(1, 2)  # [S, Q, Hq, D]
     if plan.q_index is None:
         return out.reshape(num_tokens, num_q_heads, head_dim)
-    return out[plan.q_valid]
+    return out.reshape(-1, num_q_heads, head_dim).index_select(0, plan.q_valid)
