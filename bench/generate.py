@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import json
 import math
 import platform
@@ -41,7 +42,12 @@ from hf_paged.progress import GenerationProgress  # noqa: E402
 from hf_paged.report import dynamic_cache_bytes, format_table, kv_bytes_per_token, mb, real_kv_tokens  # noqa: E402
 
 DYNAMIC, CB = "DynamicCache", "continuous batching"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 VLLM_SAVINGS = {"beam search": "37-66%", "parallel sampling": "6-30%"}  # Kwon et al., SOSP 2023
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' if n != 1 else ''}"
 
 
 def paged_name(backend: str) -> str:
@@ -133,13 +139,18 @@ class ContinuousBatching:
         from transformers.generation import ContinuousBatchingConfig
 
         blocks_per_request = math.ceil((max(map(len, prompts)) + max_new_tokens) / page_size)
-        self.config = ContinuousBatchingConfig(
+        wanted = dict(
             page_size=page_size,
             num_blocks=len(prompts) * (blocks_per_request + 1),
             max_batch_tokens=max(sum(map(len, prompts)), 64),
             allow_block_sharing=False,
             auto_switch_to_flash=False,  # keep the model on sdpa, as the generate() runs are
         )
+        fields = inspect.signature(ContinuousBatchingConfig).parameters
+        if "page_size" not in fields:  # before 5.17 the page was called block_size
+            wanted["block_size"] = wanted.pop("page_size")
+        self.config = ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in fields})
+        self.num_blocks = wanted["num_blocks"]
         generation_config = copy.deepcopy(model.generation_config)
         generation_config.do_sample = False
         generation_config.max_new_tokens = max_new_tokens
@@ -190,9 +201,9 @@ def section_greedy(model, tokenizer, args, backends: list[str]) -> dict:
     prompts = [ids[m.bool()].tolist() for ids, m in zip(inputs["input_ids"], mask)]
     eos = model.generation_config.eos_token_id
     per_token = kv_bytes_per_token(model.config, model.dtype)
-    print(f"\n== 1. Greedy batch: {args.batch_size} chat prompts ({int(mask.sum())} real tokens padded to "
+    print(f"\n== 1. Greedy batch: {plural(args.batch_size, 'chat prompt')} ({int(mask.sum())} real tokens padded to "
           f"{prompt_columns} columns) x {args.max_new_tokens} new tokens, {model.dtype}, block size "
-          f"{args.block_size}, {args.repeats} rounds alternated ==", flush=True)
+          f"{args.block_size}, {plural(args.repeats, 'round')} alternated ==", flush=True)
 
     contenders = [DYNAMIC] + [paged_name(b) for b in backends] + [CB]
     try:
@@ -211,10 +222,14 @@ def section_greedy(model, tokenizer, args, backends: list[str]) -> dict:
         return {"out": out, "seconds": seconds, "trace": trace, "cache": cache,
                 "generated": sum(generated_lengths(out, prompt_columns, eos))}
 
-    for name in contenders:  # untimed: first-call costs (allocator growth, Triton compiles, CB's cache)
-        one_run(name, 2, f"warm-up {name}")
     runs: dict[str, list[dict]] = {name: [] for name in contenders}
     errors: dict[str, str] = {}
+    for name in contenders:  # untimed: first-call costs (allocator growth, Triton compiles, CB's cache)
+        try:
+            one_run(name, 2, f"warm-up {name}")
+        except Exception as err:
+            errors[name] = f"{type(err).__name__}: {err}"
+            print(f"{name} failed: {errors[name]}", flush=True)
     for round_ in range(args.repeats):
         for name in contenders:
             if name in errors:
@@ -246,13 +261,15 @@ def section_greedy(model, tokenizer, args, backends: list[str]) -> dict:
             equal[name] = "yes" if same else "NO"
 
     median_s = {n: statistics.median(r["seconds"] for r in runs[n]) for n in contenders if runs[n]}
+    best_s = {n: min(r["seconds"] for r in runs[n]) for n in median_s}
     tok_s = {n: statistics.median(r["generated"] / r["seconds"] for r in runs[n]) for n in median_s}
     speed_rows = [[n, " ".join(f"{r['seconds']:.1f}" for r in runs[n]), median_s[n], tok_s[n],
-                   f"{tok_s[n] / tok_s[DYNAMIC]:.2f}x", equal[n]] for n in median_s]
-    print(format_table(["contender", "runs (s)", "median s", "tokens/s", "vs DynamicCache", "tokens equal"],
-                       speed_rows))
-    print(f"tokens/s: median over rounds of (generated tokens up to EOS, {runs[DYNAMIC][-1]['generated']}) / "
-          "seconds; runs alternated D, P, ..., CB within each round.")
+                   f"{tok_s[n] / tok_s[DYNAMIC]:.2f}x", f"{best_s[DYNAMIC] / best_s[n]:.2f}x", equal[n]]
+                  for n in median_s]
+    print(format_table(["contender", "runs (s)", "median s", "tokens/s", "vs DynamicCache", "best vs best",
+                        "tokens equal"], speed_rows))
+    print(f"tokens/s: median over rounds of generated tokens up to EOS ({runs[DYNAMIC][-1]['generated']}) / "
+          "seconds; runs alternated D, P, ..., CB within each round; best vs best: fastest runs' time ratio.")
     for name, err in errors.items():
         print(f"{name}: FAILED ({err})")
 
@@ -265,17 +282,19 @@ def section_greedy(model, tokenizer, args, backends: list[str]) -> dict:
         if name.startswith("PagedCache") and runs[name]:
             stats = runs[name][-1]["cache"].memory_stats()
             kv_rows.append([name, mb(stats.peak_bytes_in_use), mb(stats.bytes_in_use), mb(stats.bytes_reserved),
-                            f"{real * per_token / stats.peak_bytes_in_use:.0%}"])
+                            f"{stats.utilization:.0%}"])
             kv[name] = {"peak_bytes": stats.peak_bytes_in_use, "end_bytes": stats.bytes_in_use,
-                        "reserved_bytes": stats.bytes_reserved, "peak_blocks_in_use": stats.peak_blocks_in_use}
+                        "reserved_bytes": stats.bytes_reserved, "peak_blocks_in_use": stats.peak_blocks_in_use,
+                        "tokens_stored_at_end": stats.tokens_stored, "utilization_at_end": stats.utilization}
     if cb_reserved is not None:
         kv_rows.append([CB, "-", "-", mb(cb_reserved), "-"])
         kv[CB] = {"reserved_bytes": cb_reserved}
     print()
-    print(format_table(["cache", "KV peak", "KV at end", "KV reserved", "real tokens / peak"], kv_rows))
-    print(f"real KV tokens at the end: {real:,} ({mb(real * per_token)}); DynamicCache keeps padding and finished "
-          f"rows, PagedCache gives finished rows' blocks back. Continuous batching: a pool of "
-          f"{cb.config.num_blocks if cb else '-'} pages x {args.block_size} tokens sized by this script.")
+    print(format_table(["cache", "KV peak", "KV at end", "KV reserved", "used at end"], kv_rows))
+    print(f"real KV tokens at the end, finished rows included: {real:,} ({mb(real * per_token)}). DynamicCache keeps "
+          "padding and finished rows; PagedCache gives finished rows' blocks back (used: tokens stored / block slots "
+          f"in use; DynamicCache: real tokens / tokens held). Continuous batching: a pool of {cb.num_blocks if cb else '-'} pages x "
+          f"{args.block_size} tokens, sized by this script.")
 
     result = {
         "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "block_size": args.block_size,
@@ -291,11 +310,14 @@ def section_greedy(model, tokenizer, args, backends: list[str]) -> dict:
     return result
 
 
-def real_kv_trace(sequences, prompt_mask, eos_token_id, steps: int, per_token: int) -> list[int]:
-    """Bytes of real tokens in the cache at each decoding step (step i holds the prompt and i-1 generated tokens)."""
+def real_kv_trace(sequences, prompt_mask, eos_token_id, steps: int, per_token: int) -> dict[str, list[int]]:
+    """Bytes of real tokens at each decoding step i (from 0: the cache then holds the prompt and i generated
+    tokens): of all rows, and of the rows still generating (a row whose EOS came at step i leaves after it)."""
     prompt = prompt_mask.sum(1).tolist()
     used = generated_lengths(sequences, prompt_mask.shape[1], eos_token_id)
-    return [per_token * sum(p + min(i, u) for p, u in zip(prompt, used)) for i in range(steps)]
+    rows = list(zip(prompt, used))
+    return {"all rows": [per_token * sum(p + min(i, u) for p, u in rows) for i in range(steps)],
+            "unfinished rows": [per_token * sum(p + i for p, u in rows if i < u) for i in range(steps)]}
 
 
 # ----------------------------------------------------------------------------------------------------- section 2
@@ -305,7 +327,7 @@ def section_sharing(model, tokenizer, args, backends: list[str]) -> dict:
     prompt_columns = inputs["input_ids"].shape[1]
     eos = model.generation_config.eos_token_id
     bs = args.block_size
-    print(f"\n== 2. Sharing: {args.sharing_prompts} chat prompts x {args.sharing_tokens} new tokens, 4 beams / "
+    print(f"\n== 2. Sharing: {plural(args.sharing_prompts, 'chat prompt')} x {args.sharing_tokens} new tokens, 4 beams / "
           f"4 samples per prompt (seed {args.seed}); PagedCache shares prompt blocks between a prompt's rows ==",
           flush=True)
     modes = {
@@ -317,6 +339,7 @@ def section_sharing(model, tokenizer, args, backends: list[str]) -> dict:
         outs = {}
         for name in [DYNAMIC] + [paged_name(b) for b in backends]:
             set_contender(model, name)
+            run_generate(model, inputs, new_cache(model, name, bs), 2, f"warm-up {mode} {name}", **gen_kwargs)
             cache = new_cache(model, name, bs)
             torch.manual_seed(args.seed)
             out, seconds, _ = run_generate(model, inputs, cache, args.sharing_tokens, f"{mode} {name}", **gen_kwargs)
@@ -347,7 +370,7 @@ def section_sharing(model, tokenizer, args, backends: list[str]) -> dict:
                                   "peak_blocks_in_use": stats.peak_blocks_in_use, "saving_vs_unshared": saving,
                                   "seconds": seconds}
     print(format_table(["workload", "cache", "tokens equal", "KV peak", "vs DynamicCache", "blocks / unshared",
-                        "saved by sharing", "s"], rows))
+                        "saved by sharing", "s (1 run)"], rows))
     print("DynamicCache: bytes held at the end (its peak). Unshared: sum over rows of ceil(row KV tokens / "
           f"{bs}), what a paged cache without sharing needs. vLLM paper's sharing savings: "
           + ", ".join(f"{k} {v}" for k, v in VLLM_SAVINGS.items()) + " (longer outputs, so prompts weigh less there).")
@@ -364,8 +387,8 @@ def plot_traces(greedy: dict, directory: str, args) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, trace in greedy["traces"].items():
         ax.plot(range(len(trace)), [b / 1e6 for b in trace], label=name)
-    real = greedy["real_trace"]
-    ax.plot(range(len(real)), [b / 1e6 for b in real], "k--", linewidth=1, label="real tokens")
+    for (rows, trace), style in zip(greedy["real_trace"].items(), ("k--", "k:")):
+        ax.plot(range(len(trace)), [b / 1e6 for b in trace], style, linewidth=1, label=f"real tokens, {rows}")
     ax.set_xlabel("decoding step")
     ax.set_ylabel("KV bytes held (MB)")
     ax.set_title(f"KV memory in generate(): {args.batch_size} prompts x {args.max_new_tokens} new tokens, greedy")
@@ -391,6 +414,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backends", default=None,
                    help="PagedCache backends, comma separated (default: torch, plus triton when CUDA is available)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="model dtype (default fp32)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 prompts x 16 tokens, 1 round")
     p.add_argument("--plots", metavar="DIR", default=None, help="write DIR/kv_over_steps.png")
@@ -413,7 +437,7 @@ def main(argv=None) -> int:
     print(f"machine: {machine()}")
     print(f"model: {args.model or 'embedded SmolLM2-135M-Instruct'} on {device}; PagedCache backends: "
           f"{', '.join(backends)}", flush=True)
-    model, tokenizer = embedded.load(args.model)
+    model, tokenizer = embedded.load(args.model, dtype=DTYPES[args.dtype])
     model.to(device)
 
     greedy = section_greedy(model, tokenizer, args, backends)

@@ -45,7 +45,7 @@ else
     # Append every site directory the main venv sees (its own and, with --system-site-packages, the system's), .pth
     # files included (so its editable hf_paged install applies here too). Appended, so this venv's packages win.
     main_sites=$("$MAIN_PY" -c "import sys; print(repr([p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))]))")
-    echo "import site; [site.addsitedir(p) for p in $main_sites]" > "$site_dir/zz_hf_paged_main_venv.pth"
+    echo "import site; list(map(site.addsitedir, $main_sites))" > "$site_dir/zz_hf_paged_main_venv.pth"
     # With the main venv visible pip installs only what it lacks or holds at other versions, into $OLD
     # (pip never uninstalls from outside the environment it installs into).
     "$OLD/bin/python" -m pip install -q --disable-pip-version-check "${PINS[@]}"

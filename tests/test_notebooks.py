@@ -7,6 +7,7 @@ Each notebook executes in a fresh ipykernel started on the Python running the te
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -62,6 +63,9 @@ def images_in(nb) -> int:
 def quick_env(monkeypatch):
     monkeypatch.setenv("HF_PAGED_NB_QUICK", "1")
     monkeypatch.delenv("MPLBACKEND", raising=False)  # let ipykernel choose the inline backend: plots become outputs
+    # One intra-op thread unless told otherwise: on a busy shared CPU, OpenMP threads waiting on each other made the
+    # same notebook 3-10x slower and its runtime erratic; alone on a machine, one thread costs far less than that.
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
 
 
 def test_notebooks_match_build_script():
