@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup demo test test-fast bench notebooks clean
+.PHONY: setup demo test test-oldest bench clean
 
 setup: $(VENV)/.ready
 
@@ -23,6 +23,10 @@ demo: setup
 
 test: setup
 	bash scripts/test.sh $(PY)
+
+# The end-to-end equality tests again on the oldest supported transformers (a second venv sharing torch).
+test-oldest: setup
+	OLDEST_VENV=$(VENV)-oldest bash scripts/test_oldest.sh $(VENV)
 
 bench: setup
 	$(PY) bench/generate.py $(ARGS)

@@ -1,7 +1,8 @@
 """Every difference between supported transformers releases lives here.
 
 Supported: 4.56.0 (``MIN_TRANSFORMERS``) up to, not including, 6.0. Tested end to end on 4.56.0
-(``scripts/test_oldest.sh``) and the release the main venv pins; 4.57.6, 5.0.0, 5.4.0 and 5.23.0 were checked by hand.
+(``scripts/test_oldest.sh``) and the release the main venv pins; 4.57.6, 5.0.0, 5.4.0 and 5.23.0
+(and 4.55.4, which fails: see below) were run through the same tests by hand.
 What changed inside that range, and where this module absorbs it:
 
 - 4.56.0: ``Cache(layers=...)`` / ``DynamicCache(config=...)`` appear (4.55 built caches from ``layer_classes`` and
@@ -30,6 +31,10 @@ MIN_TRANSFORMERS = Version("4.56.0")
 CACHE_RENAMED = TRANSFORMERS_VERSION >= Version("5.24.0")
 GENERATE_CACHE_KWARG = "cache" if CACHE_RENAMED else "past_key_values"
 FORWARD_CACHE_KWARG = GENERATE_CACHE_KWARG  # model(**inputs, **{FORWARD_CACHE_KWARG: cache})
+
+# A model directory saved by transformers 5 (tokenizer_class "TokenizersBackend") does not load in 4.x: directories
+# this package saves (the embedded model's conversion) get this suffix so the two majors never share one.
+SAVED_DIR_SUFFIX = "" if TRANSFORMERS_VERSION.major >= 5 else "-transformers4"
 
 # Names the decoder's forward has used for the cache argument, newest first.
 CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")

