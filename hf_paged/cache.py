@@ -299,6 +299,19 @@ class PagedCache(Cache):
         if done_rows and len(done_rows) + len(self._released) < len(self._rows):
             self.release_rows(done_rows)
 
+    def block_tables(self) -> list[list[int] | None]:
+        """Each batch row's block table (physical block per logical block; -1: slid out of the window), or
+        ``None`` for a row that finished and was released."""
+        a = self.pool.allocator
+        with self.pool.lock:
+            return [None if row in self._released else list(a.block_table(seq)) for row, seq in enumerate(self._rows)]
+
+    def seq_lens(self) -> list[int | None]:
+        """Tokens each batch row holds in the pool (its real tokens, padding excluded); ``None`` if released."""
+        a = self.pool.allocator
+        with self.pool.lock:
+            return [None if row in self._released else a.seq_len(seq) for row, seq in enumerate(self._rows)]
+
     def memory_stats(self, all_ranks: bool = False) -> MemoryStats:
         """Figures for this cache's rows, with the pool's size and peak (see :class:`MemoryStats`).
 

@@ -155,12 +155,14 @@ class Run:
 
     @property
     def waste(self) -> float:
-        return 1.0 - float(self.real.sum()) / float(self.held.sum())
+        held = float(self.held.sum())
+        return 1.0 - float(self.real.sum()) / held if held else float("nan")
 
     @property
     def held_over_real(self) -> float:
         """KV held relative to the ideal that holds only real tokens (1 / (1 - waste))."""
-        return float(self.held.sum()) / float(self.real.sum())
+        real = float(self.real.sum())
+        return float(self.held.sum()) / real if real else float("nan")
 
     @property
     def capacity(self) -> float | None:

@@ -201,18 +201,14 @@ for answer in tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip
 only real tokens: a row's length in the allocator is its real prompt plus the tokens fed back so far (the last
 generated token has not been through the model yet). Its block table lists the physical blocks, in logical order.
 A row that finished is released: its blocks went back to the free list as soon as it ended.
-
-(`cache._rows`, the allocator sequence of each batch row, is private: see the note at the end.)
 """),
     code("""
-allocator = cache.pool.allocator
 width = inputs["input_ids"].shape[1]
 rows = []
-for row, seq in enumerate(cache._rows):
+for row, (table, length) in enumerate(zip(cache.block_tables(), cache.seq_lens())):
     real_prompt = int(inputs["attention_mask"][row].sum())
-    if seq in allocator.sequences:
-        table = allocator.block_table(seq)
-        rows.append([row, real_prompt, width - real_prompt, allocator.seq_len(seq), len(table), str(table)])
+    if table is not None:
+        rows.append([row, real_prompt, width - real_prompt, length, len(table), str(table)])
     else:
         rows.append([row, real_prompt, width - real_prompt, "released", 0, "-"])
 print(f"generate()'s view: {len(rows)} rows x {cache.get_seq_length()} columns ({width} prompt columns + new tokens)")
@@ -294,10 +290,6 @@ owner, position = block_map.gather(request)
 print(f"request {request}: {block_map.lens[request]} tokens in physical blocks {block_map.tables[request]}")
 print(f"every slot read back belongs to it: {set(owner.tolist()) == {request + 1}}; "
       f"positions in order: {bool((position == np.arange(block_map.lens[request])).all())}")
-"""),
-    md("""
-*Note.* The table in part 1 reads `cache._rows`, a private list mapping batch rows to allocator sequences. A public
-`PagedCache.block_tables()` (one list per row, `None` for released rows) would make this a one-liner.
 """),
 ]
 

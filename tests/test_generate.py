@@ -143,6 +143,9 @@ def test_finished_rows_give_blocks_back():
     out_release = generate(model, inputs, release, max_new_tokens=14)
     assert torch.equal(out_keep, expected) and torch.equal(out_release, expected)
     assert release._released == {0}
+    tables, lens = release.block_tables(), release.seq_lens()
+    assert tables[0] is None and lens[0] is None
+    assert all(len(t) == math.ceil(n / 2) for t, n in zip(tables[1:], lens[1:]))
     assert release.memory_stats().blocks_in_use < keep.memory_stats().blocks_in_use
     assert release.memory_stats().num_sequences == 2
     release.pool.allocator.check_invariants()
