@@ -74,6 +74,10 @@ class BlockPool:
 
     def bind_layer(self, layer_idx: int, num_layers: int, key: torch.Tensor) -> None:
         """Record (or check) layer ``layer_idx``'s shape from its first key tensor ``[B, Hkv, S, D]``."""
+        known = self.layer_shapes.get(layer_idx)
+        if (known is not None and known.num_kv_heads == key.shape[1] and known.head_dim == key.shape[3]
+                and known.dtype == key.dtype and known.device == key.device):
+            return
         shape = LayerShape(key.shape[1], key.shape[3], key.dtype, key.device)
         known = self.layer_shapes.get(layer_idx)
         if known is not None:

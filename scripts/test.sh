@@ -2,7 +2,7 @@
 # Runs the test suite with the given Python (default: .venv/bin/python). Exit code 5 (no tests collected) fails.
 set -uo pipefail
 PY=${1:-.venv/bin/python}
-export TRITON_INTERPRET=1 PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1  # tests/conftest.py turns the Triton interpreter on where there is no CUDA
 "$PY" -m pytest -q tests
 status=$?
 if [ "$status" -eq 5 ]; then echo "no tests were collected: treating as failure" >&2; exit 1; fi

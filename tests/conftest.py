@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import warnings
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():  # the Triton kernels run in the CPU interpreter; on a GPU they run for real
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
-import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from hf_paged import compat

@@ -36,10 +36,10 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def triton_available() -> bool:
     """Whether the Triton kernels can run here (a CUDA device, or the CPU interpreter via TRITON_INTERPRET=1)."""
     try:
-        from . import triton_kernels  # noqa: F401
+        from . import triton_kernels
     except Exception:
         return False
-    return True
+    return torch.cuda.is_available() or triton_kernels._INTERPRETED
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
