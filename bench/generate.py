@@ -39,7 +39,7 @@ from hf_paged import compat, embedded  # noqa: E402
 from hf_paged.attention import disable_paged_attention, enable_paged_attention  # noqa: E402
 from hf_paged.cache import PagedCache  # noqa: E402
 from hf_paged.progress import GenerationProgress  # noqa: E402
-from hf_paged.report import dynamic_cache_bytes, format_table, kv_bytes_per_token, mb, real_kv_tokens  # noqa: E402
+from hf_paged.report import cpu_name, dynamic_cache_bytes, format_table, kv_bytes_per_token, mb, real_kv_tokens  # noqa: E402
 
 DYNAMIC, CB = "DynamicCache", "continuous batching"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -55,14 +55,7 @@ def paged_name(backend: str) -> str:
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"
     return (f"{cpu} ({platform.processor() or platform.machine()}), torch threads {torch.get_num_threads()}{gpu}; "
             f"Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}")

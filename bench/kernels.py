@@ -112,7 +112,6 @@ def bench_decode(args, do_bench, choose_num_kv_splits, paged_attention_triton, d
                 paged_pct_peak=100 * moved / t_paged / 1e9 / args.peak_gbps,
                 paged_over_sdpa=t_paged / t_sdpa, max_abs_diff=max_diff,
             ))
-            del data
             torch.cuda.empty_cache()
     return rows
 
@@ -152,7 +151,6 @@ def bench_prefill(args, do_bench, paged_attention_triton, device) -> list[dict]:
             paged_tflops=flops / t_paged / 1e12, sdpa_tflops=flops / t_sdpa / 1e12,
             paged_over_sdpa=t_paged / t_sdpa, max_abs_diff=max_diff,
         ))
-        del data
         torch.cuda.empty_cache()
     return rows
 

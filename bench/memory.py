@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_paged import parse_memory  # noqa: E402
+from hf_paged.report import cpu_name  # noqa: E402
 from hf_paged.simulate import (  # noqa: E402
     ALPACA, SHAREGPT, SMOLLM2_135M, batch_memory_trace, block_map_snapshot, format_bytes, format_table,
     plot_block_map, plot_memory_over_steps, plot_waste_vs_block_size, sample_workload, simulate_workload,
@@ -37,14 +38,7 @@ WORKLOADS = [(SHAREGPT, 1000, "3GiB"), (ALPACA, 2000, "512MiB")]  # (lengths, de
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     return f"{cpu}, Python {platform.python_version()}"
 
 

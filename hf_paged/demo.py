@@ -13,7 +13,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from . import compat, embedded
+from . import compat, embedded, ops
 from .attention import disable_paged_attention, enable_paged_attention
 from .cache import PagedCache
 from .progress import GenerationProgress
@@ -56,7 +56,7 @@ def run(model_path=None, batch_size: int = 8, max_new_tokens: int = 64, block_si
     rows = [
         ["DynamicCache", mb(dyn_bytes), mb(dyn_bytes), mb(dyn_bytes), f"{real * per_token / dyn_bytes:.0%}",
          batch_size * new_tokens / t_dynamic, 1.0],
-        [f"PagedCache (block {block_size}, {paged._backend})", mb(stats.bytes_reserved),
+        [f"PagedCache (block {block_size}, {ops.resolve_backend(paged._backend, model.device)})", mb(stats.bytes_reserved),
          mb(stats.peak_bytes_in_use), mb(stats.bytes_in_use), f"{stats.utilization:.0%}",
          batch_size * new_tokens / t_paged, t_dynamic / t_paged],
     ]

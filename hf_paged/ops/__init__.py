@@ -27,7 +27,8 @@ import torch
 
 from .reference import copy_blocks_torch, paged_attention_torch, plan_torch_attention, write_kv_torch
 
-__all__ = ["paged_attention", "write_kv", "copy_blocks", "resolve_backend", "BACKENDS", "triton_available"]
+__all__ = ["paged_attention", "write_kv", "copy_blocks", "plan_torch_attention", "resolve_backend", "BACKENDS",
+           "triton_available"]
 
 BACKENDS = ("auto", "torch", "triton")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
