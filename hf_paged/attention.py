@@ -61,8 +61,9 @@ def _paged_forward(module, query, attention_mask, scaling, kwargs, cache: PagedC
 def _make_attention(original: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         cache = active_cache()
-        if cache is not None and cache._mode == "paged":
+        if cache is not None and cache._mode == "paged" and not cache._step.no_history:
             return _paged_forward(module, query, attention_mask, scaling, kwargs, cache)
+        # No cache, another cache, or a first prefill (its K/V are already in the pool; nothing to read back).
         fallback = compat.attention_function(original, module._hf_paged_eager)
         return fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
@@ -73,7 +74,8 @@ def _make_mask(original: str):
     original_mask = compat.mask_function(original)
 
     def mask(*args, **kwargs):
-        if active_cache() is not None:
+        cache = active_cache()
+        if cache is not None and cache.is_initialized:
             return None  # the paged path knows causality and padding from the block tables
         return original_mask(*args, **kwargs)
 

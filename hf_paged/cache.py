@@ -31,6 +31,7 @@ class StepMetadata:
     copy_src: torch.Tensor | None = None  # [num_copies] int64, copy-on-write
     copy_dst: torch.Tensor | None = None
     gather_slots: torch.Tensor | None = None  # [B, L] int64, gathered mode only
+    no_history: bool = False  # a first prefill: the model's own attention on the fresh K/V gives the same result
     _on_device: dict = field(default_factory=dict)
     _plans: dict = field(default_factory=dict)
 
@@ -56,7 +57,7 @@ class StepMetadata:
             moved = {n: (getattr(self, n).to(device, non_blocking=True) if getattr(self, n) is not None else None)
                      for n in self._TENSORS}
             cached = StepMetadata(self.batch_size, self.query_len, max_query_len=self.max_query_len,
-                                  max_seq_len=self.max_seq_len, **moved)
+                                  max_seq_len=self.max_seq_len, no_history=self.no_history, **moved)
             self._on_device[device] = cached
         return cached
 
@@ -420,6 +421,7 @@ class PagedCache(Cache):
         plan_rows = [row for row in range(batch) if row not in self._released]
         self._step = _build_metadata(plan, plan_rows, tables, lens, counts, real, alias, batch, query_len,
                                      a.block_size, gathered=mode == "gathered")
+        self._step.no_history = fresh
 
 
 def _real_columns(pending: dict | None, batch: int, query_len: int) -> torch.Tensor | None:
