@@ -96,14 +96,7 @@ class BlockAllocator:
 
     def blocks_needed(self, seq: int, num_tokens: int) -> int:
         """Blocks an append of ``num_tokens`` to ``seq`` would take from the free list."""
-        if num_tokens <= 0:
-            return 0
-        table, length = self._tables[seq], self._lens[seq]
-        bs = self.block_size
-        new = -(-(length + num_tokens) // bs) - -(-length // bs)
-        last = table[length // bs] if length % bs else None
-        cow = last is not None and self._refcount[last] > 1
-        return new + int(cow)
+        return self.blocks_needed_for([(self._check_seq(seq), num_tokens)])
 
     def blocks_needed_for(self, requests: list[tuple[int, int]]) -> int:
         """Blocks a batched append takes: new blocks, plus copies of shared partly filled last blocks, where the

@@ -75,20 +75,17 @@ class BlockPool:
     def bind_layer(self, layer_idx: int, num_layers: int, key: torch.Tensor) -> None:
         """Record (or check) layer ``layer_idx``'s shape from its first key tensor ``[B, Hkv, S, D]``."""
         known = self.layer_shapes.get(layer_idx)
-        if (known is not None and known.num_kv_heads == key.shape[1] and known.head_dim == key.shape[3]
-                and known.dtype == key.dtype and known.device == key.device):
-            return
-        shape = LayerShape(key.shape[1], key.shape[3], key.dtype, key.device)
-        known = self.layer_shapes.get(layer_idx)
-        if known is not None:
-            if known != shape:
+        if known is not None:  # every step of every layer: compare fields, build nothing
+            if (known.num_kv_heads, known.head_dim, known.dtype, known.device) != (
+                    key.shape[1], key.shape[3], key.dtype, key.device):
                 raise ValueError(
                     f"layer {layer_idx} of this KV pool holds {known.num_kv_heads} KV heads x {known.head_dim} "
-                    f"({known.dtype}, {known.device}) but got keys with {shape.num_kv_heads} x {shape.head_dim} "
-                    f"({shape.dtype}, {shape.device}). The cache was built for a different model, dtype or device: "
-                    "create a new PagedCache for this model, or reset() it."
+                    f"({known.dtype}, {known.device}) but got keys with {key.shape[1]} x {key.shape[3]} "
+                    f"({key.dtype}, {key.device}). The cache was built for a different model, dtype or device; a "
+                    "pool serves one model shape: create a new PagedCache(model.config) for this model."
                 )
             return
+        shape = LayerShape(key.shape[1], key.shape[3], key.dtype, key.device)
         with self.lock:
             if self.num_layers is None:
                 self.num_layers = num_layers

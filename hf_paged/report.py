@@ -34,7 +34,7 @@ def dynamic_cache_bytes(cache) -> int:
                for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
 
 
-def format_table(headers: list[str], rows: list[list], align: str | None = None) -> str:
+def format_table(headers: list[str], rows: list[list]) -> str:
     """A plain-text table with right-aligned numbers."""
     cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else _fmt(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
