@@ -1,4 +1,5 @@
-"""``python -m hf_paged demo`` runs the main job; ``python -m hf_paged convert`` only prepares the embedded model."""
+"""``python -m hf_paged demo`` runs the main job; ``python -m hf_paged convert`` only prepares the embedded model;
+``python -m hf_paged models`` lists the supported model types."""
 
 from __future__ import annotations
 
@@ -12,12 +13,17 @@ def main(argv=None) -> int:
         from .demo import main as demo
 
         return demo(argv)
+    if command == "models":
+        from .patches import format_models_table
+
+        print(format_models_table())
+        return 0
     if command == "convert":
         from .embedded import local_model_dir
 
         print(local_model_dir())
         return 0
-    print("usage: python -m hf_paged [demo|convert] [options]  (demo --help for its options)", file=sys.stderr)
+    print("usage: python -m hf_paged [demo|convert|models] [options]  (demo --help for its options)", file=sys.stderr)
     return 2
 
 

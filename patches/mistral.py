@@ -1,11 +1,13 @@
-"""Mistral: Llama's layout plus a sliding window, which its attention passes as ``sliding_window=``."""
+"""Mistral-shaped families: Llama's layout plus ``sliding_window=config.sliding_window`` on every layer.
 
-from transformers.models.mistral import modeling_mistral
+Their attention reads the window from the config directly (``layer_types`` is ignored); ``None`` = full attention.
+Qwen3-MoE's config sets ``sliding_window`` to ``None`` unless ``use_sliding_window``.
+"""
 
-from . import ModelPatch, base_decoder
+from . import ModelPatch
+from .windows import config_window
 
-PATCH = ModelPatch(
-    model_types=("mistral",),
-    eager_attention=modeling_mistral.eager_attention_forward,
-    decoder=base_decoder,
-)
+PATCHES = [
+    ModelPatch((model_type,), model_type, features=("sliding_window",), window=config_window)
+    for model_type in ("mistral", "mixtral", "phi3", "starcoder2", "qwen3_moe")
+]

@@ -1,0 +1,77 @@
+"""Which sliding window each decoder layer's attention uses, exactly as the model's attention decides it.
+
+The value is the one the attention passes as ``sliding_window=W``: a query attends to the last ``W`` positions,
+itself included (transformers' mask keeps ``kv_idx > q_idx - W``; ``hf_paged.ops`` reads ``W`` the same way).
+transformers' ``DynamicSlidingWindowLayer(sliding_window=W)`` holds the same ``W`` but keeps only ``W - 1`` tokens
+between steps: the new token completes the window.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+WindowRule = Callable[[object, int], "int | None"]
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def text_config(config):
+    """The decoder's config (a multimodal config's text part; the config itself otherwise)."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if get is not None else config
+
+
+def layer_config(config, layer_idx: int):
+    """The config a layer is built from: its own under transformers' heterogeneous configs, the shared one otherwise."""
+    if getattr(config, "is_heterogeneous", False):
+        return config.per_layer_config[layer_idx]
+    return config
+
+
+def layer_types(config) -> list[str] | None:
+    types = getattr(config, "layer_types", None)
+    return list(types) if types is not None else None
+
+
+def no_window(config, layer_idx: int) -> None:
+    """Llama-shaped attention: never passes a window."""
+    return None
+
+
+def config_window(config, layer_idx: int) -> int | None:
+    """Mistral-shaped attention: ``config.sliding_window`` on every layer (``layer_types`` is not read)."""
+    return getattr(layer_config(config, layer_idx), "sliding_window", None)
+
+
+def layer_types_window(config, layer_idx: int) -> int | None:
+    """Gemma2/3-, Qwen2-, gpt-oss-shaped attention: the window on ``"sliding_attention"`` layers only."""
+    types = layer_types(config)
+    if types is None:
+        return config_window(config, layer_idx)
+    if types[layer_idx] != "sliding_attention":
+        return None
+    return getattr(layer_config(config, layer_idx), "sliding_window", None)
+
+
+def num_layers(config) -> int:
+    types = layer_types(config)
+    return int(getattr(config, "num_hidden_layers", None) or (len(types) if types else 0))
+
+
+def layer_windows(config) -> list[int | None]:
+    """Per decoder layer, the ``sliding_window`` its attention passes (``None`` = full attention).
+
+    Uses the family's rule (:class:`~hf_paged.patches.ModelPatch` ``window``); for a model type no patch
+    describes, ``config.layer_types`` when present, else ``config.sliding_window`` on every layer.
+    The cache keeps one block table per group of layers with the same window.
+
+    Example: ``layer_windows(Gemma3TextConfig(num_hidden_layers=6, sliding_window=512))``
+    -> ``[512, 512, 512, 512, 512, None]``.
+    """
+    from . import _registry
+
+    config = text_config(config)
+    patch = _registry().get(getattr(config, "model_type", None))
+    rule = patch.window if patch is not None else layer_types_window
+    windows = [rule(config, i) for i in range(num_layers(config))]
+    return [int(w) if w is not None else None for w in windows]
