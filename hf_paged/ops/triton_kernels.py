@@ -17,6 +17,20 @@ Both attention kernels share ``_attend_kv_range``: block ids are loaded as a vec
 tile size is independent of ``block_size`` (a tile may span several blocks or part of one). Address arithmetic is
 done in int64, so pools past 2**31 elements do not overflow.
 
+Optional features, each a constexpr switch so a kernel built without it carries none of its code:
+
+* ``USE_SOFTCAP`` (Gemma2): scores ``s * scale`` become ``softcap * tanh(s * scale / softcap)`` before the masks.
+* ``USE_SINKS`` (gpt-oss ``s_aux``): one logit per query head joins the softmax denominator and adds no value; with
+  split-KV it is added once, in ``_merge_splits_kernel``.
+* ``KV_FP8``: the pool holds float8 e4m3fn bits as uint8, with one float32 scale per KV head. Dequantizing is exact
+  (every e4m3 value is exact in fp16/bf16/fp32), and since a program reads a single KV head, the key scale is folded
+  into the score scale and the value scale into the final normalisation: one multiply per row, not per element.
+  ``FP8_NATIVE`` converts with Triton's ``float8e4nv`` (sm_89+); otherwise by bit manipulation (sm_80, and the
+  interpreter's write, whose fp32 -> fp8 rounding does not carry into the exponent in Triton 3.9).
+
+``launch_choices`` is the one place that picks tile sizes, warps and stages; the launchers and the ahead-of-time build
+check (``hf_paged/kernel_check.py``) both call it.
+
 Runs on CUDA, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before this module is first
 imported: triton decides interpreter or compiler when the kernels are defined).
 """
@@ -24,6 +38,7 @@ imported: triton decides interpreter or compiler when the kernels are defined).
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,7 +48,7 @@ try:
 except ImportError as e:  # hf_paged.ops.triton_available() turns this into False
     raise ImportError("hf_paged's Triton kernels need the `triton` package: pip install triton") from e
 
-__all__ = ["paged_attention_triton", "write_kv_triton", "choose_num_kv_splits"]
+__all__ = ["paged_attention_triton", "write_kv_triton", "choose_num_kv_splits", "launch_choices", "LaunchChoice"]
 
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30  # "window" wider than any context: the window test is always true
@@ -43,6 +58,8 @@ _PROGRAMS_PER_SM = 2
 _MIN_KV_PER_SPLIT = 256
 _MAX_KV_SPLITS = 32
 _DEFAULT_NUM_SMS = 132  # H100/H200; used when there is no CUDA device to ask (the interpreter)
+_DEFAULT_CAPABILITY = 90  # compute capability assumed when there is no CUDA device to ask
+_FP8_MAX = 448.0  # largest finite float8 e4m3fn
 
 
 # Whether @triton.jit below builds interpreter functions: triton decides once, when this module is imported.
@@ -54,7 +71,7 @@ def _next_pow2(n: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Shared inner loop
+# Shared pieces
 # --------------------------------------------------------------------------------------------------------------------
 
 
@@ -66,6 +83,48 @@ def _dot(a, b, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _fp8_to_float(bits, FP8_NATIVE: tl.constexpr):
+    """uint8 float8-e4m3fn bits -> the exact fp32 value."""
+    if FP8_NATIVE:
+        x = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        # e4m3 (bias 7) placed in fp16 (bias 15) is the value times 2**-8, subnormals included; fp16 -> fp32 is exact.
+        b = bits.to(tl.int32)
+        half_bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+        x = half_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return x
+
+
+@triton.jit
+def _float_to_fp8(x, FP8_NATIVE: tl.constexpr):
+    """fp32 -> uint8 float8-e4m3fn bits: clamped to +-448, rounded to nearest even."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    if FP8_NATIVE:
+        bits = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        u = x.to(tl.int32, bitcast=True)
+        sign = (u >> 24) & 0x80
+        mag = u & 0x7FFFFFFF
+        # Normal range (|x| >= 2**-6): round the fp32 mantissa to 3 bits (a carry moves into the exponent), rebias.
+        normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
+        # Subnormal range: |x| = m * 2**-9 with m in [0, 8], m rounded half to even.
+        v = tl.abs(x) * 512.0
+        m = v.to(tl.int32)
+        frac = v - m.to(tl.float32)
+        m += ((frac > 0.5) | ((frac == 0.5) & ((m & 1) == 1))).to(tl.int32)
+        bits = (sign | tl.where(tl.abs(x) < 0.015625, m, normal)).to(tl.uint8)
+    return bits
+
+
+@triton.jit
+def _add_sink(acc, m_i, l_i, sink):
+    """Fold one logit per row (``sink``, log2 units) into the softmax denominator; it adds no value."""
+    m_f = tl.maximum(m_i, sink)  # [BLOCK_M], finite: the sink is
+    alpha = tl.exp2(m_i - m_f)  # 0 for a row that saw no key
+    return acc * alpha[:, None], l_i * alpha + tl.exp2(sink - m_f)
 
 
 @triton.jit
@@ -86,12 +145,16 @@ def _attend_kv_range(
     stride_ct,
     stride_ch,
     stride_cd,
-    qk_scale,  # softmax scale * log2(e): scores come out in log2 units, so exp2 replaces exp
+    qk_scale,  # scores = (q @ k) * qk_scale; see _score_scales
+    softcap,  # softcap * log2(e) when USE_SOFTCAP
     sliding_window,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    FP8_NATIVE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -111,11 +174,17 @@ def _attend_kv_range(
         slot_off = block_id.to(tl.int64) * stride_cb + (kv_pos % BLOCK_SIZE).to(tl.int64) * stride_ct + head_off
         kv_off = slot_off[:, None] + offs_d[None, :].to(tl.int64) * stride_cd  # [TILE_N, HEAD_DIM_P]
         kv_mask = kv_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # [TILE_N, HEAD_DIM_P]
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # [TILE_N, HEAD_DIM_P]
+        if KV_FP8:  # exact fp8 values; their per-head scales sit in qk_scale and the final normalisation
+            k = _fp8_to_float(tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0), FP8_NATIVE).to(q.dtype)
+            v = _fp8_to_float(tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0), FP8_NATIVE).to(q.dtype)
+        else:
+            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # [TILE_N, HEAD_DIM_P]
+            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # [TILE_N, HEAD_DIM_P]
 
-        # Scores, masked: causal, sliding window, and positions we did not load.
+        # Scores in log2 units, soft-capped, then masked: causal, sliding window, and positions we did not load.
         s = _dot(q, tl.trans(k), DOT_FP32, DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+        if USE_SOFTCAP:  # softcap * tanh(x), tanh(x) = 1 - 2 / (e^(2x) + 1): saturates to +-1 without NaN
+            s = softcap * (1.0 - 2.0 / (tl.exp2(s * 2.8853900817779268) + 1.0))
         visible = (
             kv_ok[None, :]
             & (kv_pos[None, :] <= q_pos[:, None])
@@ -148,7 +217,7 @@ def _attend_kv_range(
 @triton.jit
 def _decode_kernel(
     query_ptr,  # [num_tokens, num_q_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], uint8 when KV_FP8
     v_cache_ptr,
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
@@ -156,7 +225,11 @@ def _decode_kernel(
     out_ptr,  # [num_tokens, num_q_heads, head_dim], written when not SPLIT_KV
     partial_out_ptr,  # [num_seqs, num_q_heads, num_splits, head_dim] fp32, written when SPLIT_KV
     partial_lse_ptr,  # [num_seqs, num_q_heads, num_splits] fp32 (log2 units), written when SPLIT_KV
+    sinks_ptr,  # [num_q_heads] fp32, read when USE_SINKS
+    k_scale_ptr,  # [num_kv_heads] fp32, read when KV_FP8
+    v_scale_ptr,  # [num_kv_heads] fp32, read when KV_FP8
     qk_scale,
+    softcap,
     sliding_window,
     num_splits,
     num_q_heads,
@@ -179,6 +252,10 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
     SPLIT_KV: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,  # add the sinks here (off when SPLIT_KV: the merge adds them once)
+    KV_FP8: tl.constexpr,
+    FP8_NATIVE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -209,6 +286,11 @@ def _decode_kernel(
 
     q_off = q_start.to(tl.int64) * stride_qt + q_head[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
     q = tl.load(query_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+        out_scale = tl.load(v_scale_ptr + kv_head)
+    else:
+        out_scale = 1.0
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -218,12 +300,15 @@ def _decode_kernel(
         acc, m_i, l_i, q, q_pos_rows, split_lo, split_hi,
         block_tables_ptr + seq.to(tl.int64) * stride_bt_seq, stride_bt_block,
         k_cache_ptr, v_cache_ptr, kv_head, stride_cb, stride_ct, stride_ch, stride_cd,
-        qk_scale, sliding_window,
-        BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_FP32, DOT_PRECISION,
+        qk_scale, softcap, sliding_window,
+        BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, USE_SOFTCAP, KV_FP8, FP8_NATIVE, DOT_FP32, DOT_PRECISION,
     )
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + q_head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634  # [BLOCK_M]
+        acc, l_i = _add_sink(acc, m_i, l_i, sink)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # a row that saw no key (empty split) outputs 0
-    o = acc / l_safe[:, None]  # [BLOCK_M, HEAD_DIM_P]
+    o = acc * (out_scale / l_safe)[:, None]  # [BLOCK_M, HEAD_DIM_P]
     if SPLIT_KV:
         row = (seq.to(tl.int64) * num_q_heads + q_head) * num_splits + split  # [BLOCK_M]
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
@@ -240,6 +325,7 @@ def _merge_splits_kernel(
     out_ptr,  # [num_tokens, num_q_heads, head_dim]
     partial_out_ptr,  # [num_seqs, num_q_heads, num_splits, head_dim] fp32
     partial_lse_ptr,  # [num_seqs, num_q_heads, num_splits] fp32
+    sinks_ptr,  # [num_q_heads] fp32, read when USE_SINKS
     query_start_loc_ptr,
     num_splits,
     num_q_heads,
@@ -249,6 +335,7 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
     SPLITS_P: tl.constexpr,  # num_splits padded to a power of two
+    USE_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_head = tl.program_id(1)
@@ -265,11 +352,17 @@ def _merge_splits_kernel(
     o_mask = s_ok[:, None] & d_ok[None, :]
     o = tl.load(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=o_mask, other=0.0)  # [SPLITS_P, D_P]
 
-    # Each split's output is already normalised by its own sum; weight it by its share of the total sum.
+    # Each split's output is already normalised by its own sum; weight it by its share of the total sum. The sink
+    # (one logit per head, no value) joins the total once, here.
     lse_max = tl.max(lse, 0)
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + q_head).to(tl.float32) * 1.4426950408889634
+        lse_max = tl.maximum(lse_max, sink)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # every split empty: weights all 0
     w = tl.exp2(lse - lse_max)  # [SPLITS_P]
     w_sum = tl.sum(w, 0)
+    if USE_SINKS:
+        w_sum += tl.exp2(sink - lse_max)
     merged = tl.sum(w[:, None] * o, 0) / tl.where(w_sum > 0, w_sum, 1.0)  # [HEAD_DIM_P]
     o_off = q_start.to(tl.int64) * stride_ot + q_head.to(tl.int64) * stride_oh + offs_d * stride_od
     tl.store(out_ptr + o_off, merged.to(out_ptr.dtype.element_ty), mask=d_ok)
@@ -283,13 +376,17 @@ def _merge_splits_kernel(
 @triton.jit
 def _prefill_kernel(
     query_ptr,  # [num_tokens, num_q_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], uint8 when KV_FP8
     v_cache_ptr,
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
     out_ptr,  # [num_tokens, num_q_heads, head_dim]
+    sinks_ptr,  # [num_q_heads] fp32, read when USE_SINKS
+    k_scale_ptr,  # [num_kv_heads] fp32, read when KV_FP8
+    v_scale_ptr,  # [num_kv_heads] fp32, read when KV_FP8
     qk_scale,
+    softcap,
     sliding_window,
     stride_qt,
     stride_qh,
@@ -310,6 +407,10 @@ def _prefill_kernel(
     TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    FP8_NATIVE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -337,6 +438,11 @@ def _prefill_kernel(
     q_off = q_token[:, None] * stride_qt + q_head[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
     q = tl.load(query_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
     q_pos = context_len + q_idx  # [BLOCK_M]
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+        out_scale = tl.load(v_scale_ptr + kv_head)
+    else:
+        out_scale = 1.0
 
     # KV tiles this query tile can see: from the first query's window start to the last query's own position.
     first_q_pos = context_len + q_tile * BLOCK_Q
@@ -351,11 +457,14 @@ def _prefill_kernel(
         acc, m_i, l_i, q, q_pos, kv_lo, kv_hi,
         block_tables_ptr + seq.to(tl.int64) * stride_bt_seq, stride_bt_block,
         k_cache_ptr, v_cache_ptr, kv_head, stride_cb, stride_ct, stride_ch, stride_cd,
-        qk_scale, sliding_window,
-        BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, DOT_FP32, DOT_PRECISION,
+        qk_scale, softcap, sliding_window,
+        BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, USE_SOFTCAP, KV_FP8, FP8_NATIVE, DOT_FP32, DOT_PRECISION,
     )
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + q_head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634  # [BLOCK_M]
+        acc, l_i = _add_sink(acc, m_i, l_i, sink)
 
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [BLOCK_M, HEAD_DIM_P]
+    o = acc * (out_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]  # [BLOCK_M, HEAD_DIM_P]
     o_off = q_token[:, None] * stride_ot + q_head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od
     tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -369,9 +478,11 @@ def _prefill_kernel(
 def _write_kv_kernel(
     key_ptr,  # [num_tokens, num_kv_heads, head_dim]
     value_ptr,
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], uint8 when KV_FP8
     v_cache_ptr,
     slot_mapping_ptr,  # [num_tokens] int32 or int64
+    k_scale_ptr,  # [num_kv_heads] fp32, read when KV_FP8
+    v_scale_ptr,
     num_kv_heads,
     stride_kt,
     stride_kh,
@@ -387,6 +498,8 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     HEADS_P: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    FP8_NATIVE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -394,13 +507,183 @@ def _write_kv_kernel(
         return
     offs_h = tl.arange(0, HEADS_P)
     offs_d = tl.arange(0, HEAD_DIM_P)
-    mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < HEAD_DIM)  # [HEADS_P, HEAD_DIM_P]
+    h_ok = offs_h < num_kv_heads
+    mask = h_ok[:, None] & (offs_d[None, :] < HEAD_DIM)  # [HEADS_P, HEAD_DIM_P]
     k = tl.load(key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
     v = tl.load(value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
     dst_off = dst + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd  # [HEADS_P, HEAD_DIM_P]
-    tl.store(k_cache_ptr + dst_off, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst_off, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if KV_FP8:  # quantize: x / scale, clamped to +-448, rounded to e4m3
+        k_scale = tl.load(k_scale_ptr + offs_h, mask=h_ok, other=1.0)  # [HEADS_P]
+        v_scale = tl.load(v_scale_ptr + offs_h, mask=h_ok, other=1.0)
+        tl.store(k_cache_ptr + dst_off, _float_to_fp8(k.to(tl.float32) / k_scale[:, None], FP8_NATIVE), mask=mask)
+        tl.store(v_cache_ptr + dst_off, _float_to_fp8(v.to(tl.float32) / v_scale[:, None], FP8_NATIVE), mask=mask)
+    else:
+        tl.store(k_cache_ptr + dst_off, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst_off, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Launch choices: tiles, warps, stages, feature switches (pure functions of the configuration)
+# --------------------------------------------------------------------------------------------------------------------
+
+_KINDS = ("decode", "prefill", "write_kv")
+_TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8"}
+
+
+@dataclass(frozen=True)
+class LaunchChoice:
+    """One kernel launch as the launcher would make it.
+
+    ``kernel`` names the ``@triton.jit`` function in this module; ``constexprs`` holds a value for every one of its
+    ``tl.constexpr`` parameters; ``signature`` maps every parameter, in order, to its Triton type (``"*bf16"``,
+    ``"i32"``, ``"fp32"``, ``"constexpr"``), ready for ``triton.compiler.ASTSource(fn, signature, constexprs)``.
+    """
+
+    kernel: str
+    constexprs: dict = field(hash=False)
+    num_warps: int
+    num_stages: int
+    signature: dict = field(hash=False)
+
+
+def _tile_config(head_dim_p: int, element_size: int) -> tuple[int, int, int]:
+    """(target query rows per prefill tile, KV positions per tile, num_warps) for a head size and input width.
+
+    Picked so that sm_90 builds neither spill nor exceed shared memory (checked by compiling ahead of time); not tuned
+    by measurement yet: bench/kernels.py is where that happens.
+    """
+    if element_size >= 4:  # fp32 tiles are twice the bytes
+        return (16 if head_dim_p > 128 else 32), 32, 8
+    if head_dim_p > 128:
+        return 64, 32, 8
+    return 64, 64, 8 if head_dim_p == 128 else 4
+
+
+def _dot_settings(dtype: torch.dtype, interpreted: bool) -> tuple[bool, str]:
+    """(DOT_FP32, DOT_PRECISION) for operands of ``dtype``: see ``_dot``."""
+    dot_fp32 = interpreted and dtype == torch.bfloat16
+    # fp32 inputs get true fp32 products (tf32 would lose ~3 digits vs the torch reference).
+    return dot_fp32, "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _triton_type(dtype: torch.dtype) -> str:
+    if dtype not in _TRITON_TYPES:
+        raise ValueError(f"No Triton kernel for dtype {dtype}; use one of {tuple(_TRITON_TYPES)}.")
+    return _TRITON_TYPES[dtype]
+
+
+def _signature(kernel_name: str, constexprs: dict, query_dtype: torch.dtype, kv_dtype: torch.dtype) -> dict:
+    """Triton type of every parameter of ``kernel_name`` (see ``LaunchChoice``)."""
+    import inspect
+
+    kernel = globals()[kernel_name]
+    names = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
+    fixed = {
+        "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "slot_mapping_ptr": "*i64",
+        "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "sinks_ptr": "*fp32", "k_scale_ptr": "*fp32",
+        "v_scale_ptr": "*fp32", "qk_scale": "fp32", "softcap": "fp32",
+    }
+    signature = {}
+    for name in names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in fixed:
+            signature[name] = fixed[name]
+        elif name in ("k_cache_ptr", "v_cache_ptr"):
+            signature[name] = "*" + _triton_type(kv_dtype)
+        elif name.endswith("_ptr"):  # query, out, key, value
+            signature[name] = "*" + _triton_type(query_dtype)
+        else:  # strides, lengths, counts
+            signature[name] = "i32"
+    return signature
+
+
+def _choice(kernel: str, constexprs: dict, num_warps: int, num_stages: int, query_dtype, kv_dtype) -> LaunchChoice:
+    return LaunchChoice(kernel, constexprs, num_warps, num_stages, _signature(kernel, constexprs, query_dtype, kv_dtype))
+
+
+def launch_choices(
+    query_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    head_dim: int,
+    group: int,
+    block_size: int,
+    split_kv: bool = False,
+    kind: str = "decode",
+    *,
+    softcap: bool = False,
+    sinks: bool = False,
+    max_query_len: int | None = None,
+    num_splits: int | None = None,
+    num_kv_heads: int = 1,
+    capability: int | None = None,
+    interpreted: bool | None = None,
+) -> list[LaunchChoice]:
+    """The kernels a launch runs and the compile-time values, warps and stages the launchers pick for them.
+
+    Args:
+        query_dtype: dtype of the queries (``kind="write_kv"``: of the keys/values written).
+        kv_dtype: dtype of the pool; ``torch.uint8`` for float8 e4m3fn blocks.
+        head_dim, group (query heads per KV head), block_size: the shapes the kernels specialise on.
+        split_kv: decode only: split-KV, which adds the merge kernel.
+        kind: ``"decode"`` (one query per sequence), ``"prefill"`` (any number) or ``"write_kv"``.
+        softcap, sinks: whether logit soft-capping / attention sinks are on.
+        max_query_len: prefill only: caps the query tile for short extends (None: no cap, the largest tile).
+        num_splits: decode with split-KV: the split count (None: the largest, ``_MAX_KV_SPLITS``).
+        num_kv_heads: write_kv only (its tile holds every KV head of a token).
+        capability: CUDA compute capability as ``major * 10 + minor`` (80, 90); None: this machine's device
+            (``_DEFAULT_CAPABILITY`` without one). fp8 converts natively from 89 up.
+        interpreted: build for the Triton CPU interpreter; None: whatever this module runs under.
+
+    Returns:
+        One ``LaunchChoice`` per kernel launched, in launch order: ``[_decode_kernel]`` or
+        ``[_decode_kernel, _merge_splits_kernel]``, ``[_prefill_kernel]``, ``[_write_kv_kernel]``.
+
+    Example::
+
+        c = launch_choices(torch.bfloat16, torch.uint8, 128, 4, 16, split_kv=True, kind="decode", capability=80)
+        ASTSource(fn=getattr(triton_kernels, c[0].kernel), signature=c[0].signature, constexprs=c[0].constexprs)
+    """
+    if kind not in _KINDS:
+        raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}.")
+    interpreted = _INTERPRETED if interpreted is None else interpreted
+    capability = _capability(None) if capability is None else capability
+    kv_fp8 = kv_dtype == torch.uint8
+    fp8_native = interpreted or capability >= 89
+    if kind == "write_kv":
+        # The interpreter's fp32 -> float8e4nv rounding does not carry into the exponent: convert by bits there.
+        constexprs = dict(
+            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEADS_P=_next_pow2(num_kv_heads), HEAD_DIM_P=_next_pow2(head_dim),
+            KV_FP8=kv_fp8, FP8_NATIVE=fp8_native and not interpreted,
+        )
+        return [_choice("_write_kv_kernel", constexprs, 4, 3, query_dtype, kv_dtype)]
+
+    head_dim_p = max(16, _next_pow2(head_dim))
+    dot_fp32, dot_precision = _dot_settings(query_dtype, interpreted)
+    rows, tile_n, num_warps = _tile_config(head_dim_p, torch.empty((), dtype=query_dtype).element_size())
+    common = dict(
+        GROUP=group, BLOCK_SIZE=block_size, TILE_N=tile_n, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+        USE_SOFTCAP=bool(softcap), KV_FP8=kv_fp8, FP8_NATIVE=fp8_native, DOT_FP32=dot_fp32,
+        DOT_PRECISION=dot_precision,
+    )
+    if kind == "prefill":
+        group_p = _next_pow2(group)
+        # ~`rows` rows per tile (queries x heads of the group), at least 16 for tl.dot, no more queries than needed.
+        block_q = max(1, rows // group_p)
+        if max_query_len is not None:
+            block_q = min(block_q, max(_next_pow2(max_query_len), max(1, 16 // group_p)))
+        constexprs = dict(common, GROUP_P=group_p, BLOCK_Q=block_q, USE_SINKS=bool(sinks))
+        return [_choice("_prefill_kernel", constexprs, num_warps, 2, query_dtype, kv_dtype)]
+
+    decode = dict(common, BLOCK_M=max(16, _next_pow2(group)), SPLIT_KV=bool(split_kv),
+                  USE_SINKS=bool(sinks) and not split_kv)
+    choices = [_choice("_decode_kernel", decode, num_warps, 2, query_dtype, kv_dtype)]
+    if split_kv:
+        merge = dict(HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, SPLITS_P=_next_pow2(num_splits or _MAX_KV_SPLITS),
+                     USE_SINKS=bool(sinks))
+        choices.append(_choice("_merge_splits_kernel", merge, 4, 3, query_dtype, kv_dtype))
+    return choices
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -423,6 +706,27 @@ def _num_sms(device: torch.device) -> int:
     return _DEFAULT_NUM_SMS
 
 
+def _capability(device: torch.device | None) -> int:
+    """Compute capability as major * 10 + minor of ``device`` (None: the current CUDA device, if any)."""
+    if device is not None and device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return major * 10 + minor
+    if device is None and not _INTERPRETED and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return major * 10 + minor
+    return _DEFAULT_CAPABILITY
+
+
+_PLACEHOLDERS: dict = {}
+
+
+def _placeholder(device: torch.device) -> torch.Tensor:
+    """A float32 tensor passed for pointers a kernel does not read (sinks or scales switched off)."""
+    if device not in _PLACEHOLDERS:
+        _PLACEHOLDERS[device] = torch.zeros(1, dtype=torch.float32, device=device)
+    return _PLACEHOLDERS[device]
+
+
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, num_sms: int) -> int:
     """How many splits the decode kernel cuts each context into (1: no split-KV).
 
@@ -441,11 +745,15 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, num_
     return max(1, min(by_parallelism, by_length, _MAX_KV_SPLITS))
 
 
-def _dot_settings(dtype: torch.dtype) -> tuple[bool, str]:
-    """(DOT_FP32, DOT_PRECISION) for operands of ``dtype``: see ``_dot``."""
-    dot_fp32 = _INTERPRETED and dtype == torch.bfloat16
-    # fp32 inputs get true fp32 products (tf32 would lose ~3 digits vs the torch reference).
-    return dot_fp32, "ieee" if dtype == torch.float32 else "tf32"
+def _score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
+    """(qk_scale, softcap argument) of the kernels: scores come out in log2 units, so exp2 replaces exp.
+
+    Without soft-capping ``qk_scale = scale * log2(e)``; with it the kernel computes
+    ``(softcap * log2(e)) * tanh((q @ k) * scale / softcap)``.
+    """
+    if softcap is None:
+        return float(scale) * _LOG2E, 1.0
+    return float(scale) / float(softcap), float(softcap) * _LOG2E
 
 
 def paged_attention_triton(
@@ -460,11 +768,18 @@ def paged_attention_triton(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     num_kv_splits: int | None = None,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton paged attention; same contract as ``hf_paged.ops.paged_attention`` (which checks the arguments).
 
     A batch whose sequences have at most one query each runs the decode kernel (split-KV when
     ``choose_num_kv_splits`` asks for it, or ``num_kv_splits`` forces a count); anything else the prefill kernel.
+    With ``max_query_len`` and ``max_seq_len`` given nothing here waits for the device (CUDA-graph capturable): the
+    grid depends only on tensor shapes and those ints.
 
     Returns:
         ``[num_tokens, num_q_heads, head_dim]``, same dtype as ``query``.
@@ -482,28 +797,31 @@ def paged_attention_triton(
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     if max_query_len == 0:
         return out
-    seq_lens = seq_lens.contiguous()
-    query_start_loc = query_start_loc.contiguous()
+    if num_kv_splits is not None and num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be >= 1 (or None to choose), got {num_kv_splits}.")
 
-    group = num_q_heads // num_kv_heads
-    head_dim_p = max(16, _next_pow2(head_dim))
-    dot_fp32, dot_precision = _dot_settings(query.dtype)
-    window = _NO_WINDOW if sliding_window is None else int(sliding_window)
-    qk_scale = float(scale) * _LOG2E
-    common = dict(
+    placeholder = _placeholder(query.device)
+    qk_scale, softcap_arg = _score_scales(scale, softcap)
+    args = dict(
+        query_ptr=query, k_cache_ptr=key_cache, v_cache_ptr=value_cache, block_tables_ptr=block_tables,
+        seq_lens_ptr=seq_lens.contiguous(), query_start_loc_ptr=query_start_loc.contiguous(), out_ptr=out,
+        sinks_ptr=placeholder if sinks is None else sinks.to(torch.float32).contiguous(),
+        k_scale_ptr=placeholder if k_scale is None else k_scale,
+        v_scale_ptr=placeholder if v_scale is None else v_scale,
+        qk_scale=qk_scale, softcap=softcap_arg,
+        sliding_window=_NO_WINDOW if sliding_window is None else int(sliding_window),
         stride_qt=query.stride(0), stride_qh=query.stride(1), stride_qd=query.stride(2),
         stride_ot=out.stride(0), stride_oh=out.stride(1), stride_od=out.stride(2),
         stride_bt_seq=block_tables.stride(0), stride_bt_block=block_tables.stride(1),
         stride_cb=key_cache.stride(0), stride_ct=key_cache.stride(1),
         stride_ch=key_cache.stride(2), stride_cd=key_cache.stride(3),
-        GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
-        DOT_FP32=dot_fp32, DOT_PRECISION=dot_precision,
+    )
+    choose = dict(
+        query_dtype=query.dtype, kv_dtype=key_cache.dtype, head_dim=head_dim, group=num_q_heads // num_kv_heads,
+        block_size=block_size, softcap=softcap is not None, sinks=sinks is not None,
+        capability=_capability(query.device),
     )
     device_ctx = torch.cuda.device(query.device) if query.device.type == "cuda" else nullcontext()
-
-    if num_kv_splits is not None and num_kv_splits < 1:
-        raise ValueError(f"num_kv_splits must be >= 1 (or None to choose), got {num_kv_splits}.")
-
     with device_ctx:
         if max_query_len == 1:
             if num_kv_splits is None:
@@ -511,72 +829,40 @@ def paged_attention_triton(
                     max_seq_len = int(seq_lens.max())
                 max_kv_len = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
                 num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_kv_len, _num_sms(query.device))
-            _launch_decode(
-                query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
-                qk_scale, window, num_kv_splits, common,
-            )
+            _launch_decode(args, choose, num_seqs, num_kv_heads, num_q_heads, head_dim, num_kv_splits)
         else:
-            _launch_prefill(
-                query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
-                qk_scale, window, max_query_len, common,
-            )
+            _launch_prefill(args, choose, num_seqs, num_kv_heads, max_query_len)
     return out
 
 
-def _tile_config(head_dim_p: int, element_size: int) -> tuple[int, int, int]:
-    """(target query rows per prefill tile, KV positions per tile, num_warps) for a head size and input width.
-
-    Picked so that sm_90 builds neither spill nor exceed shared memory (checked by compiling ahead of time); not tuned
-    by measurement yet: bench/kernels.py is where that happens.
-    """
-    if element_size >= 4:  # fp32 tiles are twice the bytes
-        return (16 if head_dim_p > 128 else 32), 32, 8
-    if head_dim_p > 128:
-        return 64, 32, 8
-    return 64, 64, 8 if head_dim_p == 128 else 4
-
-
-def _launch_decode(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
-                   qk_scale, window, num_splits, common):
-    num_seqs = seq_lens.shape[0]
-    num_q_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = key_cache.shape[2]
-    block_m = max(16, _next_pow2(common["GROUP"]))
-    _, tile_n, num_warps = _tile_config(common["HEAD_DIM_P"], query.element_size())
+def _launch_decode(args, choose, num_seqs, num_kv_heads, num_q_heads, head_dim, num_splits):
     split_kv = num_splits > 1
+    choices = launch_choices(kind="decode", split_kv=split_kv, num_splits=num_splits, **choose)
+    out = args["out_ptr"]
     if split_kv:
         partial_out = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=out.device)
         partial_lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=out.device)
     else:
         partial_out = partial_lse = out  # unused
+    decode = choices[0]
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        out, partial_out, partial_lse,
-        qk_scale, window, num_splits, num_q_heads,
-        BLOCK_M=block_m, TILE_N=tile_n, SPLIT_KV=split_kv, num_warps=num_warps, num_stages=2, **common,
+        partial_out_ptr=partial_out, partial_lse_ptr=partial_lse, num_splits=num_splits, num_q_heads=num_q_heads,
+        num_warps=decode.num_warps, num_stages=decode.num_stages, **args, **decode.constexprs,
     )
     if split_kv:
+        merge = choices[1]
         _merge_splits_kernel[(num_seqs, num_q_heads)](
-            out, partial_out, partial_lse, query_start_loc, num_splits, num_q_heads,
+            out, partial_out, partial_lse, args["sinks_ptr"], args["query_start_loc_ptr"], num_splits, num_q_heads,
             out.stride(0), out.stride(1), out.stride(2),
-            HEAD_DIM=head_dim, HEAD_DIM_P=common["HEAD_DIM_P"], SPLITS_P=_next_pow2(num_splits), num_warps=4,
+            num_warps=merge.num_warps, num_stages=merge.num_stages, **merge.constexprs,
         )
 
 
-def _launch_prefill(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
-                    qk_scale, window, max_query_len, common):
-    num_seqs = seq_lens.shape[0]
-    num_kv_heads = key_cache.shape[2]
-    group_p = _next_pow2(common["GROUP"])
-    rows, tile_n, num_warps = _tile_config(common["HEAD_DIM_P"], query.element_size())
-    # ~`rows` rows per tile (queries x heads of the group), at least 16 for tl.dot, no more queries than needed.
-    block_q = max(1, rows // group_p)
-    block_q = min(block_q, max(_next_pow2(max_query_len), max(1, 16 // group_p)))
-    grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, num_seqs)
+def _launch_prefill(args, choose, num_seqs, num_kv_heads, max_query_len):
+    (prefill,) = launch_choices(kind="prefill", max_query_len=max_query_len, **choose)
+    grid = (triton.cdiv(max_query_len, prefill.constexprs["BLOCK_Q"]), num_kv_heads, num_seqs)
     _prefill_kernel[grid](
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
-        qk_scale, window,
-        GROUP_P=group_p, BLOCK_Q=block_q, TILE_N=tile_n, num_warps=num_warps, num_stages=2, **common,
+        num_warps=prefill.num_warps, num_stages=prefill.num_stages, **args, **prefill.constexprs,
     )
 
 
@@ -586,24 +872,33 @@ def write_kv_triton(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the pool at ``slot_mapping``, in place.
 
-    Tokens whose slot is negative (padding) are skipped.
+    Tokens whose slot is negative (padding) are skipped. A uint8 (fp8) pool stores ``x / scale`` rounded to e4m3fn,
+    with ``k_scale``/``v_scale`` ``[num_kv_heads]`` float32.
     """
     _check_runnable(key)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     assert key_cache.stride() == value_cache.stride(), "key_cache and value_cache must share strides"
-    slot_mapping = slot_mapping.contiguous()
+    (choice,) = launch_choices(
+        key.dtype, key_cache.dtype, head_dim, 1, key_cache.shape[1], kind="write_kv", num_kv_heads=num_kv_heads,
+        capability=_capability(key.device),
+    )
+    placeholder = _placeholder(key.device)
     device_ctx = torch.cuda.device(key.device) if key.device.type == "cuda" else nullcontext()
     with device_ctx:
         _write_kv_kernel[(num_tokens,)](
-            key, value, key_cache, value_cache, slot_mapping, num_kv_heads,
+            key, value, key_cache, value_cache, slot_mapping.contiguous(),
+            placeholder if k_scale is None else k_scale, placeholder if v_scale is None else v_scale,
+            num_kv_heads,
             key.stride(0), key.stride(1), key.stride(2),
             value.stride(0), value.stride(1), value.stride(2),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.stride(3),
-            BLOCK_SIZE=key_cache.shape[1], HEAD_DIM=head_dim,
-            HEADS_P=_next_pow2(num_kv_heads), HEAD_DIM_P=_next_pow2(head_dim), num_warps=4,
+            num_warps=choice.num_warps, num_stages=choice.num_stages, **choice.constexprs,
         )
