@@ -3,25 +3,17 @@
 - Qwen2, Qwen3: ``sliding_window`` is ``None`` unless ``use_sliding_window``; the config's ``layer_types`` then marks
   layers ``>= max_window_layers`` as sliding.
 - Cohere2, EXAONE 4: a repeating pattern (three sliding, one full by default).
-- SmolLM3: a window only when ``use_sliding_window`` and the layer type is sliding.
+- SmolLM3: the config marks layers sliding only when ``use_sliding_window``. Its attention passes
+  ``sliding_window=None`` when ``use_sliding_window`` is false even on a layer an explicit ``layer_types`` calls
+  sliding, but the model still builds that layer a sliding mask (and ``DynamicCache`` a sliding layer): the window
+  reported is that effective one, so the paged path should take each layer's window from :func:`layer_windows`.
 """
 
 from . import ModelPatch
-from .windows import layer_types_window
 
 WINDOWED = ("sliding_window", "layer_windows")
 
-
-def smollm3_window(config, layer_idx: int) -> int | None:
-    if not getattr(config, "use_sliding_window", False):
-        return None
-    return layer_types_window(config, layer_idx)
-
-
 PATCHES = [
-    ModelPatch(("qwen2",), "qwen2", features=WINDOWED),
-    ModelPatch(("qwen3",), "qwen3", features=WINDOWED),
-    ModelPatch(("cohere2",), "cohere2", features=WINDOWED),
-    ModelPatch(("exaone4",), "exaone4", features=WINDOWED),
-    ModelPatch(("smollm3",), "smollm3", features=WINDOWED, window=smollm3_window),
+    ModelPatch((model_type,), model_type, features=WINDOWED)
+    for model_type in ("qwen2", "qwen3", "cohere2", "exaone4", "smollm3")
 ]
