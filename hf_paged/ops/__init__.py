@@ -19,19 +19,30 @@ Example::
     ops.write_kv(k_new, v_new, key_cache, value_cache, slot_mapping)
     out = ops.paged_attention(torch.randn(2, 8, 64), key_cache, value_cache, block_tables, seq_lens,
                               query_start_loc, scale=64 ** -0.5)  # [2, 8, 64]
+
+Options, all off by default: ``softcap=`` (Gemma2 logit soft-capping), ``sinks=`` (gpt-oss attention sinks), and fp8
+blocks: a ``torch.uint8`` pool holding float8 e4m3fn bits with per-KV-head ``k_scale``/``v_scale``::
+
+    key_cache = torch.zeros(64, 16, 2, 64, dtype=torch.uint8)  # fp8 bits
+    value_cache = torch.zeros_like(key_cache)
+    k_scale, v_scale = ops.fp8_scales(k_new), ops.fp8_scales(v_new)  # [num_kv_heads] float32, fixed from now on
+    ops.write_kv(k_new, v_new, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    out = ops.paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale=0.125,
+                              k_scale=k_scale, v_scale=v_scale)
 """
 
 from __future__ import annotations
 
 import torch
 
-from .reference import copy_blocks_torch, paged_attention_torch, plan_torch_attention, write_kv_torch
+from .reference import copy_blocks_torch, fp8_scales, paged_attention_torch, plan_torch_attention, write_kv_torch
 
-__all__ = ["paged_attention", "write_kv", "copy_blocks", "plan_torch_attention", "resolve_backend", "BACKENDS",
-           "triton_available"]
+__all__ = ["paged_attention", "write_kv", "copy_blocks", "fp8_scales", "plan_torch_attention", "resolve_backend",
+           "BACKENDS", "triton_available"]
 
 BACKENDS = ("auto", "torch", "triton")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_POOL_DTYPES = _FLOAT_DTYPES + (torch.uint8,)  # uint8: float8 e4m3fn bits, with k_scale / v_scale
 
 
 def triton_available() -> bool:
@@ -69,12 +80,50 @@ def _check_pool(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
         _fail(f"key_cache has an empty dimension: shape {tuple(key_cache.shape)}.")
     if value_cache.shape != key_cache.shape:
         _fail(f"value_cache shape {tuple(value_cache.shape)} must equal key_cache shape {tuple(key_cache.shape)}.")
-    if key_cache.dtype not in _FLOAT_DTYPES or value_cache.dtype != key_cache.dtype:
-        _fail(f"key/value caches must share one of {_FLOAT_DTYPES}, got {key_cache.dtype} and {value_cache.dtype}.")
+    if key_cache.dtype not in _POOL_DTYPES or value_cache.dtype != key_cache.dtype:
+        _fail(f"key/value caches must share one of {_POOL_DTYPES} (uint8 holds float8 e4m3fn bits), got "
+              f"{key_cache.dtype} and {value_cache.dtype}.")
     if value_cache.device != key_cache.device:
         _fail(f"key_cache is on {key_cache.device} but value_cache is on {value_cache.device}; put both on one device.")
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         _fail("key_cache and value_cache must be contiguous; call .contiguous() once when you create the pool.")
+
+
+def _check_kv_scales(key_cache: torch.Tensor, k_scale, v_scale) -> None:
+    """A uint8 (fp8) pool needs both scales, ``[num_kv_heads]`` float32 on its device; a float pool takes none."""
+    num_kv_heads = key_cache.shape[2]
+    if key_cache.dtype != torch.uint8:
+        if k_scale is not None or v_scale is not None:
+            _fail(f"k_scale/v_scale apply only to a uint8 (fp8 e4m3fn) pool, but the pool is {key_cache.dtype}; "
+                  "drop them, or store the pool as torch.uint8.")
+        return
+    if k_scale is None or v_scale is None:
+        _fail(f"A uint8 pool holds fp8 e4m3fn blocks and needs k_scale and v_scale ([{num_kv_heads}] float32, value = "
+              "fp8 * scale); pick them once with ops.fp8_scales(first_keys) / ops.fp8_scales(first_values).")
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (num_kv_heads,):
+            _fail(f"{name} must be a float32 tensor of shape [{num_kv_heads}] (one scale per KV head), got "
+                  f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}; ops.fp8_scales makes one.")
+        if t.device != key_cache.device:
+            _fail(f"{name} is on {t.device} but the KV cache is on {key_cache.device}; move it with "
+                  ".to(key_cache.device).")
+        if not t.is_contiguous():
+            _fail(f"{name} must be contiguous; call .contiguous() once when you make it.")
+
+
+def _check_softcap_sinks(softcap, sinks, num_q_heads: int, device: torch.device) -> None:
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < float("inf")
+    ):
+        _fail(f"softcap must be a positive finite float (scores -> softcap * tanh(scores / softcap)) or None, "
+              f"got {softcap!r}.")
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or tuple(sinks.shape) != (num_q_heads,):
+        _fail(f"sinks must be a float tensor of shape [num_q_heads] = [{num_q_heads}] (one logit per query head), "
+              f"got {getattr(sinks, 'dtype', type(sinks).__name__)} {tuple(getattr(sinks, 'shape', ()))}.")
+    if sinks.device != device:
+        _fail(f"sinks is on {sinks.device} but the query is on {device}; move it with .to(query.device).")
 
 
 def _check_index(name: str, t: torch.Tensor, dims: int, device: torch.device, dtypes=(torch.int32,)) -> None:
@@ -95,14 +144,19 @@ def write_kv(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     backend: str = "auto",
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write new keys and values into the pool, in place.
 
     Args:
         key, value: ``[num_tokens, num_kv_heads, head_dim]``.
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, float or uint8 (fp8 e4m3fn bits).
         slot_mapping: ``[num_tokens]`` int32 or int64, slot ``block * block_size + offset`` of each token.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        k_scale, v_scale: uint8 pools only, ``[num_kv_heads]`` float32: stores ``x / scale`` clamped to +-448 and
+            rounded to e4m3fn (see :func:`fp8_scales`).
     """
     _check_pool(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -121,21 +175,25 @@ def write_kv(
     _check_index("slot_mapping", slot_mapping, 1, key_cache.device, (torch.int32, torch.int64))
     if slot_mapping.shape[0] != key.shape[0]:
         _fail(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens.")
-    write_kv_unchecked(key, value, key_cache, value_cache, slot_mapping, resolve_backend(backend, key_cache.device))
+    _check_kv_scales(key_cache, k_scale, v_scale)
+    write_kv_unchecked(key, value, key_cache, value_cache, slot_mapping, resolve_backend(backend, key_cache.device),
+                       k_scale=k_scale, v_scale=v_scale)
 
 
-def write_kv_unchecked(key, value, key_cache, value_cache, slot_mapping, backend: str) -> None:
+def write_kv_unchecked(key, value, key_cache, value_cache, slot_mapping, backend: str, *, k_scale=None,
+                       v_scale=None) -> None:
     """:func:`write_kv` without argument checks or ``"auto"`` (the model path checks once per step)."""
     if backend == "triton":
         from .triton_kernels import write_kv_triton
 
-        write_kv_triton(key, value, key_cache, value_cache, slot_mapping)
+        write_kv_triton(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     else:
-        write_kv_torch(key, value, key_cache, value_cache, slot_mapping)
+        write_kv_torch(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def copy_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy whole blocks ``src[i]`` to ``dst[i]`` in both caches (copy-on-write of shared blocks)."""
+    """Copy whole blocks ``src[i]`` to ``dst[i]`` in both caches (copy-on-write of shared blocks); any pool dtype,
+    uint8 (fp8) included: the bytes are copied, the scales are per head and shared."""
     copy_blocks_torch(key_cache, value_cache, src, dst)
 
 
@@ -151,6 +209,11 @@ def paged_attention(
     backend: str = "auto",
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over KV read through block tables.
 
@@ -167,7 +230,15 @@ def paged_attention(
         scale: softmax scale, usually ``head_dim ** -0.5``.
         sliding_window: optional window size ``W``.
         backend: ``"torch"`` (reference), ``"triton"`` (kernels) or ``"auto"`` (Triton on CUDA, torch otherwise).
-        max_query_len, max_seq_len: optional host-side maxima, saving a device sync when the caller knows them.
+        max_query_len, max_seq_len: optional host-side maxima, saving a device sync when the caller knows them
+            (``max_seq_len`` may be a bucketed width above every ``seq_lens``, up to ``max_blocks_per_seq *
+            block_size``).
+        softcap: logit soft-capping (Gemma2): scores (already times ``scale``) become ``softcap * tanh(scores /
+            softcap)``, before the causal/window mask.
+        sinks: ``[num_q_heads]`` float, attention sinks (gpt-oss ``s_aux``): one logit per query head joins the softmax
+            denominator and contributes no value.
+        k_scale, v_scale: ``[num_kv_heads]`` float32, required with a uint8 pool (fp8 e4m3fn bits): the stored value
+            is ``fp8 * scale``, dequantized on load.
 
     Returns:
         ``[num_tokens, num_q_heads, head_dim]``, same dtype as ``query``.
@@ -198,26 +269,34 @@ def paged_attention(
         _fail(f"sliding_window must be a positive int or None, got {sliding_window!r}.")
     if not isinstance(scale, (int, float)):
         _fail(f"scale must be a Python float, got {type(scale).__name__}.")
+    _check_softcap_sinks(softcap, sinks, query.shape[1], query.device)
+    _check_kv_scales(key_cache, k_scale, v_scale)
+    if max_seq_len is not None and max_seq_len > block_tables.shape[1] * block_size:
+        _fail(f"max_seq_len={max_seq_len} exceeds what block_tables can address ({block_tables.shape[1]} blocks x "
+              f"{block_size} = {block_tables.shape[1] * block_size}); pass a width <= that, or None.")
     return paged_attention_unchecked(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
         resolve_backend(backend, query.device), max_query_len, max_seq_len,
+        softcap=None if softcap is None else float(softcap), sinks=sinks, k_scale=k_scale, v_scale=v_scale,
     )
 
 
 def paged_attention_unchecked(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                              sliding_window, backend: str, max_query_len=None, max_seq_len=None, plan=None):
+                              sliding_window, backend: str, max_query_len=None, max_seq_len=None, plan=None, *,
+                              softcap=None, sinks=None, k_scale=None, v_scale=None):
     """:func:`paged_attention` without argument checks; ``backend`` is ``"torch"`` or ``"triton"``.
 
     ``plan`` (torch backend): a :class:`~hf_paged.ops.reference.TorchAttentionPlan` shared by the layers of a step.
     """
+    features = dict(softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     if backend == "triton":
         from .triton_kernels import paged_attention_triton
 
         return paged_attention_triton(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-            max_query_len=max_query_len, max_seq_len=max_seq_len,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, **features,
         )
     return paged_attention_torch(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-        max_query_len=max_query_len, max_seq_len=max_seq_len, plan=plan,
+        max_query_len=max_query_len, max_seq_len=max_seq_len, plan=plan, **features,
     )

@@ -1,6 +1,8 @@
 """Pure-PyTorch paged attention: the CPU path and the oracle the Triton kernels are tested against.
 
 Layout (everywhere in hf_paged): ``key_cache``/``value_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+An fp8 pool is ``torch.uint8`` holding float8 e4m3fn bits (torch on CPU cannot index_select/index_copy float8 tensors),
+with ``k_scale``/``v_scale`` ``[num_kv_heads]`` float32: the stored value is ``fp8 * scale``.
 """
 
 from __future__ import annotations
@@ -11,12 +13,66 @@ import torch
 import torch.nn.functional as F
 
 
-def write_kv_torch(key, value, key_cache, value_cache, slot_mapping) -> None:
-    """Scatter ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the pool at ``slot_mapping``."""
+FP8_MAX = 448.0  # largest finite float8 e4m3fn
+
+
+def fp8_scales(x: torch.Tensor, headroom: float = 2.0) -> torch.Tensor:
+    """Per-KV-head scales for an fp8 pool, picked from a first batch of keys (or values).
+
+    ``scale = amax(|x|) over tokens and head_dim / 448 * headroom``, per KV head; a head whose batch is all zero (or
+    not finite) gets ``headroom / 448``, so a scale is never zero. The choice is per layer and KV head, static after
+    the first write: one scalar per (layer, head) costs nothing to store, keeps the KV write a pure elementwise
+    quantize, and lets the kernels fold it into the score scale (keys) and the output (values). Keys and values of a
+    head share a distribution across positions (RoPE rotates but keeps norms), so the first batch's amax is a good
+    guide; ``headroom`` (default 2, one binade) keeps later, larger values from saturating at +-448, and costs little:
+    e4m3 has the same 3-bit relative precision across 17 binades.
+
+    Args:
+        x: ``[num_tokens, num_kv_heads, head_dim]`` floating point.
+        headroom: factor over the observed amax, ``>= 1``.
+
+    Returns:
+        ``[num_kv_heads]`` float32, on ``x``'s device.
+
+    Example::
+
+        k_scale = fp8_scales(key)      # [num_kv_heads]
+        write_kv(key, value, key_cache_u8, value_cache_u8, slot_mapping, k_scale=k_scale, v_scale=fp8_scales(value))
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or not x.is_floating_point():
+        raise ValueError(
+            f"fp8_scales needs a float tensor [num_tokens, num_kv_heads, head_dim], got "
+            f"{getattr(x, 'dtype', type(x).__name__)} of shape {tuple(getattr(x, 'shape', ()))}."
+        )
+    if not headroom >= 1.0:
+        raise ValueError(f"headroom must be >= 1 (values above amax * headroom saturate), got {headroom!r}.")
+    amax = x.detach().abs().to(torch.float32).amax(dim=(0, 2)) if x.shape[0] else x.new_zeros(x.shape[1])  # [Hkv]
+    amax = torch.where(torch.isfinite(amax) & (amax > 0), amax, torch.ones_like(amax))
+    return (amax * (headroom / FP8_MAX)).to(torch.float32)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``[..., num_kv_heads, head_dim]`` float -> uint8 e4m3fn bits of ``x / scale``, clamped to +-448."""
+    scaled = x.to(torch.float32) / scale.to(torch.float32)[:, None]  # [..., Hkv, D]
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def dequantize_fp8(bits: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 e4m3fn bits ``[..., num_kv_heads, head_dim]`` -> ``fp8 * scale`` in ``dtype``."""
+    return (bits.view(torch.float8_e4m3fn).to(torch.float32) * scale.to(torch.float32)[:, None]).to(dtype)
+
+
+def write_kv_torch(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """Scatter ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the pool at ``slot_mapping``.
+
+    A uint8 (fp8) pool stores :func:`quantize_fp8` of them with ``k_scale``/``v_scale``.
+    """
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     flat_k = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
     flat_v = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
     slot_mapping = slot_mapping.to(torch.long)
+    if key_cache.dtype == torch.uint8:
+        key, value = quantize_fp8(key, k_scale), quantize_fp8(value, v_scale)
     flat_k.index_copy_(0, slot_mapping, key.to(key_cache.dtype))
     flat_v.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
@@ -44,6 +100,12 @@ def plan_torch_attention(
     block_tables, seq_lens, query_start_loc, block_size: int, num_tokens: int,
     sliding_window: int | None = None, max_query_len: int | None = None, max_seq_len: int | None = None,
 ) -> TorchAttentionPlan:
+    """Index and mask tensors for :func:`paged_attention_torch`, built once per step and shared by its layers.
+
+    ``max_seq_len`` may exceed every ``seq_lens`` entry (a bucketed width, up to ``block_tables.shape[1] *
+    block_size``), and table columns past a sequence's blocks may hold any valid block id (e.g. 0): positions at or
+    past ``seq_lens[s]`` are masked, so what those slots hold never reaches the output unless it is NaN/inf.
+    """
     device = block_tables.device
     seq_lens_l = seq_lens.to(torch.long)
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.long)  # [S]
@@ -53,6 +115,11 @@ def plan_torch_attention(
         max_seq_len = int(seq_lens_l.max())
     max_seq_len = max(max_seq_len, 1)
     num_ctx_blocks = -(-max_seq_len // block_size)
+    if num_ctx_blocks > block_tables.shape[1]:
+        raise ValueError(
+            f"max_seq_len={max_seq_len} needs {num_ctx_blocks} blocks per sequence but block_tables has "
+            f"{block_tables.shape[1]} columns; pass max_seq_len <= block_tables.shape[1] * block_size."
+        )
     tables = block_tables[:, :num_ctx_blocks].to(torch.long).clamp_min(0).flatten()
 
     num_seqs = seq_lens.shape[0]
@@ -90,8 +157,17 @@ def paged_attention_torch(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     plan: TorchAttentionPlan | None = None,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Gather each sequence's blocks, then one batched SDPA call with a causal (and window) mask."""
+    """Gather each sequence's blocks, then one batched SDPA call with a causal (and window) mask.
+
+    With ``softcap`` or ``sinks`` (which SDPA cannot express) the scores take an explicit fp32 softmax instead. A uint8
+    (fp8) pool is dequantized with ``k_scale``/``v_scale`` after the gather.
+    """
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -113,18 +189,52 @@ def paged_attention_torch(
     if plan.kv_valid is not None:
         keys, values = keys.masked_fill(~plan.kv_valid, 0), values.masked_fill(~plan.kv_valid, 0)
 
+    explicit = softcap is not None or sinks is not None
+    if key_cache.dtype == torch.uint8:
+        kv_dtype = torch.float32 if explicit else query.dtype
+        keys, values = dequantize_fp8(keys, k_scale, kv_dtype), dequantize_fp8(values, v_scale, kv_dtype)
+
     if plan.q_index is None:
         q = query.unsqueeze(1)  # [S, 1, Hq, D]
     else:  # index_select: advanced indexing is many times slower on CPU
         q = query.index_select(0, plan.q_index.flatten()).view(*plan.q_index.shape, num_q_heads, head_dim)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        keys.transpose(1, 2).to(q.dtype),
-        values.transpose(1, 2).to(q.dtype),
-        attn_mask=plan.mask,
-        scale=scale,
-        enable_gqa=num_q_heads != num_kv_heads,
-    ).transpose(1, 2)  # [S, Q, Hq, D]
+    if not explicit:
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            keys.transpose(1, 2).to(q.dtype),
+            values.transpose(1, 2).to(q.dtype),
+            attn_mask=plan.mask,
+            scale=scale,
+            enable_gqa=num_q_heads != num_kv_heads,
+        ).transpose(1, 2)  # [S, Q, Hq, D]
+    else:
+        out = _explicit_attention(q, keys, values, plan.mask, scale, softcap, sinks)  # [S, Q, Hq, D]
     if plan.q_index is None:
         return out.reshape(num_tokens, num_q_heads, head_dim)
     return out.reshape(-1, num_q_heads, head_dim).index_select(0, plan.q_valid)
+
+
+def _explicit_attention(q, keys, values, mask, scale: float, softcap: float | None, sinks: torch.Tensor | None):
+    """Attention with an fp32 softmax, soft-capped scores and sink logits (gpt-oss ``s_aux``).
+
+    q ``[S, Q, Hq, D]``, keys/values ``[S, L, Hkv, D]``, mask ``[S, 1, Q, L]`` bool or None -> ``[S, Q, Hq, D]``.
+    """
+    num_seqs, num_queries, num_q_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[2]
+    group = num_q_heads // num_kv_heads
+    q5 = q.to(torch.float32).permute(0, 2, 1, 3).reshape(num_seqs, num_kv_heads, group, num_queries, head_dim)
+    k5 = keys.to(torch.float32).permute(0, 2, 1, 3)[:, :, None]  # [S, Hkv, 1, L, D]
+    v5 = values.to(torch.float32).permute(0, 2, 1, 3)[:, :, None]  # [S, Hkv, 1, L, D]
+    scores = (q5 @ k5.transpose(-1, -2)) * scale  # [S, Hkv, G, Q, L]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    if sinks is not None:  # one more logit per head in the denominator; it takes no value
+        sink = sinks.to(torch.float32).view(1, num_kv_heads, group, 1, 1)
+        scores = torch.cat([scores, sink.expand(num_seqs, -1, -1, num_queries, 1)], dim=-1)  # [S, Hkv, G, Q, L+1]
+    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    out = probs @ v5  # [S, Hkv, G, Q, D]
+    return out.reshape(num_seqs, num_q_heads, num_queries, head_dim).transpose(1, 2).to(q.dtype)
