@@ -210,7 +210,7 @@ from hf_paged import BlockAllocator, PagedCache, enable_paged_attention
 
 {QUICK}
 MAX_NEW_TOKENS = 14 if QUICK else 40
-NUM_REQUESTS = 120 if QUICK else 600  # requests served in part 3
+NUM_REQUESTS = 64 if QUICK else 600  # requests served in part 3
 plt.rcParams.update({{"figure.dpi": 60, "font.size": 9}})  # small inline PNGs
 """),
     md("""

@@ -1,40 +1,35 @@
-"""The notebooks run top to bottom with small settings (HF_PAGED_NB_QUICK=1) and show what they claim.
+"""The notebooks are stored executed, written as user code, and re-executing them gives what is stored.
 
-Each notebook executes in a fresh ipykernel started on the Python running the tests (not whatever a registered
-``python3`` kernel spec points at), with ``notebooks/`` as its working directory. The stored notebooks must be what
-``notebooks/build.py`` writes.
+``notebooks/build.py`` writes and executes them (quick mode, ``HF_PAGED_NB_QUICK=1``, as here). The static checks
+read the stored files: cells equal to build.py's, every cell that prints or plots stored with its output, no private
+``hf_paged`` module imported. The execution tests run each notebook in a fresh kernel on this Python and compare the
+outputs' kinds cell by cell with the stored ones (numbers vary, kinds must not), then check what each one claims.
 """
 
 from __future__ import annotations
 
-import os
+import ast
+import importlib.util
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed: pip install -e '.[notebooks]'")
-nbclient = pytest.importorskip("nbclient", reason="nbclient is not installed: pip install -e '.[notebooks]'")
+pytest.importorskip("nbclient", reason="nbclient is not installed: pip install -e '.[notebooks]'")
 pytest.importorskip("ipykernel", reason="ipykernel is not installed: pip install -e '.[notebooks]'")
 
-from ipykernel.kernelspec import get_kernel_dict  # noqa: E402
-from jupyter_client.kernelspec import KernelSpec  # noqa: E402
-from jupyter_client.manager import AsyncKernelManager  # noqa: E402
-
+import hf_paged  # noqa: E402
 from hf_paged import embedded  # noqa: E402
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-CELL_TIMEOUT_S = 600
+_spec = importlib.util.spec_from_file_location("notebook_build", NOTEBOOKS / "build.py")
+build = sys.modules["notebook_build"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(build)
 
-
-class ThisPythonKernelManager(AsyncKernelManager):
-    """Starts ``sys.executable -m ipykernel_launcher`` whatever kernel name the notebook asks for."""
-
-    @property
-    def kernel_spec(self) -> KernelSpec:
-        return KernelSpec(**get_kernel_dict())
+PUBLIC_MODULES = {"hf_paged", "hf_paged.ops"}
+PUBLIC_NAMES = set(hf_paged.__all__) | {"__version__"}
 
 
 def _embedded_model_missing() -> str | None:
@@ -47,80 +42,190 @@ def _embedded_model_missing() -> str | None:
     return None
 
 
-# Notebooks 01-03 run the embedded SmolLM2; test_embedded.py skips the same way when it is not installed.
 MODEL_MISSING = _embedded_model_missing()
-needs_model = pytest.mark.skipif(MODEL_MISSING is not None, reason=str(MODEL_MISSING))
 
 
-def execute(name: str) -> nbformat.NotebookNode:
-    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    client = nbclient.NotebookClient(
-        nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", kernel_manager_class=ThisPythonKernelManager,
-        resources={"metadata": {"path": str(NOTEBOOKS)}},
-    )
-    client.execute()  # raises CellExecutionError, with the cell and traceback, on the first error
-    return nb
+# ------------------------------------------------------------------------------------------------ static checks
+def _tree(cell) -> ast.Module:
+    lines = [line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!"))]  # IPython magics
+    return ast.parse("\n".join(lines))
 
 
-def text_of(nb) -> str:
-    parts = []
+def _name(func) -> str:
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+
+
+def _plots(name: str) -> bool:
+    return name == "show" or name.startswith("plot_")
+
+
+def expected_outputs(cell) -> set[str]:
+    """``"text"`` if the cell prints, displays or ends in a value (a name, attribute, subscript...: not a call, which
+    may return None); ``"image"`` if it plots (``plt.show()``, ``plot_*()``)."""
+    tree = _tree(cell)
+    called = {_name(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    expected = {"text"} if {"print", "display"} & called else set()
+    last = tree.body[-1] if tree.body else None
+    if (isinstance(last, ast.Expr) and not isinstance(last.value, (ast.Call, ast.Constant))
+            and not cell.source.rstrip().endswith(";")):
+        expected.add("text")
+    if any(_plots(name) for name in called):
+        expected.add("image")
+    return expected
+
+
+def missing_outputs(nb) -> list[str]:
+    """Code cells that should print or plot, stored without that output."""
+    missing = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        outputs = cell.get("outputs", [])
+        has_text = any(o.output_type == "stream" and o.name == "stdout" or "text/plain" in o.get("data", {})
+                       for o in outputs)
+        has_image = any("image/png" in o.get("data", {}) for o in outputs)
+        expected = expected_outputs(cell)
+        if "text" in expected and not has_text:
+            missing.append(f"cell {i} prints but has no output: {cell.source.splitlines()[0]!r}")
+        if "image" in expected and not has_image:
+            missing.append(f"cell {i} plots but has no image: {cell.source.splitlines()[0]!r}")
+    return missing
+
+
+def private_imports(nb) -> list[str]:
+    """Uses of ``hf_paged`` beyond its public API: ``hf_paged`` (names in ``__all__``) and ``hf_paged.ops``."""
+    found = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        for node in ast.walk(_tree(cell)):
+            if isinstance(node, ast.Import):
+                found += [f"cell {i}: import {a.name}" for a in node.names
+                          if a.name.startswith("hf_paged.") and a.name not in PUBLIC_MODULES]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "hf_paged":
+                if node.module not in PUBLIC_MODULES:
+                    found.append(f"cell {i}: from {node.module} import ...")
+                elif node.module == "hf_paged":
+                    found += [f"cell {i}: from hf_paged import {a.name}" for a in node.names
+                              if a.name not in PUBLIC_NAMES]
+            elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                  and node.value.id == "hf_paged" and node.attr not in PUBLIC_NAMES):
+                found.append(f"cell {i}: hf_paged.{node.attr}")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(
+                    r"hf_paged\.\w+(\.\w+)*", node.value) and node.value not in PUBLIC_MODULES:
+                found.append(f"cell {i}: {node.value!r}")  # importlib.import_module("hf_paged.compat")
+    return found
+
+
+def stored(spec) -> nbformat.NotebookNode:
+    return nbformat.read(spec.path, as_version=4)
+
+
+SPECS = pytest.mark.parametrize("spec", build.SPECS, ids=[s.name.removesuffix(".ipynb") for s in build.SPECS])
+
+
+def test_stored_cells_are_the_build_scripts(capsys):
+    assert build.main(["--check"]) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == sorted(s.name for s in build.SPECS)
+
+
+@SPECS
+def test_stored_with_outputs(spec):
+    nb = stored(spec)
+    assert missing_outputs(nb) == []
+    assert build.problems_in_outputs(nb) == []
+    assert nb.metadata == build.METADATA, "run-specific notebook metadata stored: rebuild with notebooks/build.py"
+    assert not any("execution" in cell.metadata for cell in nb.cells), "timing metadata stored"
+    counts = [cell.execution_count for cell in nb.cells if cell.cell_type == "code"]
+    assert counts == list(range(1, len(counts) + 1)), "not executed top to bottom in one go"
+
+
+@SPECS
+def test_only_public_api(spec):
+    assert private_imports(stored(spec)) == []
+
+
+def test_checks_see_a_stripped_notebook_and_private_imports():
+    nb = stored(build.SPECS[1])  # 02: prints and plots
+    printing = [c for c in nb.cells if c.cell_type == "code" and expected_outputs(c)]
+    assert any("image" in expected_outputs(c) for c in printing) and missing_outputs(nb) == []
     for cell in nb.cells:
-        for output in cell.get("outputs", []):
-            parts.append(output.get("text", ""))
-            parts.append(output.get("data", {}).get("text/plain", ""))
-    return "\n".join(parts)
+        if cell.cell_type == "code":
+            cell.outputs = []
+    assert len(missing_outputs(nb)) >= len(printing)
+
+    cell = nbformat.v4.new_code_cell
+    public = nbformat.v4.new_notebook(cells=[cell(
+        "import hf_paged\nimport hf_paged.ops\nfrom hf_paged import PagedCache, ops\nfrom hf_paged.ops import "
+        "paged_attention\nprint(hf_paged.__version__, hf_paged.PagedCache)")])
+    assert private_imports(public) == []
+    for source in ["from hf_paged.compat import GENERATE_CACHE_KWARG", "from hf_paged import embedded",
+                   "import hf_paged.report", "import hf_paged\nhf_paged.simulate.sample_workload",
+                   "%time x = 1\nimport importlib\nimportlib.import_module('hf_paged.compat')"]:
+        assert private_imports(nbformat.v4.new_notebook(cells=[cell(source)])), source
+
+
+# ---------------------------------------------------------------------------------------------- execution checks
+def text_of(nb) -> str:
+    return "\n".join(o.get("text", "") + o.get("data", {}).get("text/plain", "")
+                     for cell in nb.cells for o in cell.get("outputs", []))
 
 
 def images_in(nb) -> int:
-    return sum("image/png" in output.get("data", {}) for cell in nb.cells for output in cell.get("outputs", []))
+    return sum("image/png" in o.get("data", {}) for cell in nb.cells for o in cell.get("outputs", []))
 
 
-@pytest.fixture
-def quick_env(monkeypatch):
-    monkeypatch.setenv("HF_PAGED_NB_QUICK", "1")
-    monkeypatch.delenv("MPLBACKEND", raising=False)  # let ipykernel choose the inline backend: plots become outputs
-    # One intra-op thread unless told otherwise: on a busy shared CPU, OpenMP threads waiting on each other made the
-    # same notebook 3-10x slower and its runtime erratic; alone on a machine, one thread costs far less than that.
-    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
-
-
-def test_notebooks_match_build_script():
-    result = subprocess.run([sys.executable, str(NOTEBOOKS / "build.py"), "--check"], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
-        nb = nbformat.read(path, as_version=4)
-        assert not any(cell.get("outputs") for cell in nb.cells), f"{path.name} is stored with outputs"
-
-
-@needs_model
-def test_quickstart(quick_env):
-    text = text_of(execute("01_quickstart.ipynb"))
+def claims_quickstart(nb):
+    text = text_of(nb)
     assert "tokens identical to DynamicCache: True" in text
     assert "peak_blocks_in_use" in text and "PagedCache, peak in use" in text
 
 
-@needs_model
-def test_memory_anatomy(quick_env):
-    nb = execute("02_memory_anatomy.ipynb")
+def claims_memory_anatomy(nb):
     text = text_of(nb)
-    assert re.search(r"^1 +\d+ +\d+ +\d+ +\d+ +\[", text, re.M), "no block table row printed"
-    assert re.search(r"^0 +\d+ +\d+ +released", text, re.M), "the row that finished early was not released"
-    assert "paged with blocks of 16" in text and "paged bs=16" in text
-    assert "positions in order: True" in text
+    assert re.search(r"^ +1 +\d+ +\d+ +\d+ +\d+ +\[", text, re.M), "no block table row printed"
+    assert re.search(r"^ +0 +\d+ +\d+ +released", text, re.M), "the row that finished early was not released"
+    paged_waste = float(re.search(r"PagedCache \(block 16.*? ([0-9.]+)%$", text, re.M).group(1))
+    dynamic_waste = float(re.search(r"DynamicCache \(padded.*? ([0-9.]+)%$", text, re.M).group(1))
+    assert paged_waste < 10 < dynamic_waste
+    assert re.search(r"paged, block 16 *: [0-3]\.\d%", text), "paged waste at block 16 is not under 4%"
+    assert re.search(r"request \d+: \d+ tokens in physical blocks \[", text)
     assert images_in(nb) >= 3, "the three plots were not displayed inline"
 
 
-@needs_model
-def test_sharing(quick_env):
-    text = text_of(execute("03_sharing.ipynb"))
+def claims_sharing(nb):
+    text = text_of(nb)
     ratios = [float(r) for r in re.findall(r"sharing ratio \(peak / unshared\) ([0-9.]+)", text)]
     assert len(ratios) == 2 and all(r < 1 for r in ratios), ratios
     assert "forking copied nothing" in text
     assert "every fork's tokens identical to DynamicCache" in text
 
 
-def test_kernels(quick_env):
-    text = text_of(execute("04_kernels.ipynb"))
+def claims_kernels(nb):
+    text = text_of(nb)
     assert re.search(r"all \d+ comparisons within bounds", text)
     assert "prefill + extend" in text
     assert "GPU figures are not measured here" in text or "Decode" in text
+
+
+CLAIMS = {
+    "01_quickstart.ipynb": claims_quickstart,
+    "02_memory_anatomy.ipynb": claims_memory_anatomy,
+    "03_sharing.ipynb": claims_sharing,
+    "04_kernels.ipynb": claims_kernels,
+}
+
+
+@SPECS
+def test_rerun_gives_the_stored_outputs(spec):
+    if spec.needs_model and MODEL_MISSING:
+        pytest.skip(MODEL_MISSING)
+    fresh = build.execute(build.build(spec))  # raises with the failing cell and its traceback
+    old = stored(spec)
+    assert build.cells_of(fresh) == build.cells_of(old)
+    for i, (new_cell, old_cell) in enumerate(zip(fresh.cells, old.cells)):
+        assert build.output_kinds(new_cell) == build.output_kinds(old_cell), (
+            f"cell {i} of {spec.name}: outputs differ in kind from the stored ones; rebuild with "
+            f"python notebooks/build.py {spec.name.removesuffix('.ipynb')}")
+    assert build.problems_in_outputs(fresh) == []
+    CLAIMS.get(spec.name, lambda nb: None)(fresh)
