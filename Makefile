@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup demo test test-oldest bench clean
+.PHONY: setup demo test test-oldest bench check-kernels clean
 
 setup: $(VENV)/.ready
 
@@ -30,6 +30,11 @@ test-oldest: setup
 
 bench: setup
 	$(PY) bench/generate.py $(ARGS)
+
+# Build every Triton kernel variant for sm_80 and sm_90 without a GPU; fails on build errors, shared memory over
+# the limit, or spills in a default variant (python -m hf_paged check-kernels --help).
+check-kernels: setup
+	OMP_NUM_THREADS=1 $(PY) -m hf_paged check-kernels $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(VENV)-oldest .pytest_cache

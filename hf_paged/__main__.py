@@ -1,5 +1,6 @@
 """``python -m hf_paged demo`` runs the main job; ``python -m hf_paged convert`` only prepares the embedded model;
-``python -m hf_paged models`` lists the supported model types."""
+``python -m hf_paged models`` lists the supported model types;
+``python -m hf_paged check-kernels`` builds every Triton kernel variant for sm_80/sm_90 (no GPU needed)."""
 
 from __future__ import annotations
 
@@ -18,12 +19,17 @@ def main(argv=None) -> int:
 
         print(format_models_table())
         return 0
+    if command == "check-kernels":
+        from .kernel_check import main as check_kernels
+
+        return check_kernels(argv)
     if command == "convert":
         from .embedded import local_model_dir
 
         print(local_model_dir())
         return 0
-    print("usage: python -m hf_paged [demo|convert|models] [options]  (demo --help for its options)", file=sys.stderr)
+    print("usage: python -m hf_paged [demo|convert|models|check-kernels] [options]  (demo --help for its options)",
+          file=sys.stderr)
     return 2
 
 
