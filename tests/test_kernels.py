@@ -19,7 +19,12 @@ pytest.importorskip("triton", reason="triton is not installed; the Triton kernel
 
 from hf_paged import ops  # noqa: E402
 from hf_paged.ops import triton_kernels  # noqa: E402
-from hf_paged.ops.reference import paged_attention_torch, write_kv_torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from hf_paged.ops.reference import (  # noqa: E402
+    fp8_scales, paged_attention_torch, plan_torch_attention, quantize_fp8, write_kv_torch,
+)
 from hf_paged.ops.triton_kernels import choose_num_kv_splits, paged_attention_triton, write_kv_triton  # noqa: E402
 
 if triton_kernels._INTERPRETED:
@@ -42,12 +47,14 @@ REF_ULPS = 8  # sanity bound on the reference itself: <= REF_ULPS x eps(dtype) x
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def make_case(seq_lens, q_lens, *, num_kv_heads, group, head_dim, block_size, dtype, window=None, seed=0):
+def make_case(seq_lens, q_lens, *, num_kv_heads, group, head_dim, block_size, dtype, window=None, seed=0,
+              kv_fp8=False, softcap=None, sinks=False):
     """A pool with each sequence's blocks at random physical places; everything never written is NaN.
 
     Table entries past a sequence's last block are -1, and so are blocks that slid out of the window of the
     sequence's first query. A kernel that reads an unwritten slot returns NaN; one that dereferences a -1 reads
-    outside the pool.
+    outside the pool. ``kv_fp8``: a uint8 pool of e4m3fn bits (NaN bits 0x7F where unwritten) with per-head scales;
+    ``softcap``/``sinks``: the options turned on (sinks drawn at random, of the size of the scores).
     """
     gen = torch.Generator().manual_seed(seed)
     num_seqs = len(seq_lens)
@@ -56,17 +63,29 @@ def make_case(seq_lens, q_lens, *, num_kv_heads, group, head_dim, block_size, dt
     num_blocks = sum(blocks_per_seq) + 3  # a few blocks nobody owns
     physical = torch.randperm(num_blocks, generator=gen)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.full(shape, float("nan"), dtype=dtype)  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache = torch.full(shape, float("nan"), dtype=dtype)
+    pool_dtype = torch.uint8 if kv_fp8 else dtype
+    garbage = 0x7F if kv_fp8 else float("nan")  # 0x7F is e4m3fn NaN
+    key_cache = torch.full(shape, garbage, dtype=pool_dtype)  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache = torch.full(shape, garbage, dtype=pool_dtype)
     block_tables = torch.full((num_seqs, width), -1, dtype=torch.int32)  # [num_seqs, width]
+    # fp8: heads of different ranges, so that a wrong head's scale shows
+    head_gain = torch.linspace(0.25, 2.0, num_kv_heads)[:, None] if kv_fp8 else torch.ones(num_kv_heads, 1)
+    k_new = [torch.randn(n, num_kv_heads, head_dim, generator=gen) * head_gain for n in seq_lens]  # [n, Hkv, D]
+    v_new = [torch.randn(n, num_kv_heads, head_dim, generator=gen) * head_gain for n in seq_lens]
+    if kv_fp8:
+        k_scale, v_scale = fp8_scales(torch.cat(k_new)), fp8_scales(torch.cat(v_new))  # [Hkv]
     taken = 0
     for s, (seq_len, n_blocks) in enumerate(zip(seq_lens, blocks_per_seq)):
         block_tables[s, :n_blocks] = physical[taken : taken + n_blocks].to(torch.int32)
         taken += n_blocks
         pos = torch.arange(seq_len)
         blocks, offsets = block_tables[s, pos // block_size].long(), pos % block_size
-        key_cache[blocks, offsets] = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
-        value_cache[blocks, offsets] = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        if kv_fp8:
+            key_cache[blocks, offsets] = quantize_fp8(k_new[s], k_scale)
+            value_cache[blocks, offsets] = quantize_fp8(v_new[s], v_scale)
+        else:
+            key_cache[blocks, offsets] = k_new[s].to(dtype)
+            value_cache[blocks, offsets] = v_new[s].to(dtype)
         if window is not None:
             first_visible = max(0, seq_len - q_lens[s] - window + 1)
             block_tables[s, : first_visible // block_size] = -1  # slid out of the window: freed
@@ -75,7 +94,7 @@ def make_case(seq_lens, q_lens, *, num_kv_heads, group, head_dim, block_size, dt
     query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
     query_start_loc[1:] = torch.tensor(q_lens).cumsum(0)
     to = dict(device=DEVICE)
-    return dict(
+    case = dict(
         query=query.to(**to),
         key_cache=key_cache.to(**to),
         value_cache=value_cache.to(**to),
@@ -85,12 +104,31 @@ def make_case(seq_lens, q_lens, *, num_kv_heads, group, head_dim, block_size, dt
         scale=head_dim**-0.5,
         sliding_window=window,
     )
+    if kv_fp8:
+        case.update(k_scale=k_scale.to(**to), v_scale=v_scale.to(**to))
+    if softcap is not None:
+        case.update(softcap=softcap)
+    if sinks:
+        case.update(sinks=(torch.randn(num_kv_heads * group, generator=gen) * 2).to(**to))
+    return case
 
 
-def attention_float64(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window):
-    """Per sequence, per position: gather the visible keys by hand and do softmax(q k^T) v in float64."""
+def attention_float64(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+                      softcap=None, sinks=None, k_scale=None, v_scale=None):
+    """Per sequence, per position: gather the visible keys by hand and do softmax(q k^T) v in float64.
+
+    fp8 blocks are dequantized in float64 (bits -> e4m3fn value -> times the head's scale); ``softcap`` caps the
+    scaled scores before the mask; ``sinks`` adds one logit per head to the softmax denominator and no value.
+    """
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = query.shape[1] // num_kv_heads
+
+    def gather(cache, scale_per_head, blocks, offsets):  # -> [L, Hq, D] float64
+        x = cache.cpu()[blocks, offsets]  # [L, Hkv, D]
+        if cache.dtype == torch.uint8:
+            x = x.view(torch.float8_e4m3fn).double() * scale_per_head.cpu().double()[:, None]
+        return x.double().repeat_interleave(group, 1)
+
     out = torch.zeros(query.shape, dtype=torch.float64)
     for s in range(seq_lens.shape[0]):
         seq_len = int(seq_lens[s])
@@ -101,14 +139,21 @@ def attention_float64(query, key_cache, value_cache, block_tables, seq_lens, que
         lo = 0 if sliding_window is None else max(0, int(q_pos[0]) - sliding_window + 1)
         pos = torch.arange(lo, seq_len)  # [L], only positions some query may see
         blocks = block_tables[s].cpu().long()[pos // block_size]
-        k = key_cache.cpu()[blocks, pos % block_size].double().repeat_interleave(group, 1)  # [L, Hq, D]
-        v = value_cache.cpu()[blocks, pos % block_size].double().repeat_interleave(group, 1)
+        k = gather(key_cache, k_scale, blocks, pos % block_size)  # [L, Hq, D]
+        v = gather(value_cache, v_scale, blocks, pos % block_size)
         q = query.cpu()[start:end].double()  # [q_len, Hq, D]
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, q_len, L]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         visible = pos[None, :] <= q_pos[:, None]  # [q_len, L]
         if sliding_window is not None:
             visible &= pos[None, :] > q_pos[:, None] - sliding_window
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            sink = sinks.cpu().double()[:, None, None].expand(-1, end - start, 1)  # [Hq, q_len, 1]
+            probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v)
     return out
 
@@ -116,16 +161,12 @@ def attention_float64(query, key_cache, value_cache, block_tables, seq_lens, que
 def assert_close_to_float64(case, run_kernel, reference_case=None):
     """The kernel's max error vs float64 is within ERR_MULTIPLE x the torch reference's, or one ulp at 1.0.
 
-    ``reference_case`` (default: ``case`` with NaN garbage zeroed) is what the torch reference runs on; it must hold
-    the same sequences.
+    ``reference_case`` (default: ``case``, NaN in every unwritten slot: the torch backend must not let it through
+    either) is what the torch reference runs on; it must hold the same sequences.
     """
     expected = attention_float64(**case)  # [num_tokens, num_q_heads, head_dim] float64
     dtype = case["query"].dtype
-    if reference_case is None:
-        # The reference lets NaN in masked slots through (0 * NaN in SDPA), so it gets a zeroed pool.
-        zeroed = {name: case[name].nan_to_num(0.0) for name in ("key_cache", "value_cache")}
-        reference_case = dict(case, **zeroed)
-    reference = paged_attention_torch(**reference_case)
+    reference = paged_attention_torch(**(case if reference_case is None else reference_case))
     kernel = run_kernel(case)
     assert kernel.shape == case["query"].shape and kernel.dtype == dtype
     ref_err = (reference.cpu().double() - expected).abs().max().item()
@@ -313,3 +354,263 @@ def test_write_kv_skips_negative_slots():
     written = key_cache.flatten(0, 1)[:, 0, 0]  # [num_blocks * block_size]
     assert written.nonzero().flatten().tolist() == [3, 9]
     assert torch.equal(key_cache, value_cache)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Soft-capping, attention sinks, fp8 blocks (both backends: the torch reference is checked inside
+# assert_close_to_float64 too, on the same NaN-garbage pool)
+# ---------------------------------------------------------------------------------------------------------------------
+
+FEATURES = {
+    "softcap": dict(softcap=1.5),
+    "sinks": dict(sinks=True),
+    "fp8": dict(kv_fp8=True),
+    "all": dict(softcap=1.5, sinks=True, kv_fp8=True),
+}
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 3], ids=["one-split", "split-kv"])
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("name", ["fp32-d64-bs16-gqa4", "bf16-d80-bs32-gqa2-window", "fp16-d64-bs128-mha"])
+def test_decode_features_match_float64(name, feature, num_kv_splits):
+    # split-KV: the sinks must join the denominator once (in the merge), not once per split
+    seq_lens, num_kv_heads, group, head_dim, block_size, dtype, window = DECODE_CASES[name]
+    case = make_case(
+        seq_lens, [1] * len(seq_lens), num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+        block_size=block_size, dtype=dtype, window=window, seed=3, **FEATURES[feature],
+    )
+    assert_close_to_float64(case, triton_direct(num_kv_splits=num_kv_splits))
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("name", ["fp32-d64-bs16-gqa2", "bf16-d64-bs8-gqa4-window"])
+def test_prefill_features_match_float64(name, feature):
+    seq_lens, q_lens, num_kv_heads, group, head_dim, block_size, dtype, window = PREFILL_CASES[name]
+    case = make_case(
+        seq_lens, q_lens, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+        block_size=block_size, dtype=dtype, window=window, seed=4, **FEATURES[feature],
+    )
+    assert_close_to_float64(case, triton_public)
+
+
+def test_features_change_the_result():
+    # The options are not no-ops on these cases: each moves the float64 result well past the error bounds above.
+    base = dict(num_kv_heads=2, group=2, head_dim=64, block_size=16, dtype=torch.float32, seed=5)
+    plain = attention_float64(**make_case([40, 9], [1, 1], **base))
+    for options in FEATURES.values():
+        changed = attention_float64(**make_case([40, 9], [1, 1], **base, **options))
+        assert (changed - plain).abs().max() > 1e-2, options
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+@pytest.mark.parametrize("kv_fp8", [False, True], ids=["float-pool", "fp8-pool"])
+def test_torch_backend_never_reads_unowned_nan(decode, kv_fp8):
+    # Unwritten slots (tails of last blocks, blocks nobody owns, blocks behind -1 table entries) hold NaN; the torch
+    # backend must return the float64 result, not NaN. Removing its zeroing of unowned slots fails this test.
+    q_lens = [1, 1, 1] if decode else [3, 20, 1]
+    case = make_case([3, 20, 37], q_lens, num_kv_heads=2, group=2, head_dim=32, block_size=8, dtype=torch.float32,
+                     window=12, kv_fp8=kv_fp8)
+    out = ops.paged_attention(**case, backend="torch")
+    assert torch.isfinite(out).all()
+    assert (out.cpu().double() - attention_float64(**case)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("options", [{}, dict(softcap=1.5, sinks=True), dict(kv_fp8=True)], ids=["plain", "cap+sinks",
+                                                                                                   "fp8"])
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_bucketed_width_and_zero_padded_tables(decode, options):
+    # The step planner's shape: tables padded with block 0 (not -1), max_seq_len = the full table width (above every
+    # seq_len), one plan shared by layers; block 0 holds another sequence's (finite) data. Positions past seq_lens
+    # must be masked by seq_lens alone.
+    seq_lens, q_lens = [9, 30], ([1, 1] if decode else [9, 4])
+    case = make_case(seq_lens, q_lens, num_kv_heads=1, group=4, head_dim=32, block_size=8, dtype=torch.float32,
+                     seed=6, **options)
+    garbage = 0x38 if options.get("kv_fp8") else 7.0  # large finite values (0x38 = 1.0 in e4m3fn)
+    for cache in (case["key_cache"], case["value_cache"]):
+        cache[cache.isnan() if cache.is_floating_point() else cache == 0x7F] = garbage
+    tables = case["block_tables"].clone()
+    tables[tables < 0] = 0
+    block_size, width = case["key_cache"].shape[1], tables.shape[1]
+    case = dict(case, block_tables=tables)
+    expected = attention_float64(**case)
+    max_seq_len, max_query_len, num_tokens = width * block_size, max(q_lens), sum(q_lens)
+    plan = plan_torch_attention(tables, case["seq_lens"], case["query_start_loc"], block_size, num_tokens,
+                                None, max_query_len, max_seq_len)
+    assert plan.context_len == max_seq_len > max(seq_lens)
+    extra = {k: case[k] for k in ("softcap", "sinks", "k_scale", "v_scale") if k in case}
+    positional = [case[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens",
+                                    "query_start_loc", "scale", "sliding_window")]
+    torch_out = ops.paged_attention_unchecked(*positional, "torch", max_query_len, max_seq_len, plan, **extra)
+    triton_out = ops.paged_attention_unchecked(*positional, "triton", max_query_len, max_seq_len, **extra)
+    for out in (torch_out, triton_out):
+        assert (out.cpu().double() - expected).abs().max() < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# fp8 conversion and the fp8 KV write
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _encode_kernel(x_ptr, bits_ptr, N: tl.constexpr, FP8_NATIVE: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(bits_ptr + offs, triton_kernels._float_to_fp8(tl.load(x_ptr + offs), FP8_NATIVE))
+
+
+@triton.jit
+def _decode_bits_kernel(bits_ptr, x_ptr, N: tl.constexpr, FP8_NATIVE: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(x_ptr + offs, triton_kernels._fp8_to_float(tl.load(bits_ptr + offs), FP8_NATIVE))
+
+
+def _native_fp8_modes():
+    # The interpreter's fp32 -> fp8 cast mis-rounds (no carry into the exponent); native encode only on sm_89+.
+    native = DEVICE == "cuda" and triton_kernels._capability(torch.device("cuda")) >= 89
+    return [False, True] if native else [False]
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["bitwise", "native"])
+def test_fp8_decode_is_exact_for_every_code(native):
+    bits = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    bits = bits[(bits & 0x7F) != 0x7F].contiguous()  # all but the two NaN codes
+    n = triton.next_power_of_2(bits.numel())
+    padded = torch.zeros(n, dtype=torch.uint8)
+    padded[: bits.numel()] = bits
+    out = torch.empty(n, dtype=torch.float32, device=DEVICE)
+    _decode_bits_kernel[(1,)](padded.to(DEVICE), out, N=n, FP8_NATIVE=native)
+    expected = bits.view(torch.float8_e4m3fn).float()
+    assert torch.equal(out.cpu()[: bits.numel()], expected)
+
+
+@pytest.mark.parametrize("native", _native_fp8_modes(), ids=lambda n: "native" if n else "bitwise")
+def test_fp8_encode_rounds_like_torch(native):
+    # every e4m3fn value, the midpoints between neighbours (ties to even), just either side of them, out-of-range
+    # values (clamped to +-448), subnormals and random values over the whole range
+    codes = torch.arange(0, 0x7F, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()  # [127]
+    mids = (codes[1:] + codes[:-1]) / 2
+    gen = torch.Generator().manual_seed(7)
+    x = torch.cat([codes, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e9)),
+                   torch.tensor([448.0, 449.0, 464.0, 1e6, 1e-12, 2.0**-10, 3 * 2.0**-11]),
+                   torch.randn(1500, generator=gen) * 2.0 ** torch.randint(-12, 9, (1500,), generator=gen)])
+    x = torch.cat([x, -x])
+    n = triton.next_power_of_2(x.numel())
+    padded = torch.zeros(n)
+    padded[: x.numel()] = x
+    bits = torch.empty(n, dtype=torch.uint8, device=DEVICE)
+    _encode_kernel[(1,)](padded.to(DEVICE), bits, N=n, FP8_NATIVE=native)
+    expected = x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    mismatch = (bits.cpu()[: x.numel()] != expected).nonzero().flatten()
+    assert mismatch.numel() == 0, f"{x[mismatch[:5]].tolist()} -> {bits.cpu()[mismatch[:5]].tolist()}"
+
+
+def test_fp8_write_kv_matches_torch_bits():
+    gen = torch.Generator().manual_seed(8)
+    num_blocks, block_size, num_kv_heads, head_dim, num_tokens = 5, 8, 3, 48, 17
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) * torch.tensor([0.1, 1.0, 30.0])[:, None]
+    value = torch.randn(num_kv_heads, num_tokens, head_dim, generator=gen).transpose(0, 1)  # a strided view
+    k_scale, v_scale = fp8_scales(key[:4]), fp8_scales(value[:4])  # from a first batch: later tokens may saturate
+    slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    expected_k = torch.full((num_blocks, block_size, num_kv_heads, head_dim), 0x7F, dtype=torch.uint8)
+    expected_v = expected_k.clone()
+    write_kv_torch(key, value, expected_k, expected_v, slot_mapping, k_scale, v_scale)
+    got_k, got_v = expected_k.new_full(expected_k.shape, 0x7F).to(DEVICE), expected_v.new_full(expected_v.shape, 0x7F)
+    got_v = got_v.to(DEVICE)
+    ops.write_kv(key.to(DEVICE), value.to(DEVICE), got_k, got_v, slot_mapping.to(DEVICE), backend="triton",
+                 k_scale=k_scale.to(DEVICE), v_scale=v_scale.to(DEVICE))
+    assert torch.equal(got_k.cpu(), expected_k) and torch.equal(got_v.cpu(), expected_v)
+    # and it is a quantization of the input: within half an e4m3 step (2**-4 relative) or saturated at +-448 * scale
+    stored = expected_k.view(-1, num_kv_heads, head_dim)[slot_mapping].view(torch.float8_e4m3fn).float()
+    dequant = stored * k_scale[:, None]
+    limit = FP8_LIMIT = 448 * k_scale[:, None]
+    inside = key.abs() <= FP8_LIMIT
+    assert ((dequant - key).abs() <= key.abs() / 16 + k_scale[:, None] * 2.0**-10)[inside].all()
+    assert torch.equal(dequant[~inside], (key.sign() * limit.expand_as(key))[~inside])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Launch choices (shared with the build check) and graph-capturable launches
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _params(kernel_name):
+    import inspect
+
+    kernel = getattr(triton_kernels, kernel_name)
+    return list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
+
+
+@pytest.mark.parametrize("kind,split", [("decode", False), ("decode", True), ("prefill", False), ("write_kv", False)])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.uint8])
+def test_launch_choices_cover_every_constexpr(kind, split, kv_dtype):
+    for cap in (80, 90):
+        choices = triton_kernels.launch_choices(torch.bfloat16, kv_dtype, 128, 4, 16, split, kind, softcap=True,
+                                                sinks=True, capability=cap, interpreted=False)
+        assert [c.kernel for c in choices] == {
+            "decode": ["_decode_kernel", "_merge_splits_kernel"] if split else ["_decode_kernel"],
+            "prefill": ["_prefill_kernel"], "write_kv": ["_write_kv_kernel"]}[kind]
+        for c in choices:
+            assert list(c.signature) == _params(c.kernel)
+            assert {n for n, t in c.signature.items() if t == "constexpr"} == set(c.constexprs)
+            if "KV_FP8" in c.constexprs:
+                assert c.constexprs["KV_FP8"] == (kv_dtype == torch.uint8)
+                assert c.signature["k_cache_ptr"] == ("*u8" if kv_dtype == torch.uint8 else "*bf16")
+                assert c.constexprs["FP8_NATIVE"] == (cap >= 89)  # Triton has no float8e4nv before sm_89
+            if c.kernel == "_decode_kernel":  # sinks: in the merge when split, else in the decode kernel
+                assert c.constexprs["USE_SINKS"] == (not split)
+            if c.kernel in ("_merge_splits_kernel", "_prefill_kernel"):
+                assert c.constexprs["USE_SINKS"]
+
+
+class _RecordingKernel:
+    """Stands in for a @triton.jit kernel: records grid and arguments instead of running."""
+
+    def __init__(self, kernel, calls):
+        self.fn, self.calls, self.name = getattr(kernel, "fn", kernel), calls, kernel.__name__
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((self.name, grid, args, kwargs))
+
+
+def _record_launches(monkeypatch):
+    calls = []
+    for name in ("_decode_kernel", "_merge_splits_kernel", "_prefill_kernel", "_write_kv_kernel"):
+        monkeypatch.setattr(triton_kernels, name, _RecordingKernel(getattr(triton_kernels, name), calls))
+    return calls
+
+
+def _forbid_host_sync(monkeypatch):
+    def sync(*args, **kwargs):
+        raise AssertionError("the launcher read a tensor's value on the host (a device sync)")
+
+    for method in ("item", "tolist", "__int__", "__index__", "__bool__", "__float__", "numpy", "cpu"):
+        monkeypatch.setattr(torch.Tensor, method, sync)
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_launchers_do_not_sync_when_maxima_are_given(monkeypatch, decode):
+    q_lens = [1, 1] if decode else [5, 2]
+    case = make_case([600, 20], q_lens, num_kv_heads=2, group=4, head_dim=64, block_size=16, dtype=torch.bfloat16,
+                     softcap=2.0, sinks=True, kv_fp8=True)
+    calls = _record_launches(monkeypatch)
+    grids = []
+    for seq_lens in ([600, 20], [9, 3]):  # different values, same shapes: same grid
+        case["seq_lens"] = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+        with monkeypatch.context() as m:
+            _forbid_host_sync(m)
+            paged_attention_triton(**case, max_query_len=max(q_lens), max_seq_len=640)
+        grids.append([grid for _, grid, _, _ in calls])
+        calls.clear()
+    assert grids[0] == grids[1]
+    with monkeypatch.context() as m, pytest.raises(AssertionError, match="device sync"):
+        _forbid_host_sync(m)  # the guard sees a sync: without the maxima the launcher must read them
+        paged_attention_triton(**case)
+    expected = triton_kernels.launch_choices(
+        torch.bfloat16, torch.uint8, 64, 4, 16, len(grids[0]) > 1, "decode" if decode else "prefill", softcap=True,
+        sinks=True, max_query_len=max(q_lens), num_splits=grids[0][0][2] if decode else None)
+    assert len(grids[0]) == len(expected)
+    calls.clear()
+    paged_attention_triton(**case, max_query_len=max(q_lens), max_seq_len=640)
+    for (name, _, _, kwargs), choice in zip(calls, expected):  # the launchers launch what launch_choices says
+        assert name == choice.kernel
+        assert {k: kwargs[k] for k in choice.constexprs} == choice.constexprs
+        assert (kwargs["num_warps"], kwargs["num_stages"]) == (choice.num_warps, choice.num_stages)
