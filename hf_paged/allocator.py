@@ -7,17 +7,32 @@ zero. Writing into a shared, partly filled block copies it first (copy-on-write)
 caller, who owns the tensors, as a ``(src, dst)`` pair.
 
 Entries equal to ``NULL_BLOCK`` mark blocks that slid out of a sliding window and were given back.
+
+Prefix caching (``prefix_caching=True``): a full block whose tokens are known gets a key, a digest of its tokens
+chained with its parent block's key, so a key names the whole prefix up to the block's end. When its last holder lets
+go, a keyed block is not freed but *cached*: reference count zero, still valid, kept in least-recently-used order and
+evicted only when a block is needed and the free list is empty. :meth:`BlockAllocator.match_prefix` finds the cached
+(or live) blocks that start a token sequence, and :meth:`BlockAllocator.new_sequence` can start from them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from .errors import OutOfBlocksError
 
 NULL_BLOCK = -1
+_ROOT_KEY = b""
+
+
+def block_key(parent: bytes, tokens) -> bytes:
+    """The key of a full block: a digest of its parent's key and its token ids (collisions: 2**-128)."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens))
+    return h.digest()
 
 
 @dataclass
@@ -46,9 +61,10 @@ class BlockAllocator:
     Args:
         block_size: tokens per block.
         num_blocks: the most blocks that may ever exist. ``None`` lets the pool grow on demand.
+        prefix_caching: keep released full blocks, keyed by their prefix, for later sequences to start from.
     """
 
-    def __init__(self, block_size: int = 16, num_blocks: int | None = None):
+    def __init__(self, block_size: int = 16, num_blocks: int | None = None, prefix_caching: bool = False):
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}; 16 is the usual choice.")
         if num_blocks is not None and (
@@ -67,6 +83,16 @@ class BlockAllocator:
         self._tables: dict[int, list[int]] = {}
         self._lens: dict[int, int] = {}
         self._next_seq = 0
+        self.prefix_caching = prefix_caching
+        self._cached: OrderedDict[int, None] = OrderedDict()  # keyed blocks nobody holds, least recently used first
+        self._key_of: dict[int, bytes] = {}  # block -> key, for keyed blocks (live or cached)
+        self._block_of: dict[bytes, int] = {}  # key -> block
+        self._seq_keys: dict[int, list[bytes] | None] = {}  # keys of a sequence's full blocks; None: tokens unknown
+        self._seq_tail: dict[int, list[int]] = {}  # token ids of a sequence's partly filled last block
+        self._published: dict[int, int] = {}  # how many of a sequence's keys are findable (K/V written)
+        self.prefix_queries = 0  # prompt tokens looked up (in whole blocks)
+        self.prefix_hits = 0  # of which found
+        self.evictions = 0
         if num_blocks is not None:
             self._grow(num_blocks)
 
@@ -75,11 +101,17 @@ class BlockAllocator:
     def num_free(self) -> int:
         """Blocks that can still be handed out, counting room the pool may still grow into."""
         headroom = 0 if self.max_blocks is None else self.max_blocks - self.capacity
-        return len(self._free) + headroom
+        return len(self._free) + len(self._cached) + headroom
 
     @property
     def blocks_in_use(self) -> int:
-        return self.capacity - len(self._free)
+        """Blocks some sequence holds (cached blocks nobody holds are not in use: they can be evicted)."""
+        return self.capacity - len(self._free) - len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        """Keyed blocks that nobody holds, kept for prefix reuse until evicted."""
+        return len(self._cached)
 
     @property
     def sequences(self) -> list[int]:
@@ -123,13 +155,41 @@ class BlockAllocator:
                 raise ValueError(f"cannot cap the pool at {num_blocks} blocks: {self.capacity} already exist.")
             self.max_blocks = num_blocks
 
-    def new_sequence(self) -> int:
+    def new_sequence(self, prefix_blocks: list[int] = ()) -> int:
+        """A new sequence; ``prefix_blocks`` (from :meth:`match_prefix`) become its first, full, shared blocks."""
         with self.lock:
             seq = self._next_seq
             self._next_seq += 1
-            self._tables[seq] = []
-            self._lens[seq] = 0
+            self._tables[seq] = list(prefix_blocks)
+            self._lens[seq] = len(prefix_blocks) * self.block_size
+            self._seq_keys[seq] = [self._key_of[b] for b in prefix_blocks]
+            self._seq_tail[seq] = []
+            self._published[seq] = len(prefix_blocks)
+            self._incref(prefix_blocks)
             return seq
+
+    def match_prefix(self, tokens: list[int], max_tokens: int | None = None) -> list[int]:
+        """The keyed blocks (live or cached) holding the longest run of whole blocks that starts ``tokens``, at most
+        ``max_tokens`` tokens. Only blocks whose K/V were written by a finished forward are found."""
+        if not self.prefix_caching:
+            return []
+        bs = self.block_size
+        limit = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
+        blocks, key = [], _ROOT_KEY
+        with self.lock:
+            for i in range(limit // bs):
+                key = block_key(key, tokens[i * bs: (i + 1) * bs])
+                block = self._block_of.get(key)
+                if block is None:
+                    break
+                blocks.append(block)
+            return blocks
+
+    def note_prefix_lookup(self, query_tokens: int, hit_tokens: int) -> None:
+        """Count a prompt's prefix-cache lookup (for :class:`~hf_paged.MemoryStats`)."""
+        with self.lock:
+            self.prefix_queries += query_tokens
+            self.prefix_hits += hit_tokens
 
     def fork(self, seq: int) -> int:
         """A new sequence sharing every block of ``seq`` (no copy)."""
@@ -138,17 +198,22 @@ class BlockAllocator:
             child = self.new_sequence()
             self._tables[child] = list(table)
             self._lens[child] = self._lens[seq]
+            self._copy_keys(seq, child)
             self._incref(table)
             return child
 
     def free(self, seq: int) -> None:
         with self.lock:
             self._check_seq(seq)
+            self._publish(seq)
             self._decref(self._tables.pop(seq))
-            del self._lens[seq]
+            del self._lens[seq], self._seq_keys[seq], self._seq_tail[seq], self._published[seq]
 
-    def append(self, requests: list[tuple[int, int]]) -> AppendPlan:
+    def append(self, requests: list[tuple[int, int]], tokens: list[list[int] | None] | None = None) -> AppendPlan:
         """Reserve slots for ``n`` new tokens on each ``(seq, n)``, all or nothing.
+
+        ``tokens`` (optional, per request): the ``n`` token ids, which key the blocks they fill (prefix caching);
+        ``None`` for a request makes its sequence unkeyable from then on.
 
         Returns the slot ids (``block * block_size + offset``) per request and the copy-on-write copies to apply
         to the KV tensors before writing. Raises :class:`OutOfBlocksError` without changing anything if the
@@ -158,17 +223,22 @@ class BlockAllocator:
             seqs = [self._check_seq(seq) for seq, _ in requests]
             if len(set(seqs)) != len(seqs):
                 raise ValueError(f"append got a sequence twice in one batch ({seqs}); merge its requests.")
+            for seq in seqs:  # the forward that wrote their last keyed blocks has run: make them findable
+                self._publish(seq)
             needed = self.blocks_needed_for(requests)
             if self.max_blocks is not None and needed > self.num_free:
                 raise OutOfBlocksError(needed=needed, free=self.num_free, block_size=self.block_size,
                                        capacity=self.max_blocks if self.max_blocks is not None else self.capacity)
-            if needed > len(self._free):
-                self._grow(max(needed - len(self._free), self.capacity))
+            short = needed - len(self._free) - len(self._cached)
+            if short > 0:
+                self._grow(max(short, self.capacity))
             plan = AppendPlan(self.block_size)
-            for seq, n in requests:
+            for i, (seq, n) in enumerate(requests):
                 plan.starts.append(self._lens[seq])
                 plan.counts.append(max(n, 0))
                 self._append_one(seq, n, plan.copies)
+                if self.prefix_caching and n > 0:
+                    self._key_new_blocks(seq, tokens[i] if tokens is not None else None)
                 plan.tables.append(list(self._tables[seq]))
             self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use)
             return plan
@@ -190,6 +260,7 @@ class BlockAllocator:
             self._decref(table[keep:])
             del table[keep:]
             self._lens[seq] = new_len
+            self._crop_keys(seq, new_len)
 
     def reorder(self, seqs: list[int], order: list[int]) -> None:
         """Make ``seqs[i]`` hold what ``seqs[order[i]]`` held (beam search), by table only."""
@@ -202,12 +273,19 @@ class BlockAllocator:
                 self._check_seq(seq)
             new_tables = [list(self._tables[seqs[i]]) for i in order]
             new_lens = [self._lens[seqs[i]] for i in order]
+            new_keys = [self._seq_keys[seqs[i]] for i in order]
+            new_tails = [self._seq_tail[seqs[i]] for i in order]
+            new_published = [self._published[seqs[i]] for i in order]
             for table in new_tables:
                 self._incref(table)
-            for seq, table, length in zip(seqs, new_tables, new_lens):
+            for seq, table, length, keys, tail, pub in zip(seqs, new_tables, new_lens, new_keys, new_tails,
+                                                           new_published):
+                self._published[seq] = pub
                 self._decref(self._tables[seq])
                 self._tables[seq] = table
                 self._lens[seq] = length
+                self._seq_keys[seq] = None if keys is None else list(keys)
+                self._seq_tail[seq] = list(tail)
 
     def release_outside_window(self, seq: int, keep_from: int) -> int:
         """Release whole blocks holding only tokens before position ``keep_from``. Returns how many."""
@@ -223,10 +301,16 @@ class BlockAllocator:
             return len(released)
 
     def reset(self) -> None:
-        """Free every sequence (the blocks stay allocated to the pool)."""
+        """Free every sequence (the blocks stay allocated to the pool; keyed ones stay cached)."""
         with self.lock:
             for seq in list(self._tables):
                 self.free(seq)
+
+    def clear_cached(self) -> None:
+        """Forget every cached block (they return to the free list)."""
+        with self.lock:
+            while self._cached:
+                self._free.append(self._evict())
 
     # ------------------------------------------------------------- internals
     def _append_one(self, seq: int, n: int, copies: list[tuple[int, int]]) -> None:
@@ -236,16 +320,80 @@ class BlockAllocator:
         if length % bs:
             last = table[-1]
             if self._refcount[last] > 1:
-                fresh = self._free.popleft()
+                fresh = self._take()
                 self._refcount[fresh] = 1
                 self._refcount[last] -= 1
                 table[-1] = fresh
                 copies.append((last, fresh))
         for _ in range(-(-(length + n) // bs) - len(table)):
-            fresh = self._free.popleft()
+            fresh = self._take()
             self._refcount[fresh] = 1
             table.append(fresh)
         self._lens[seq] = length + n
+
+    def _take(self) -> int:
+        """A block for writing: from the free list, else the least recently used cached block."""
+        return self._free.popleft() if self._free else self._evict()
+
+    def _evict(self) -> int:
+        block, _ = self._cached.popitem(last=False)
+        del self._block_of[self._key_of.pop(block)]
+        self.evictions += 1
+        return block
+
+    def _key_new_blocks(self, seq: int, tokens: list[int] | None) -> None:
+        """Key the blocks that ``tokens`` (just appended to ``seq``) filled; unknown tokens end the chain."""
+        keys = self._seq_keys[seq]
+        if keys is None:
+            return
+        if tokens is None:
+            self._seq_keys[seq], self._seq_tail[seq] = None, []
+            return
+        bs, table, tail = self.block_size, self._tables[seq], self._seq_tail[seq]
+        tail.extend(int(t) for t in tokens)
+        while len(tail) >= bs:
+            key = block_key(keys[-1] if keys else _ROOT_KEY, tail[:bs])
+            block = table[len(keys)]
+            keys.append(key)
+            del tail[:bs]
+
+    def _publish(self, seq: int) -> None:
+        """Make ``seq``'s keyed blocks findable. Called once the forward that wrote them has run (at the sequence's
+        next append, or when it is freed), so no other sequence can start from a block still being written."""
+        keys = self._seq_keys[seq]
+        if keys is None:
+            return
+        table = self._tables[seq]
+        for i in range(self._published[seq], len(keys)):
+            block, key = table[i], keys[i]
+            if block != NULL_BLOCK and key not in self._block_of and block not in self._key_of:
+                self._block_of[key] = block
+                self._key_of[block] = key
+        self._published[seq] = len(keys)
+
+    def _crop_keys(self, seq: int, new_len: int) -> None:
+        keys = self._seq_keys[seq]
+        if keys is None:
+            return
+        bs = self.block_size
+        full = new_len // bs
+        if len(keys) <= full:  # the crop falls inside the partly filled last block
+            del self._seq_tail[seq][new_len - full * bs:]
+            return
+        del keys[full:]
+        self._published[seq] = min(self._published[seq], full)
+        self._seq_tail[seq] = []
+        if new_len % bs:  # a full block became partly filled and will be written again: unkey it, stop keying
+            self._seq_keys[seq] = None
+            block = self._tables[seq][full]
+            if self._refcount[block] == 1 and block in self._key_of:
+                del self._block_of[self._key_of.pop(block)]
+
+    def _copy_keys(self, src: int, dst: int) -> None:
+        keys = self._seq_keys[src]
+        self._seq_keys[dst] = None if keys is None else list(keys)
+        self._seq_tail[dst] = list(self._seq_tail[src])
+        self._published[dst] = self._published[src]
 
     def _grow(self, count: int) -> None:
         if self.max_blocks is not None:
@@ -257,6 +405,8 @@ class BlockAllocator:
     def _incref(self, blocks: list[int]) -> None:
         for b in blocks:
             if b != NULL_BLOCK:
+                if self._refcount[b] == 0:
+                    self._cached.pop(b, None)
                 self._refcount[b] += 1
 
     def _decref(self, blocks: list[int]) -> None:
@@ -267,7 +417,10 @@ class BlockAllocator:
                 raise RuntimeError(f"block {b} freed twice (allocator bookkeeping is corrupt).")
             self._refcount[b] -= 1
             if self._refcount[b] == 0:
-                self._free.append(b)
+                if b in self._key_of:
+                    self._cached[b] = None
+                else:
+                    self._free.append(b)
 
     def _check_seq(self, seq: int) -> int:
         if seq not in self._tables:
@@ -287,4 +440,10 @@ class BlockAllocator:
         free = list(self._free)
         assert len(set(free)) == len(free), "a block sits twice in the free list"
         assert all(self._refcount[b] == 0 for b in free), "a referenced block sits in the free list"
-        assert len(free) + sum(1 for c in counts if c > 0) == self.capacity, "a block is neither free nor referenced"
+        cached = list(self._cached)
+        assert not set(cached) & set(free), "a block is both cached and free"
+        assert all(self._refcount[b] == 0 and b in self._key_of for b in cached), "a cached block is held or unkeyed"
+        assert not any(b in self._key_of for b in free), "a free block still has a key"
+        assert {self._block_of[k]: k for k in self._block_of} == self._key_of, "key maps disagree"
+        assert len(free) + len(cached) + sum(1 for c in counts if c > 0) == self.capacity, (
+            "a block is neither free, cached nor referenced")

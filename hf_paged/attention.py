@@ -1,68 +1,90 @@
 """Switch a model's attention to the paged path through transformers' attention-function interface.
 
-``enable_paged_attention`` registers an attention function (and a mask function) under a name of its own and sets
-the model to it. The function reads K/V through the block tables when the forward runs with a :class:`PagedCache`,
-and otherwise calls the implementation the model had before, with the mask that implementation expects, so a
-patched model computes exactly what it did without a ``PagedCache`` (plain forward, ``DynamicCache``, training).
+``enable_paged_attention`` registers an attention function under a name of its own and sets the model to it. With a
+:class:`PagedCache` the function reads K/V through the block tables; with any other cache, or none, it calls the
+implementation the model had before, so a patched model computes exactly what it did (plain forward,
+``DynamicCache``, training).
 
-Which cache a forward runs with is recorded by a hook on the decoder (a per-thread stack, so concurrent requests
-in threads and nested models do not mix).
+Where state lives, one place each:
+
+* The step of a forward is planned before it runs, on the host: by ``generate()``'s input preparation (wrapped
+  here, so compiled decoding plans outside the compiled region) or, for a forward called directly, by a pre-hook
+  on the decoder (a no-op while compiling).
+* A layer's step tensors reach the attention function in the kwargs transformers hands it (``PagedCache.update``
+  adds them); transformers releases without that path (before 5.24) read the cache of the running forward from a
+  context variable the decoder hooks set and clear around each forward.
+* What a ``generate()`` call decided (release finished rows or not, compile or not) lives on the cache for the length
+  of the call (``GenerateCall``). Nothing refers to a cache after its forward or call ends.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
-import threading
+import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
-from . import compat, ops
-from .cache import PagedCache
+from . import compat
+from .cache import STEP_KWARG, PagedCache
+from .ops import custom_ops
 
-_STATE = threading.local()
 _PREFIX = "hf_paged_"
+# The caches of the forwards running in this thread/task, innermost last (only read on transformers < 5.24).
+_FORWARDS: contextvars.ContextVar[tuple] = contextvars.ContextVar("hf_paged_forwards", default=())
+# The PagedCache of the generate() call running in this thread/task (for the stopping criteria it builds).
+_GENERATE_CACHE: contextvars.ContextVar = contextvars.ContextVar("hf_paged_generate_cache", default=None)
+# Per-step outputs generate() returns for every row: finished rows must keep their history to match DynamicCache.
+_PER_STEP_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
-def _stack() -> list:
-    if not hasattr(_STATE, "stack"):
-        _STATE.stack = []
-    return _STATE.stack
+@dataclass
+class GenerateCall:
+    """What one ``generate()`` call on a :class:`PagedCache` decided; set on the cache for the call's length."""
+
+    backend: str
+    release: bool  # give back finished rows' blocks (off when per-step outputs are requested)
+    compile: bool  # the decoding forward may be compiled (the pool has a fixed size)
 
 
 def active_cache() -> PagedCache | None:
     """The PagedCache of the forward running in this thread (None outside one, or with another cache)."""
-    stack = _stack()
-    return stack[-1] if stack else None
+    forwards = _FORWARDS.get()
+    return forwards[-1] if forwards else None
 
 
-def _paged_forward(module, query, attention_mask, scaling, kwargs, cache: PagedCache) -> tuple[torch.Tensor, None]:
-    step = cache._step.to(query.device)
-    key_cache, value_cache = cache.pool.layer_kv(module.layer_idx)
+def _paged_forward(module, query, scaling, kwargs, layer) -> torch.Tensor:
     batch, num_q_heads, query_len, head_dim = query.shape
     q = query.transpose(1, 2).reshape(batch * query_len, num_q_heads, head_dim)  # [B*S, Hq, D]
-    if step.token_index is not None:
-        q = q.index_select(0, step.token_index)  # [num_tokens, Hq, D]
-    window = kwargs.get("sliding_window")
-    backend = ops.resolve_backend(cache._backend, query.device)
-    out = ops.paged_attention_unchecked(
-        q, key_cache, value_cache, step.block_tables, step.seq_lens, step.query_start_loc,
-        float(scaling if scaling is not None else head_dim**-0.5), window, backend,
-        step.max_query_len, step.max_seq_len,
-        plan=step.torch_plan(key_cache.shape[1], q.shape[0], window) if backend == "torch" else None,
-    )
-    if step.token_index is not None:
+    if layer.token_index is not None:
+        q = q.index_select(0, layer.token_index)  # [num_tokens, Hq, D]
+    out = custom_ops.paged_attention(
+        q, layer, scaling if scaling is not None else head_dim**-0.5, kwargs.get("sliding_window"),
+        kwargs.get("softcap"), kwargs.get("s_aux"))  # [num_tokens, Hq, D]
+    if layer.token_index is not None:
         full = out.new_zeros(batch * query_len, num_q_heads, head_dim)
-        out = full.index_copy_(0, step.token_index, out)
-    return out.view(batch, query_len, num_q_heads, head_dim), None
+        out = full.index_copy_(0, layer.token_index, out)
+    return out.view(batch, query_len, num_q_heads, head_dim)
+
+
+def _layer_step(module, kwargs):
+    layer = kwargs.pop(STEP_KWARG, None)
+    if layer is None and not compat.STEP_IN_ATTENTION_KWARGS:
+        forwards = _FORWARDS.get()
+        cache = forwards[-1] if forwards else None
+        if cache is not None and cache._mode == "paged" and cache._step is not None:
+            layer = cache._step.layers[module.layer_idx]
+    return layer
 
 
 def _make_attention(original: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        cache = active_cache()
-        if cache is not None and cache._mode == "paged" and not cache._step.no_history:
-            return _paged_forward(module, query, attention_mask, scaling, kwargs, cache)
+        layer = _layer_step(module, kwargs)
+        if layer is not None and not layer.no_history:
+            return _paged_forward(module, query, scaling, kwargs, layer), None
         # No cache, another cache, or a first prefill (its K/V are already in the pool; nothing to read back).
         fallback = compat.attention_function(original, module._hf_paged_eager)
         return fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
@@ -70,75 +92,120 @@ def _make_attention(original: str):
     return attention
 
 
-def _make_mask(original: str):
-    original_mask = compat.mask_function(original)
-
-    def mask(*args, **kwargs):
-        cache = active_cache()
-        if cache is not None and cache.is_initialized:
-            return None  # the paged path knows causality and padding from the block tables
-        return original_mask(*args, **kwargs)
-
-    return mask
-
-
 def _pre_hook(module, args, kwargs):
+    if torch.compiler.is_compiling():
+        return
     cache = compat.cache_from_kwargs(kwargs)
-    paged = cache if isinstance(cache, PagedCache) else None
-    if paged is not None:
+    if not isinstance(cache, PagedCache):
+        _FORWARDS.set(_FORWARDS.get() + (None,))
+        return
+    if not cache._planned:  # a forward called directly (not through generate()): plan it here
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        paged._pending = {
-            "attention_mask": kwargs.get("attention_mask", args[1] if len(args) > 1 else None),
-            "input_ids": input_ids,
-            "backend": module._hf_paged_backend,
-        }
-        _STATE.last_cache = paged
-    _stack().append(paged)
+        embeds = kwargs.get("inputs_embeds")
+        batch, query_len = (input_ids if input_ids is not None else embeds).shape[:2]
+        attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        cache.plan(input_ids, attention_mask, batch, query_len, module._hf_paged_backend)
+    _FORWARDS.set(_FORWARDS.get() + (cache,))
 
 
 def _post_hook(module, args, kwargs, output):
-    stack = _stack()
-    if stack:
-        stack.pop()
+    if torch.compiler.is_compiling():
+        return
+    forwards = _FORWARDS.get()
+    if forwards:
+        if forwards[-1] is not None:
+            forwards[-1].forward_done()
+        _FORWARDS.set(forwards[:-1])
 
 
 class _ReleaseFinishedRows(StoppingCriteriaList):
-    """Stopping criteria that also tell the PagedCache which rows finished, so their blocks go back at once."""
+    """Stopping criteria that also tell the call's PagedCache which rows finished, so their blocks go back at once."""
+
+    def __init__(self, criteria, cache: PagedCache | None):
+        super().__init__(criteria)
+        self.cache = cache
 
     def __call__(self, input_ids, scores, **kwargs):
         is_done = super().__call__(input_ids, scores, **kwargs)
-        cache = getattr(_STATE, "last_cache", None)
         # Only rows whose later tokens generate() replaces with padding may stop taking KV.
-        if cache is not None and any(hasattr(c, "eos_token_id") for c in self):
-            cache.mark_finished(is_done)
+        if self.cache is not None and any(hasattr(c, "eos_token_id") for c in self):
+            self.cache.mark_finished(is_done)
         return is_done
 
 
-def _wrap_generate(generate):
+def _generate_flag(model, kwargs, name):
+    config = kwargs.get("generation_config") or model.generation_config
+    return kwargs.get(name, getattr(config, name, None))
+
+
+def _wrap_generate(model, generate, backend_of):
     @functools.wraps(generate)
     def wrapped(*args, **kwargs):
         cache = compat.cache_from_kwargs(kwargs)
-        if isinstance(cache, PagedCache):
-            cache._start_generate()
-        return generate(*args, **kwargs)
+        if not isinstance(cache, PagedCache):
+            return generate(*args, **kwargs)
+        per_step = bool(_generate_flag(model, kwargs, "return_dict_in_generate")) and any(
+            _generate_flag(model, kwargs, n) for n in _PER_STEP_OUTPUTS)
+        compile_config = _generate_flag(model, kwargs, "compile_config")
+        if compile_config is not None and not cache.pool.fixed:
+            warnings.warn(
+                "compiled decoding needs a KV pool of fixed size, so this generate() runs eagerly. Size the pool: "
+                "PagedCache(model.config, num_blocks=N) or max_memory='4GiB' (or a BlockPool with either).",
+                stacklevel=2)
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        cache._start_generate()
+        cache._start_from_prefix(input_ids, kwargs.get("attention_mask"))
+        cache._call = GenerateCall(backend=backend_of(), release=not per_step, compile=True)
+        token = _GENERATE_CACHE.set(cache)
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            _GENERATE_CACHE.reset(token)
+            cache._call = None
+            cache.forward_done()
+
+    return wrapped
+
+
+def _wrap_prepare_inputs(prepare):
+    @functools.wraps(prepare)
+    def wrapped(input_ids, *args, **kwargs):
+        inputs = prepare(input_ids, *args, **kwargs)
+        cache = compat.cache_from_kwargs(inputs)
+        if isinstance(cache, PagedCache) and cache._call is not None:
+            ids, embeds = inputs.get("input_ids"), inputs.get("inputs_embeds")
+            batch, query_len = (ids if ids is not None else embeds).shape[:2]
+            cache.plan(ids, kwargs.get("attention_mask"), batch, query_len, cache._call.backend)
+        return inputs
+
+    return wrapped
+
+
+def _wrap_stopping_criteria(get_criteria):
+    @functools.wraps(get_criteria)
+    def wrapped(*args, **kwargs):
+        return _ReleaseFinishedRows(get_criteria(*args, **kwargs), _GENERATE_CACHE.get())
 
     return wrapped
 
 
 def enable_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module:
-    """Put a Llama or Mistral model on the paged attention path; returns the model.
+    """Put a supported model on the paged attention path; returns the model.
 
     With a :class:`PagedCache` the attention reads K/V straight from the pool's blocks (``backend="torch"``: the
     PyTorch path, ``"triton"``: the kernels, ``"auto"``: Triton on CUDA, torch otherwise). With any other cache, or
     none, the model computes exactly what it computed before. Calling it twice is harmless (the second call may change
-    the backend); :func:`disable_paged_attention` undoes it.
+    the backend); :func:`disable_paged_attention` undoes it. ``python -m hf_paged models`` lists the supported
+    model families; others raise a ``ValueError`` naming the missing feature.
 
     Example::
 
         model = enable_paged_attention(AutoModelForCausalLM.from_pretrained(path))
-        out = model.generate(**inputs, past_key_values=PagedCache(model.config), max_new_tokens=64)
+        out = model.generate(**inputs, cache=PagedCache(model.config), max_new_tokens=64)
     """
-    from hf_paged.patches import find_patch
+    from hf_paged.patches import check_model, find_patch
+
+    from . import ops
 
     if backend not in ops.BACKENDS:
         raise ValueError(f"backend must be one of {ops.BACKENDS}, got {backend!r}.")
@@ -146,12 +213,13 @@ def enable_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module
         raise ValueError("backend='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU); "
                          "use backend='torch' or 'auto'.")
     patch = find_patch(model)
+    check_model(model)
     decoder = patch.decoder(model)
     state = getattr(model, "_hf_paged_state", None)
     if state is None:
         original = model.config._attn_implementation or "eager"
         name = _PREFIX + original
-        compat.register_attention(name, _make_attention(original), _make_mask(original))
+        compat.register_attention(name, _make_attention(original), compat.mask_function(original))
         handles = (
             decoder.register_forward_pre_hook(_pre_hook, with_kwargs=True),
             decoder.register_forward_hook(_post_hook, with_kwargs=True, always_call=True),
@@ -160,26 +228,25 @@ def enable_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module
             if hasattr(sub, "layer_idx") and hasattr(sub, "head_dim"):
                 sub._hf_paged_eager = patch.eager_attention
         compat.set_attn_implementation(model, name)
-        if hasattr(model, "_get_stopping_criteria"):
-            unpatched = model._get_stopping_criteria
-            model._get_stopping_criteria = lambda *a, **kw: _ReleaseFinishedRows(unpatched(*a, **kw))
-        if hasattr(model, "generate"):
-            model.generate = _wrap_generate(model.generate)
         state = model._hf_paged_state = {"original": original, "handles": handles, "decoder": decoder}
+        if hasattr(model, "generate"):
+            model.generate = _wrap_generate(model, model.generate, lambda: decoder._hf_paged_backend)
+            model.prepare_inputs_for_generation = _wrap_prepare_inputs(model.prepare_inputs_for_generation)
+            model._get_stopping_criteria = _wrap_stopping_criteria(model._get_stopping_criteria)
     decoder._hf_paged_backend = backend
     return model
 
 
 def disable_paged_attention(model: nn.Module) -> nn.Module:
-    """Undo :func:`enable_paged_attention`: the original attention implementation, no hooks."""
+    """Undo :func:`enable_paged_attention`: the original attention implementation, no hooks, no wrappers."""
     state = getattr(model, "_hf_paged_state", None)
     if state is None:
         return model
     for handle in state["handles"]:
         handle.remove()
     compat.set_attn_implementation(model, state["original"])
-    model.__dict__.pop("_get_stopping_criteria", None)
-    model.__dict__.pop("generate", None)
+    for name in ("_get_stopping_criteria", "generate", "prepare_inputs_for_generation"):
+        model.__dict__.pop(name, None)
     for sub in model.modules():
         sub.__dict__.pop("_hf_paged_eager", None)
     state["decoder"].__dict__.pop("_hf_paged_backend", None)

@@ -1,65 +1,32 @@
-"""``PagedCache``: a transformers ``Cache`` whose KV lives in blocks of a shared pool."""
+"""``PagedCache``: a transformers ``Cache`` whose KV lives in blocks of a shared pool.
+
+The data path of one forward: the step planner (``step.py``) runs before it, on the host; ``update()`` writes each
+layer's new K/V into the pool through the step's slot mapping; the attention function (``attention.py``) reads the
+pool through the step's block tables. Neither changes Python state, so the forward can be compiled.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache
 
-from . import compat, ops
-from .errors import OutOfBlocksError
+from . import compat
+from .groups import LayerGroups
+from .ops import custom_ops
 from .pool import BlockPool
 from .stats import MemoryStats
+from .step import LayerStep, Step, StepBuffers, plan_step
+
+STEP_KWARG = "hf_paged_step"  # the attention kwarg through which update() hands a layer its LayerStep
 
 
-@dataclass
-class StepMetadata:
-    """Everything one model forward needs to read and write the pool; built once, shared by every layer."""
+def _layer_windows(config) -> list:
+    from hf_paged.patches import layer_windows
 
-    batch_size: int
-    query_len: int  # padded columns in this forward
-    token_index: torch.Tensor | None  # [num_tokens] flat index into B*S of the real tokens; None when all are real
-    write_index: torch.Tensor | None  # [num_writes] index into the real tokens that get written; None: all of them
-    slot_mapping: torch.Tensor  # [num_writes] int64
-    block_tables: torch.Tensor  # [B, max_blocks] int32
-    seq_lens: torch.Tensor  # [B] int32
-    query_start_loc: torch.Tensor  # [B + 1] int32
-    max_query_len: int
-    max_seq_len: int
-    copy_src: torch.Tensor | None = None  # [num_copies] int64, copy-on-write
-    copy_dst: torch.Tensor | None = None
-    gather_slots: torch.Tensor | None = None  # [B, L] int64, gathered mode only
-    no_history: bool = False  # a first prefill: the model's own attention on the fresh K/V gives the same result
-    _on_device: dict = field(default_factory=dict)
-    _plans: dict = field(default_factory=dict)
-
-    _TENSORS = ("token_index", "write_index", "slot_mapping", "block_tables", "seq_lens", "query_start_loc",
-                "copy_src", "copy_dst", "gather_slots")
-
-    def torch_plan(self, block_size: int, num_tokens: int, sliding_window: int | None):
-        """The torch backend's gather indices and mask for this step, built by the first layer that asks."""
-        key = (block_size, sliding_window)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = ops.plan_torch_attention(
-                self.block_tables, self.seq_lens, self.query_start_loc, block_size, num_tokens, sliding_window,
-                self.max_query_len, self.max_seq_len)
-        return plan
-
-    def to(self, device: torch.device) -> "StepMetadata":
-        """A view of this metadata on ``device``, copied there once per step however many layers live there."""
-        if self.slot_mapping.device == device:
-            return self
-        cached = self._on_device.get(device)
-        if cached is None:
-            moved = {n: (getattr(self, n).to(device, non_blocking=True) if getattr(self, n) is not None else None)
-                     for n in self._TENSORS}
-            cached = StepMetadata(self.batch_size, self.query_len, max_query_len=self.max_query_len,
-                                  max_seq_len=self.max_seq_len, no_history=self.no_history, **moved)
-            self._on_device[device] = cached
-        return cached
+    return layer_windows(config) if config is not None else []
 
 
 class PagedCache(Cache):
@@ -67,27 +34,37 @@ class PagedCache(Cache):
 
     Keys and values live in fixed-size blocks (``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer); each
     row of the batch owns a block table mapping its logical blocks to physical ones anywhere in the pool. Blocks are
-    taken as rows grow, shared between rows with the same prompt (beams, ``num_return_sequences``) and given back
-    when rows finish.
+    taken as rows grow, shared between rows with the same prompt (beams, ``num_return_sequences``), given back when
+    rows finish, and (with ``prefix_caching=True``) kept for later prompts that start the same way. Layers with
+    different sliding windows keep separate block tables (one per group), drawing from the same pool.
 
     Args:
-        config: the model's config (``model.config``); gives the layer count and sliding window.
+        config: the model's config (``model.config``); gives the layer count and each layer's window.
         block_size: tokens per block (default 16).
         num_blocks: cap on blocks in the pool (allocated on first use). Default: grow as needed.
         max_memory: cap in bytes, or a string like ``"2GiB"``; converted to blocks from the model's shape.
-        pool: a :class:`BlockPool` to share with other caches (then block_size/num_blocks/max_memory come from it).
-        release_finished: give back a row's blocks as soon as it finishes while other rows continue (default).
+        pool: a :class:`BlockPool` to share with other caches (then sizing, prefix caching and kv_dtype come from it).
+        release_finished: give back a row's blocks as soon as it finishes while other rows continue (default). Rows
+            are kept anyway when ``generate()`` is asked for per-step outputs (scores, logits, attentions).
+        prefix_caching: keep full blocks of finished rows for reuse by later calls on the same pool.
+        kv_dtype: ``torch.float8_e4m3fn`` stores K/V in fp8 (per-layer, per-head scales); default the model's dtype.
+
+    Compiled decoding (``generate(..., compile_config=CompileConfig(...))``) needs a pool of fixed size
+    (``num_blocks=`` or ``max_memory=``).
+
+    ``copy.deepcopy(cache)`` and ``copy.copy(cache)`` both give an independent cache on the same pool that shares the
+    blocks copy-on-write (transformers' prompt-reuse recipe); pickling is refused: use :meth:`save` / :meth:`load`.
 
     Example::
 
         from hf_paged import PagedCache, enable_paged_attention
         enable_paged_attention(model)
         cache = PagedCache(model.config)
-        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+        out = model.generate(**inputs, cache=cache, max_new_tokens=64)
         print(cache.memory_stats())
     """
 
-    is_compileable = False
+    supports_layer_windows = True  # one block table per group of layers sharing a window
 
     def __init__(
         self,
@@ -98,27 +75,35 @@ class PagedCache(Cache):
         max_memory: int | str | None = None,
         pool: BlockPool | None = None,
         release_finished: bool = True,
+        prefix_caching: bool = False,
+        kv_dtype: torch.dtype | None = None,
     ):
         compat.init_cache_base(self)
-        if pool is not None and (num_blocks is not None or max_memory is not None or block_size != 16):
-            raise ValueError("pass sizing (block_size, num_blocks, max_memory) to the shared BlockPool, not to "
-                             "PagedCache when pool= is given.")
+        if pool is not None and (num_blocks is not None or max_memory is not None or block_size != 16
+                                 or prefix_caching or kv_dtype is not None):
+            raise ValueError("pass sizing (block_size, num_blocks, max_memory), prefix_caching and kv_dtype to the "
+                             "shared BlockPool, not to PagedCache, when pool= is given.")
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.config = text_config
         self.num_layers = getattr(text_config, "num_hidden_layers", None)
-        self.sliding_window = getattr(text_config, "sliding_window", None)
-        self.pool = pool if pool is not None else BlockPool(block_size, num_blocks, max_memory)
+        self.groups = LayerGroups.from_windows(_layer_windows(text_config))
+        self.pool = pool if pool is not None else BlockPool(block_size, num_blocks, max_memory, prefix_caching,
+                                                            kv_dtype)
         self.release_finished = release_finished
-        self._rows: list[int] = []
+        self._rows: list[list[int]] = []  # per batch row, its sequence in each layer group
         self._released: set[int] = set()
-        self._columns = 0
+        self._tokens: list[list[int]] | None = []  # per row, the token ids it holds (None: fed embeddings)
+        self._columns = 0  # padded columns the forwards so far consumed
+        self._pending_columns = 0  # columns of the planned forward, not yet run
         self._mode: str | None = None  # "paged" (attention reads the pool) or "gathered"
-        self._step: StepMetadata | None = None
-        self._pending: dict | None = None  # set by the model hook before a forward
+        self._step: Step | None = None
+        self._planned = False  # a hook or generate() planned the coming forward
+        self._buffers = StepBuffers()
+        self._backend_name = "auto"
         self._beam_reordered = False
         self._recording = False
         self._warned = False
-        self._backend_name = "auto"
+        self._call = None  # the generate() call running on this cache (attention.GenerateCall)
         self._new_call = False
 
     # ---------------------------------------------------------- Cache contract
@@ -138,6 +123,11 @@ class PagedCache(Cache):
         return self._columns
 
     @property
+    def is_compileable(self) -> bool:
+        """True inside a ``generate()`` of a paged model on a fixed-size pool: its decoding forward can be compiled."""
+        return self._call is not None and self._call.compile and self.pool.fixed
+
+    @property
     def batch_size(self) -> int:
         return len(self._rows) if self._rows else -1
 
@@ -151,7 +141,7 @@ class PagedCache(Cache):
 
     @property
     def is_sliding(self) -> list[bool]:
-        return [self.sliding_window is not None] * (self.num_layers or 1)
+        return [self.groups.window_of(i) is not None for i in range(self.num_layers or 0)] or [False]
 
     @property
     def is_linear(self) -> list[bool]:
@@ -173,36 +163,72 @@ class PagedCache(Cache):
     def is_recording_past(self, layer_idx: int = 0) -> bool:
         return self._recording
 
+    # ------------------------------------------------------------- the step
+    def plan(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, batch: int, query_len: int,
+             backend: str = "auto") -> None:
+        """Plan the coming paged forward (called by the model hooks and ``generate()``, never inside a forward)."""
+        self._check_mode("paged")
+        self._backend_name = backend
+        self._check_call_start(batch)
+        self.forward_done()
+        self._step = plan_step(self, input_ids, attention_mask, batch, query_len, gathered=False)
+        self._pending_columns = query_len  # counted once the forward has run (get_seq_length is read inside it)
+        self._mode = "paged"
+        self._planned = True
+        for layer in range(len(self._step.layers)):  # what a compiled forward reads, ready before it runs
+            if layer in self.pool.layer_shapes and (self.pool.kv_dtype is None or layer in self.pool.k_scales):
+                self._step.layers[layer] = self._layer_step(layer, None, None)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store the new K/V ``[B, num_kv_heads, S, head_dim]`` of layer ``layer_idx``.
 
-        On the paged attention path the attention reads the pool directly and the fresh K/V are returned as they
-        came. Otherwise the row's whole history is gathered to ``[B, num_kv_heads, kv_len, head_dim]``.
+        On the paged attention path the attention reads the pool directly: the fresh K/V are returned as they came
+        and this layer's :class:`~hf_paged.step.LayerStep` rides to the attention function in its kwargs. Otherwise
+        the row's whole history is gathered to ``[B, num_kv_heads, kv_len, head_dim]``.
         """
         if self.num_layers is not None and layer_idx >= self.num_layers:
             raise ValueError(
                 f"this PagedCache was built for a model with {self.num_layers} layers but layer {layer_idx} wrote to "
                 "it. Build the cache from this model's config: PagedCache(model.config)."
             )
-        self.pool.bind_layer(layer_idx, self.num_layers or layer_idx + 1, key_states)
-        if layer_idx == 0 or self._step is None:
-            self._begin_step(key_states)
-        step = self._step.to(key_states.device)
-        with self.pool.lock:
-            key_cache, value_cache = self.pool.layer_kv(layer_idx)
-            if step.copy_src is not None:
-                ops.copy_blocks(key_cache, value_cache, step.copy_src, step.copy_dst)
-            if step.slot_mapping.numel():
-                backend = ops.resolve_backend(self._backend, key_cache.device)
-                ops.write_kv_unchecked(_pack(key_states, step), _pack(value_states, step), key_cache, value_cache,
-                                       step.slot_mapping, backend)
+        if not self._planned and (layer_idx == 0 or self._step is None):
+            self._plan_gathered(key_states)
+        layer = self._step.layers[layer_idx]
+        if layer is None:  # first forward of this layer (never compiled): bind its shape, make its tensors
+            layer = self._step.layers[layer_idx] = self._layer_step(layer_idx, key_states, value_states)
+        else:
+            self.pool.check_layer(layer_idx, key_states)
+        k = _pack(key_states, layer)
+        v = _pack(value_states, layer)
+        if not self.pool.fixed:
+            # A growing pool shared with other threads may have grown (new tensors) since this step was planned:
+            # write under the pool's lock into the current tensors, which the growth copies under the same lock.
+            with self.pool.lock:
+                layer = self._step.layers[layer_idx] = dataclasses.replace(layer, **dict(zip(
+                    ("key_cache", "value_cache"), self.pool.layer_kv(layer_idx))))
+                self._write(layer, k, v)
+        else:
+            self._write(layer, k, v)
         if self._mode == "paged":
+            compat.attention_kwargs(args, kwargs)[STEP_KWARG] = layer
             return key_states, value_states
-        return _gather(key_cache, step.gather_slots), _gather(value_cache, step.gather_slots)
+        return _gather(layer, layer.group.gather_slots), _gather(layer, layer.group.gather_slots, value=True)
+
+    def _write(self, layer: LayerStep, k: torch.Tensor, v: torch.Tensor) -> None:
+        if layer.group.slot_mapping.numel():
+            custom_ops.write_kv(k, v, layer.key_cache, layer.value_cache, layer.group.slot_mapping, layer.k_scale,
+                                layer.v_scale, "torch" if self._mode == "gathered" else layer.backend)
+
+    def forward_done(self) -> None:
+        """The planned forward ran: count its columns; the next forward needs a new plan."""
+        self._columns += self._pending_columns
+        self._pending_columns = 0
+        self._planned = False
 
     def crop(self, max_length: int) -> None:
         """Drop tokens from the end: ``crop(-n)`` removes ``n`` (transformers' call); ``crop(n)`` with ``n > 0``
         keeps the first ``n`` (the older, absolute form)."""
+        self.forward_done()
         new_columns = self._columns + max_length if max_length <= 0 else min(max_length, self._columns)
         if new_columns < 0:
             raise ValueError(f"cannot crop {-max_length} tokens from a cache of {self._columns}.")
@@ -211,53 +237,62 @@ class PagedCache(Cache):
             return
         a = self.pool.allocator
         with self.pool.lock:
-            for row, seq in enumerate(self._rows):
-                if row not in self._released:
-                    a.crop(seq, max(0, a.seq_len(seq) - drop))
+            for row, seqs in enumerate(self._rows):
+                if row in self._released:
+                    continue
+                new_len = max(0, a.seq_len(seqs[0]) - drop)
+                for seq in seqs:
+                    a.crop(seq, new_len)
+                if self._tokens is not None:
+                    del self._tokens[row][new_len:]
         self._columns = new_columns
-        self._step = None
+        self._invalidate_step()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: re-point block tables; no KV is copied."""
         order = beam_idx.tolist()
-        self.pool.allocator.reorder(self._rows, order)
+        for g in range(self.groups.num_groups):
+            self.pool.allocator.reorder([seqs[g] for seqs in self._rows], order)
+        if self._tokens is not None:
+            self._tokens = [list(self._tokens[i]) for i in order]
         self._beam_reordered = True
-        self._step = None
+        self._invalidate_step()
 
     def reset(self) -> None:
         """Give every block back to the pool; the cache can then start a new generation."""
-        with self.pool.lock:
-            for row, seq in enumerate(self._rows):
-                if row not in self._released:
-                    self.pool.allocator.free(seq)
-        self._rows, self._released, self._columns = [], set(), 0
-        self._mode, self._step, self._pending = None, None, None
+        self._free_rows()
+        self._rows, self._released, self._tokens, self._columns = [], set(), [], 0
+        self._mode, self._step, self._planned, self._pending_columns = None, None, False, 0
         self._beam_reordered = self._recording = False
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         a = self.pool.allocator
         with self.pool.lock:
-            self._rows = [seq if r == 0 else a.fork(seq) for seq in self._rows for r in range(repeats)]
-        self._step = None
+            self._rows = [seqs if r == 0 else [a.fork(s) for s in seqs] for seqs in self._rows for r in range(repeats)]
+        if self._tokens is not None:
+            self._tokens = [list(t) for t in self._tokens for _ in range(repeats)]
+        self._invalidate_step()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         keep = indices.tolist()
         if self._released:
             raise RuntimeError("batch_select_indices on a cache with released rows; use release_finished=False.")
+        a = self.pool.allocator
         with self.pool.lock:
-            kept = [self.pool.allocator.fork(self._rows[i]) for i in keep]
-            for seq in self._rows:
-                self.pool.allocator.free(seq)
+            kept = [[a.fork(s) for s in self._rows[i]] for i in keep]
+            self._free_rows()
         self._rows = kept
-        self._step = None
+        if self._tokens is not None:
+            self._tokens = [list(self._tokens[i]) for i in keep]
+        self._invalidate_step()
 
     def __del__(self):
         try:
-            self.reset()
+            self._free_rows()
         except Exception:
             pass
 
-    # --------------------------------------------------------------- features
+    # --------------------------------------------------------------- copies
     def fork(self, batch_size: int = 1) -> "PagedCache":
         """A new cache on the same pool whose rows share this cache's blocks (no copy).
 
@@ -271,14 +306,54 @@ class PagedCache(Cache):
         if len(self._rows) != 1 and batch_size != len(self._rows) and batch_size != 1:
             raise ValueError(f"fork(batch_size={batch_size}) of a {len(self._rows)}-row cache: fork a 1-row cache, "
                              "or keep batch_size equal to the rows.")
-        child = PagedCache(self.config, pool=self.pool, release_finished=self.release_finished)
-        src = self._rows * batch_size if len(self._rows) == 1 else self._rows
+        rows = list(range(len(self._rows))) * batch_size if len(self._rows) == 1 else list(range(len(self._rows)))
+        return self._clone(rows)
+
+    def __deepcopy__(self, memo) -> "PagedCache":
+        """An independent cache continuing from the same tokens, sharing blocks copy-on-write (the pool is shared)."""
+        return self._clone(list(range(len(self._rows))))
+
+    def __copy__(self) -> "PagedCache":
+        """Same as :meth:`__deepcopy__`: a cache sharing bookkeeping with another would corrupt both."""
+        return self._clone(list(range(len(self._rows))))
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a PagedCache cannot be pickled (its KV lives in a pool shared with other caches): save it with "
+                        "cache.save(path) and restore it with PagedCache.load(path, config).")
+
+    def _clone(self, rows: list[int]) -> "PagedCache":
+        child = PagedCache.__new__(PagedCache)
+        child.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_step", "_buffers", "_call")})
+        child._step, child._buffers, child._call, child._planned = None, StepBuffers(), None, False
+        child._columns, child._pending_columns = self._columns + self._pending_columns, 0
+        a = self.pool.allocator
         with self.pool.lock:
-            child._rows = [self.pool.allocator.fork(seq) for seq in src]
-        child._columns = self._columns
-        child._mode = self._mode
+            child._rows = [list(self._rows[r]) if r in self._released else [a.fork(s) for s in self._rows[r]]
+                           for r in rows]
+        child._released = {i for i, r in enumerate(rows) if r in self._released}
+        child._tokens = None if self._tokens is None else [list(self._tokens[r]) for r in rows]
+        compat.init_cache_base(child)
         return child
 
+    # ----------------------------------------------------------- persistence
+    def save(self, path) -> None:
+        """Write this cache's rows (tokens and the K/V of every layer) to one safetensors file.
+
+        :meth:`load` restores them on any pool serving a model of the same shape and dtype, in another process or
+        on another machine; continuing from the loaded cache gives the same tokens as continuing from this one.
+        """
+        from .persist import save_cache
+
+        save_cache(self, path)
+
+    @classmethod
+    def load(cls, path, config, pool: BlockPool | None = None, **kwargs) -> "PagedCache":
+        """A cache holding the rows saved by :meth:`save`; ``ValueError`` if they do not fit ``config``'s model."""
+        from .persist import load_cache
+
+        return load_cache(cls, path, config, pool, **kwargs)
+
+    # ------------------------------------------------------ finished rows
     def _start_generate(self) -> None:
         """A new generate() call begins: rows released in an earlier call cannot take part."""
         self._new_call = True
@@ -288,36 +363,45 @@ class PagedCache(Cache):
         with self.pool.lock:
             for row in rows:
                 if row not in self._released:
-                    self.pool.allocator.free(self._rows[row])
+                    for seq in self._rows[row]:
+                        self.pool.allocator.free(seq)
                     self._released.add(row)
-        self._step = None
+                    if self._tokens is not None:
+                        self._tokens[row] = []
+        self._invalidate_step()
 
     def mark_finished(self, done: torch.Tensor) -> None:
         """Called after each decoding step with the rows whose generation ended (``[B]`` bool)."""
         if not self.release_finished or self._beam_reordered or len(self._rows) < 2 or done.shape[0] != len(self._rows):
             return
+        if self._call is not None and not self._call.release:
+            return
         done_rows = [r for r in done.nonzero().flatten().tolist() if r not in self._released]
         if done_rows and len(done_rows) + len(self._released) < len(self._rows):
             self.release_rows(done_rows)
 
-    def block_tables(self) -> list[list[int] | None]:
-        """Each batch row's block table (physical block per logical block; -1: slid out of the window), or
-        ``None`` for a row that finished and was released."""
+    # ------------------------------------------------------------ reports
+    def block_tables(self, group: int = 0) -> list[list[int] | None]:
+        """Each batch row's block table in layer group ``group`` (physical block per logical block; -1: slid out of
+        the window), or ``None`` for a row that finished and was released."""
         a = self.pool.allocator
         with self.pool.lock:
-            return [None if row in self._released else list(a.block_table(seq)) for row, seq in enumerate(self._rows)]
+            return [None if row in self._released else list(a.block_table(seqs[group]))
+                    for row, seqs in enumerate(self._rows)]
 
     def seq_lens(self) -> list[int | None]:
         """Tokens each batch row holds in the pool (its real tokens, padding excluded); ``None`` if released."""
         a = self.pool.allocator
         with self.pool.lock:
-            return [None if row in self._released else a.seq_len(seq) for row, seq in enumerate(self._rows)]
+            return [None if row in self._released else a.seq_len(seqs[0]) for row, seqs in enumerate(self._rows)]
 
     def memory_stats(self, all_ranks: bool = False) -> MemoryStats:
         """Figures for this cache's rows, with the pool's size and peak (see :class:`MemoryStats`).
 
-        Under tensor parallelism each rank holds only its KV heads; ``all_ranks=True`` sums the byte figures over
-        the ranks of the default process group (a collective: call it on every rank).
+        For models whose layers use different windows, ``groups`` holds the same figures per layer group (each
+        with its ``window``); the totals count every group's blocks. Under tensor parallelism each rank holds only
+        its KV heads; ``all_ranks=True`` sums the byte figures over the ranks of the default process group (a
+        collective: call it on every rank).
         """
         if all_ranks:
             from .distributed import sum_over_ranks
@@ -326,55 +410,50 @@ class PagedCache(Cache):
         pool = self.pool
         with pool.lock:
             a = pool.allocator
-            live = [s for i, s in enumerate(self._rows) if i not in self._released]
-            return MemoryStats.from_tables(
-                block_size=a.block_size,
-                num_blocks=max(a.capacity, max((k.shape[0] for k in pool.key_caches.values()), default=0)),
-                max_blocks=a.max_blocks,
-                tables=[a.block_table(s) for s in live],
-                lens=[a.seq_len(s) for s in live],
-                peak_blocks_in_use=a.peak_blocks_in_use,
-                bytes_per_block=pool.bytes_per_block(),
-                bytes_reserved=pool.bytes_reserved(),
-            )
+            live = [seqs for i, seqs in enumerate(self._rows) if i not in self._released]
+            per_group = []
+            for g, window in enumerate(self.groups.windows):
+                per_group.append(self._stats([s[g] for s in live], pool.bytes_per_block_id(), window=window))
+            total = self._stats([s for seqs in live for s in seqs], pool.bytes_per_block_id(),
+                                groups=tuple(per_group) if self.groups.num_groups > 1 else ())
+            if total.num_sequences != len(live):
+                total = dataclasses.replace(total, num_sequences=len(live),
+                                            logical_tokens=sum(a.seq_len(s[0]) for s in live))
+            return total
+
+    def _stats(self, seqs, bytes_per_block, **extra) -> MemoryStats:
+        pool, a = self.pool, self.pool.allocator
+        return MemoryStats.from_tables(
+            block_size=a.block_size, num_blocks=pool.rows - 1, max_blocks=a.max_blocks,
+            tables=[a.block_table(s) for s in seqs], lens=[a.seq_len(s) for s in seqs],
+            peak_blocks_in_use=a.peak_blocks_in_use, bytes_per_block=bytes_per_block,
+            bytes_reserved=pool.bytes_reserved(), allocator=a, **extra)
 
     # ------------------------------------------------------------- internals
-    @property
-    def _backend(self) -> str:
-        return self._backend_name if self._mode == "paged" else "torch"
+    def _resolved_backend(self, input_ids) -> str:
+        from .ops import resolve_backend
 
-    def _begin_step(self, key: torch.Tensor) -> None:
-        """Plan the whole forward: allocate slots for every row's new tokens, once, before layer 0 writes."""
-        pending, self._pending = self._pending, None
-        mode = "paged" if pending is not None else "gathered"
-        if self._mode is None:
-            self._mode = mode
-        elif self._mode != mode:
+        if self._mode == "gathered" and not self._planned:
+            return "torch"
+        devices = {s.device for s in self.pool.layer_shapes.values()}
+        device = next(iter(devices)) if devices else (input_ids.device if input_ids is not None else torch.device("cpu"))
+        return resolve_backend(self._backend_name, device)
+
+    def _check_mode(self, mode: str) -> None:
+        if self._mode is not None and self._mode != mode:
             raise RuntimeError(
                 "this PagedCache was filled with paged attention "
                 f"{'on' if self._mode == 'paged' else 'off'} and is now used with it "
                 f"{'on' if mode == 'paged' else 'off'}. Call enable_paged_attention(model) before the first "
                 "generate(), or reset() the cache."
             )
-        if mode == "gathered" and not self._warned:
-            self._warned = True
-            warnings.warn(
-                "PagedCache is used without enable_paged_attention(model): results are correct but the whole KV "
-                "history is gathered for every layer and padding is stored. Call hf_paged.enable_paged_attention(model) "
-                "for the paged fast path.",
-                stacklevel=4,
-            )
-        if pending is not None:
-            self._backend_name = pending.get("backend", "auto")
-        batch, query_len = key.shape[0], key.shape[2]
-        a = self.pool.allocator
-        fresh = not self._rows
-        if not fresh and batch != len(self._rows):
+
+    def _check_call_start(self, batch: int) -> None:
+        if self._rows and batch != len(self._rows):
             raise ValueError(
                 f"this PagedCache holds {len(self._rows)} rows but the model got a batch of {batch}. Use a new "
                 "PagedCache (or cache.reset()) for a new batch."
             )
-
         new_call, self._new_call = self._new_call, False
         if new_call and self._released:
             raise RuntimeError(
@@ -382,148 +461,99 @@ class PagedCache(Cache):
                 "released (their blocks went back to the pool), so they cannot be continued. Use "
                 "PagedCache(config, release_finished=False) to continue finished rows later, or start a new cache."
             )
-        real = _real_columns(pending, batch, query_len)  # [B, S] bool
-        counts = real.sum(1).tolist() if real is not None else [query_len] * batch
-        alias = _duplicate_rows(pending, real) if fresh and mode == "paged" else {}
-        for row in self._released:
-            if counts[row]:
-                counts[row] = 0
-                if real is not None:
-                    real[row] = False
-                else:
-                    real = torch.ones(batch, query_len, dtype=torch.bool)
-                    real[row] = False
 
+    def _plan_gathered(self, key: torch.Tensor) -> None:
+        """A forward without enable_paged_attention: plan it here, at layer 0 (the model is not compiled)."""
+        self._check_mode("gathered")
+        if self._mode is None and not self._warned:
+            self._warned = True
+            warnings.warn(
+                "PagedCache is used without enable_paged_attention(model): results are correct but the whole KV "
+                "history is gathered for every layer and padding is stored. Call hf_paged.enable_paged_attention(model) "
+                "for the paged fast path.",
+                stacklevel=4,
+            )
+        self._check_call_start(key.shape[0])
+        self._step = plan_step(self, None, None, key.shape[0], key.shape[2], gathered=True)
+        self._columns += key.shape[2]
+        self._mode = "gathered"
+
+    def _layer_step(self, layer_idx: int, key: torch.Tensor | None, value: torch.Tensor | None) -> LayerStep:
+        pool, step = self.pool, self._step
+        if key is not None:
+            pool.bind_layer(layer_idx, self.num_layers or layer_idx + 1, key, self.groups.layer_slot[layer_idx]
+                            if layer_idx < len(self.groups.layer_slot) else None, self.groups.group_size)
+        group = self.groups.layer_group[layer_idx] if layer_idx < len(self.groups.layer_group) else 0
+        device = pool.layer_shapes[layer_idx].device
+        view, (token_index, write_index) = step.device_view(group, device, self._buffers)
+        key_cache, value_cache = pool.layer_kv(layer_idx)
+        k_scale = v_scale = None
+        if pool.kv_dtype is not None:
+            if key is not None and layer_idx not in pool.k_scales:
+                probe = LayerStep(key_cache, value_cache, None, None, view, token_index, write_index, False, 0, "")
+                pool.layer_scales(layer_idx, _pack(key, probe), _pack(value, probe))
+            k_scale, v_scale = pool.k_scales[layer_idx], pool.v_scales[layer_idx]
+        return LayerStep(key_cache, value_cache, k_scale, v_scale, view, token_index, write_index, step.no_history,
+                         step.max_query_len, step.backend)
+
+    def _invalidate_step(self) -> None:
+        self.forward_done()
+        self._step = None
+
+    def _free_rows(self) -> None:
+        a = self.pool.allocator
         with self.pool.lock:
-            if fresh:
-                self._rows = [a.new_sequence() for _ in range(batch)]
-            requests = [(seq, 0 if row in alias else counts[row])
-                        for row, seq in enumerate(self._rows) if row not in self._released]
-            try:
-                plan = a.append(requests)
-            except OutOfBlocksError:
-                if fresh:
-                    for seq in self._rows:
+            for row, seqs in enumerate(self._rows):
+                if row not in self._released:
+                    for seq in seqs:
                         a.free(seq)
-                    self._rows = []
-                    self._mode = None
-                raise
-            for row, src in alias.items():
-                a.free(self._rows[row])
-                self._rows[row] = a.fork(self._rows[src])
-            tables = [a.block_table(s) if i not in self._released else [] for i, s in enumerate(self._rows)]
-            lens = [a.seq_len(s) if i not in self._released else 0 for i, s in enumerate(self._rows)]
-            if self.sliding_window is not None and mode == "paged" and not self._recording:
-                for row, seq in enumerate(self._rows):
-                    if row not in self._released:  # keep what this step's first query still sees
-                        a.release_outside_window(seq, lens[row] - counts[row] - self.sliding_window + 1)
-        self._columns += query_len
-        plan_rows = [row for row in range(batch) if row not in self._released]
-        self._step = _build_metadata(plan, plan_rows, tables, lens, counts, real, alias, batch, query_len,
-                                     a.block_size, gathered=mode == "gathered")
-        self._step.no_history = fresh
+
+    def _drop_rows(self) -> None:
+        """Undo a first plan that failed: the cache is left as it was (empty)."""
+        self._free_rows()
+        self._rows, self._released, self._tokens = [], set(), []
+
+    def _start_from_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
+        """Prefix caching, at the start of a ``generate()`` on an empty cache: begin every row from the cached blocks
+        its prompt starts with (the same number of whole blocks for every row, since ``generate()`` feeds all rows
+        the same columns). Returns the prompt tokens skipped per row."""
+        a, bs = self.pool.allocator, self.pool.block_size
+        if self._rows or not a.prefix_caching or self.groups.num_groups != 1 or input_ids is None:
+            return 0
+        batch, length = input_ids.shape
+        limit = length - 1  # the last prompt token must run: its logits start the generation
+        if attention_mask is not None and attention_mask.dim() == 2:
+            padded = ~attention_mask[:, :limit].to("cpu", torch.bool)
+            if bool(padded.any()):
+                limit = int(padded.any(0).nonzero()[0])  # only columns every row holds a real token in
+        tokens = input_ids[:, :limit].to("cpu").tolist()
+        matches = [a.match_prefix(row, limit) for row in tokens]
+        common = min(len(m) for m in matches)
+        a.note_prefix_lookup(batch * (limit // bs) * bs, batch * common * bs)
+        if common == 0:
+            return 0
+        with self.pool.lock:
+            self._rows = [[a.new_sequence(m[:common])] for m in matches]
+        self._tokens = [row[: common * bs] for row in tokens]
+        self._columns = common * bs
+        self._mode = "paged"
+        return common * bs
 
 
-def _real_columns(pending: dict | None, batch: int, query_len: int) -> torch.Tensor | None:
-    """``[B, S]`` bool of the columns holding real tokens (None: all of them), from the 2D attention mask."""
-    mask = (pending or {}).get("attention_mask")
-    if mask is None or mask.dim() != 2:
-        return None
-    real = mask[:, -query_len:].to("cpu", torch.bool)
-    if real.shape != (batch, query_len):
-        raise ValueError(f"attention_mask of shape {tuple(mask.shape)} does not cover a batch of {batch} x "
-                         f"{query_len} new tokens.")
-    return None if bool(real.all()) else real
-
-
-def _duplicate_rows(pending: dict | None, real: torch.Tensor | None) -> dict[int, int]:
-    """Rows whose prompt equals an earlier row's (num_beams / num_return_sequences expansion): row -> source."""
-    ids = (pending or {}).get("input_ids")
-    if ids is None or ids.shape[0] < 2:
-        return {}
-    ids = ids.to("cpu")
-    if real is not None:
-        ids = ids.masked_fill(~real, -1)
-    first: dict[bytes, int] = {}
-    alias = {}
-    for row in range(ids.shape[0]):
-        key = ids[row].numpy().tobytes()
-        if key in first:
-            alias[row] = first[key]
-        else:
-            first[key] = row
-    return alias
-
-
-def _build_metadata(plan, plan_rows, tables, lens, counts, real, alias, batch, query_len, block_size,
-                    gathered) -> StepMetadata:
-    max_blocks = max(1, max((len(t) for t in tables), default=1))
-    block_tables = torch.full((batch, max_blocks), 0, dtype=torch.int32)
-    for row, table in enumerate(tables):
-        if table:
-            block_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    block_tables.clamp_(min=0)  # NULL_BLOCK entries (slid out of the window) are masked, never read
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    q_lens = torch.tensor(counts, dtype=torch.int32)
-    query_start_loc = torch.zeros(batch + 1, dtype=torch.int32)
-    torch.cumsum(q_lens, 0, out=query_start_loc[1:])
-    # Slots of the written tokens, vectorised: token t of request r sits at position starts[r] + t.
-    written = torch.tensor(plan.counts, dtype=torch.long)
-    token_row = torch.repeat_interleave(torch.tensor(plan_rows, dtype=torch.long), written)
-    first = torch.repeat_interleave(torch.cumsum(written, 0) - written, written)
-    pos = torch.repeat_interleave(torch.tensor(plan.starts, dtype=torch.long), written) + (
-        torch.arange(token_row.shape[0]) - first)
-    slot_mapping = block_tables[token_row, pos // block_size].long() * block_size + pos % block_size
-
-    token_index = None if real is None else real.flatten().nonzero().flatten()
-    write_index = None
-    if alias:
-        writes = torch.ones(int(q_lens.sum()), dtype=torch.bool)
-        for row in alias:
-            writes[int(query_start_loc[row]): int(query_start_loc[row + 1])] = False
-        write_index = writes.nonzero().flatten()
-
-    copy_src = copy_dst = None
-    if plan.copies:
-        copy_src = torch.tensor([c[0] for c in plan.copies], dtype=torch.long)
-        copy_dst = torch.tensor([c[1] for c in plan.copies], dtype=torch.long)
-
-    gather_slots = None
-    if gathered:
-        length = max(lens)
-        pos = torch.arange(length)
-        gather_slots = block_tables.long()[:, pos // block_size] * block_size + pos % block_size  # [B, L]
-
-    return StepMetadata(
-        batch_size=batch,
-        query_len=query_len,
-        token_index=token_index,
-        write_index=write_index,
-        slot_mapping=slot_mapping,
-        block_tables=block_tables,
-        seq_lens=seq_lens,
-        query_start_loc=query_start_loc,
-        max_query_len=max(counts) if counts else 0,
-        max_seq_len=max(lens) if lens else 0,
-        copy_src=copy_src,
-        copy_dst=copy_dst,
-        gather_slots=gather_slots,
-    )
-
-
-def _pack(states: torch.Tensor, step: StepMetadata) -> torch.Tensor:
+def _pack(states: torch.Tensor, layer: LayerStep) -> torch.Tensor:
     """``[B, H, S, D]`` -> ``[num_writes, H, D]``: the real, written tokens back to back."""
     batch, heads, seq, dim = states.shape
     flat = states.transpose(1, 2).reshape(batch * seq, heads, dim)
-    if step.token_index is not None:
-        flat = flat.index_select(0, step.token_index)
-    if step.write_index is not None:
-        flat = flat.index_select(0, step.write_index)
+    if layer.token_index is not None:
+        flat = flat.index_select(0, layer.token_index)
+    if layer.write_index is not None:
+        flat = flat.index_select(0, layer.write_index)
     return flat
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``[B, L]`` slots -> ``[B, H, L, D]`` contiguous history."""
+def _gather(layer: LayerStep, slots: torch.Tensor, value: bool = False) -> torch.Tensor:
+    """``[B, L]`` slots -> ``[B, H, L, D]`` contiguous history (gathered mode; the pool is in the model's dtype)."""
+    cache = layer.value_cache if value else layer.key_cache
     num_blocks, block_size, heads, dim = cache.shape
     flat = cache.view(num_blocks * block_size, heads, dim)
     return flat.index_select(0, slots.flatten()).view(*slots.shape, heads, dim).transpose(1, 2)

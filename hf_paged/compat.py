@@ -53,6 +53,18 @@ def query_length(arg) -> int:
     return int(arg)
 
 
+# From 5.24.0 the attention modules call ``cache.update(k, v, layer_idx, kwargs=kwargs)`` with the very dict they
+# then unpack into the attention function, so update() can hand the attention its step tensors. Before, update()
+# got a separate ``cache_kwargs`` dict, and the attention finds the running forward's cache another way.
+STEP_IN_ATTENTION_KWARGS = CACHE_RENAMED
+
+
+def attention_kwargs(args: tuple, kwargs: dict) -> dict:
+    """The dict ``update()`` can add entries to for the attention function (a throwaway dict where there is none)."""
+    shared = kwargs.get("kwargs")
+    return shared if isinstance(shared, dict) else {}
+
+
 def cache_from_kwargs(kwargs: dict):
     for name in CACHE_KWARGS:
         if kwargs.get(name) is not None:

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from .stats import MemoryStats
 
 BYTE_FIELDS = ("bytes_per_block", "bytes_reserved", "bytes_in_use")
-_FIELDS = tuple(f.name for f in dataclasses.fields(MemoryStats))
+# The scalar figures (per-group figures stay per rank: memory_stats() on each rank gives them).
+_FIELDS = tuple(f.name for f in dataclasses.fields(MemoryStats) if f.name != "groups")
 
 
 def _initialized() -> bool:

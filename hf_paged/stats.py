@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from .allocator import NULL_BLOCK
 
@@ -22,6 +22,10 @@ class MemoryStats:
         bytes_in_use: bytes of the blocks in use, summed over layers.
         utilization: tokens_stored / (blocks_in_use * block_size), 1.0 when nothing is in use.
         num_sequences: live sequences.
+        blocks_cached: prefix caching: full blocks nobody holds, kept for reuse (not in use: evicted on demand).
+        prefix_query_tokens / prefix_hit_tokens: prompt tokens looked up in the prefix cache / found there.
+        window: the sliding window of a group's layers (group figures only).
+        groups: for models whose layers use different windows, the same figures per block-table group.
     """
 
     block_size: int
@@ -36,6 +40,11 @@ class MemoryStats:
     bytes_in_use: int
     utilization: float
     num_sequences: int
+    blocks_cached: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    window: int | None = None
+    groups: tuple = field(default=())
 
     @property
     def peak_bytes_in_use(self) -> int:
@@ -46,7 +55,7 @@ class MemoryStats:
 
     @classmethod
     def from_tables(cls, *, block_size, num_blocks, max_blocks, tables, lens, peak_blocks_in_use,
-                    bytes_per_block, bytes_reserved) -> "MemoryStats":
+                    bytes_per_block, bytes_reserved, allocator=None, **extra) -> "MemoryStats":
         fill: dict[int, int] = {}
         for table, length in zip(tables, lens):
             for i, block in enumerate(table):
@@ -68,4 +77,8 @@ class MemoryStats:
             bytes_in_use=in_use * bytes_per_block,
             utilization=tokens / (in_use * block_size) if in_use else 1.0,
             num_sequences=len(tables),
+            blocks_cached=allocator.num_cached if allocator is not None else 0,
+            prefix_query_tokens=allocator.prefix_queries if allocator is not None else 0,
+            prefix_hit_tokens=allocator.prefix_hits if allocator is not None else 0,
+            **extra,
         )
