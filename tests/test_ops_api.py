@@ -376,3 +376,115 @@ def test_one_bad_argument_is_rejected(cfg, data, backend):
         fn, kwargs, corruptions = ops.write_kv, dict(write, backend=backend), WRITE_CORRUPTIONS
     name, _, corrupt, match = data.draw(st.sampled_from([c for c in corruptions if c[1](kwargs)]), label="corruption")
     assert_rejected(fn, kwargs, corrupt, match)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Soft-capping, sinks, fp8 pools: bad input, scales, copy-on-write of uint8 blocks
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _fp8_pool(case):
+    """The case's pool as uint8 (fp8 bits), with valid per-head scales."""
+    num_kv_heads = case["key_cache"].shape[2]
+    return dict(case, key_cache=torch.zeros(case["key_cache"].shape, dtype=torch.uint8),
+                value_cache=torch.zeros(case["value_cache"].shape, dtype=torch.uint8),
+                k_scale=torch.ones(num_kv_heads), v_scale=torch.ones(num_kv_heads))
+
+
+def _fp8(update):
+    return lambda c: (c.update(_fp8_pool(c)), update(c))
+
+
+FEATURE_CORRUPTIONS = [
+    ("softcap-zero", lambda c: c.update(softcap=0.0), r"softcap must be a positive finite float"),
+    ("softcap-negative", lambda c: c.update(softcap=-30.0), r"softcap must be a positive finite float"),
+    ("softcap-inf", lambda c: c.update(softcap=float("inf")), r"softcap must be a positive finite float"),
+    ("softcap-bool", lambda c: c.update(softcap=True), r"softcap must be a positive finite float"),
+    ("softcap-tensor", lambda c: c.update(softcap=torch.tensor(30.0)), r"softcap must be a positive finite float"),
+    ("sinks-shape", lambda c: c.update(sinks=torch.zeros(5)), r"sinks must be a float tensor of shape "
+                                                              r"\[num_q_heads\] = \[4\].*\(5,\)"),
+    ("sinks-int", lambda c: c.update(sinks=torch.zeros(4, dtype=torch.int32)), r"sinks must be a float tensor"),
+    ("sinks-list", lambda c: c.update(sinks=[0.0] * 4), r"sinks must be a float tensor"),
+    ("sinks-device", lambda c: c.update(sinks=torch.zeros(4, device="meta")), r"sinks is on meta but the query is on"),
+    ("fp8-no-scales", lambda c: c.update(_fp8_pool(c), k_scale=None, v_scale=None),
+     r"uint8 pool holds fp8 e4m3fn blocks and needs k_scale and v_scale \(\[2\] float32.*ops.fp8_scales"),
+    ("fp8-one-scale", lambda c: c.update(_fp8_pool(c), v_scale=None), r"needs k_scale and v_scale"),
+    ("scales-float-pool", lambda c: c.update(k_scale=torch.ones(2), v_scale=torch.ones(2)),
+     r"k_scale/v_scale apply only to a uint8 \(fp8 e4m3fn\) pool, but the pool is torch.float32"),
+    ("fp8-scale-shape", _fp8(lambda c: c.update(k_scale=torch.ones(3))), r"k_scale must be a float32 tensor of "
+                                                                         r"shape \[2\].*\(3,\)"),
+    ("fp8-scale-dtype", _fp8(lambda c: c.update(v_scale=torch.ones(2, dtype=torch.float16))),
+     r"v_scale must be a float32 tensor of shape \[2\]"),
+    ("fp8-scale-device", _fp8(lambda c: c.update(k_scale=torch.ones(2, device="meta"))),
+     r"k_scale is on meta but the KV cache is on cpu"),
+    ("fp8-scale-strided", _fp8(lambda c: c.update(k_scale=torch.ones(4)[::2])), r"k_scale must be contiguous"),
+    ("fp8-pool-int8", lambda c: c.update(key_cache=c["key_cache"].to(torch.int8),
+                                         value_cache=c["value_cache"].to(torch.int8)),
+     r"key/value caches must share one of .*uint8 holds float8 e4m3fn bits"),
+]
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+@pytest.mark.parametrize("name, corrupt, match", FEATURE_CORRUPTIONS, ids=[c[0] for c in FEATURE_CORRUPTIONS])
+def test_paged_attention_rejects_bad_options(name, corrupt, match, backend):
+    assert_rejected(ops.paged_attention, dict(BASE_ATTN, backend=backend), corrupt, match)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+@pytest.mark.parametrize("name, corrupt, match", [c for c in FEATURE_CORRUPTIONS if "scale" in c[0] or "fp8" in c[0]],
+                         ids=[c[0] for c in FEATURE_CORRUPTIONS if "scale" in c[0] or "fp8" in c[0]])
+def test_write_kv_rejects_bad_scales(name, corrupt, match, backend):
+    assert_rejected(ops.write_kv, dict(BASE_WRITE, backend=backend), corrupt, match)
+
+
+def test_paged_attention_rejects_max_seq_len_past_the_table():
+    width = BASE_ATTN["block_tables"].shape[1] * BASE_ATTN["key_cache"].shape[1]
+    assert_rejected(ops.paged_attention, BASE_ATTN, lambda c: c.update(max_seq_len=width + 1),
+                    rf"max_seq_len={width + 1} exceeds what block_tables can address .* = {width}\)")
+
+
+def test_fp8_scales():
+    x = torch.zeros(5, 3, 8)  # [num_tokens, num_kv_heads, head_dim]
+    x[2, 0, 3], x[4, 1, 0] = -448.0, 2.0  # head 2 all zero
+    scales = ops.fp8_scales(x, headroom=1.0)
+    assert scales.dtype == torch.float32 and scales.shape == (3,)
+    assert torch.equal(scales, torch.tensor([1.0, 2.0 / 448, 1.0 / 448]))  # an all-zero head never gets 0
+    assert torch.allclose(ops.fp8_scales(x), 2 * scales)  # default headroom: one binade above the first batch
+    assert torch.equal(ops.fp8_scales(x.to(torch.bfloat16), headroom=1.0), scales)
+    for bad, match in ((torch.zeros(5, 8), r"\[num_tokens, num_kv_heads, head_dim\]"),
+                       (torch.zeros(5, 3, 8, dtype=torch.int32), r"float tensor")):
+        with pytest.raises(ValueError, match=match):
+            ops.fp8_scales(bad)
+    with pytest.raises(ValueError, match=r"headroom must be >= 1"):
+        ops.fp8_scales(x, headroom=0.5)
+
+
+def test_fp8_write_then_attend_roundtrip_torch():
+    # write_kv quantizes into a uint8 pool; attention reads back fp8 * scale: compare with float64 attention over
+    # the dequantized logical K/V (what the pool really holds), and check the quantization error is e4m3-sized.
+    attn, write, logical = make_case([7, 12], [2, 1], num_kv_heads=2, group=2, head_dim=8, block_size=4)
+    fp8 = _fp8_pool(attn)
+    k_scale, v_scale = ops.fp8_scales(write["key"]), ops.fp8_scales(write["value"])
+    ops.write_kv(write["key"], write["value"], fp8["key_cache"], fp8["value_cache"], write["slot_mapping"],
+                 backend="torch", k_scale=k_scale, v_scale=v_scale)
+    fp8.update(k_scale=k_scale, v_scale=v_scale)
+    dequantized = []
+    for k, v in logical:
+        dequantized.append(tuple(
+            (x / s[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s[:, None]
+            for x, s in ((k, k_scale), (v, v_scale))
+        ))
+        assert ((dequantized[-1][0] - k).abs() <= k.abs() / 16 + 1e-6).all()  # half a 3-bit-mantissa step
+    expected = attention_float64(attn["query"], attn["query_start_loc"], attn["seq_lens"], attn["scale"], None,
+                                 dequantized)
+    out = ops.paged_attention(**fp8, backend="torch")
+    assert (out.double() - expected).abs().max() < 1e-5
+
+
+def test_copy_blocks_on_fp8_pool():
+    key_cache = torch.randint(0, 0x7F, (4, 2, 1, 3), dtype=torch.uint8)
+    value_cache = torch.randint(0, 0x7F, (4, 2, 1, 3), dtype=torch.uint8)
+    before_k, before_v = key_cache.clone(), value_cache.clone()
+    ops.copy_blocks(key_cache, value_cache, torch.tensor([3, 0]), torch.tensor([1, 2]))
+    assert torch.equal(key_cache[[1, 2]], before_k[[3, 0]]) and torch.equal(value_cache[[1, 2]], before_v[[3, 0]])
+    assert torch.equal(key_cache[[0, 3]], before_k[[0, 3]])
