@@ -34,7 +34,9 @@ FAMILIES = {
                       moe_intermediate_size=32),
     "phi3": dict(sliding_window=WINDOW),
     "gemma": {},
-    "gemma2": dict(sliding_window=WINDOW, layer_types=SLIDING_HALF),
+    # large enough weights and a small cap that soft-capping and the window both change the tokens
+    "gemma2": dict(sliding_window=WINDOW, layer_types=SLIDING_HALF, attn_logit_softcapping=1.0,
+                   query_pre_attn_scalar=1, initializer_range=0.06),
     "gemma3_text": dict(sliding_window=WINDOW, layer_types=SLIDING_HALF),
     "olmo2": {},
     "granite": {},
@@ -87,6 +89,34 @@ def test_family_matches_dynamic_cache_greedy_and_beams(model_type):
         got = generate(model, inputs, PagedCache(model.config, block_size=BLOCK_SIZE), **kw)
         assert got.shape[1] > inputs["input_ids"].shape[1], f"{model_type} {name}: nothing generated"
         assert torch.equal(got, expected[name]), f"{model_type} {name}: tokens differ from DynamicCache"
+
+
+@pytest.mark.parametrize(
+    ("model_type", "without_feature"),
+    [
+        ("gemma2", dict(attn_logit_softcapping=None)),
+        ("gemma2", dict(layer_types=["full_attention"] * 2)),
+        ("gemma3_text", dict(layer_types=["full_attention"] * 2)),
+        ("gpt_oss", dict(layer_types=["full_attention"] * 2)),
+    ],
+)
+def test_family_configs_exercise_their_features(model_type, without_feature):
+    """The equality test above only proves soft-cap and windows work if dropping them changes the tokens."""
+    inputs = left_padded(LENGTHS, seed=1)
+    outputs = []
+    for overrides in ({}, without_feature):
+        model = tiny_family_model(model_type, **overrides)
+        outputs.append(generate(model, inputs, DynamicCache(config=model.config)))
+    assert not torch.equal(*outputs)
+
+
+def test_gpt_oss_sinks_change_the_tokens():
+    inputs = left_padded(LENGTHS, seed=1)
+    model = tiny_family_model("gpt_oss")
+    with_sinks = generate(model, inputs, DynamicCache(config=model.config))
+    for layer in model.model.layers:
+        layer.self_attn.sinks.data.fill_(-1e4)  # exp(-1e4) = 0: no sink
+    assert not torch.equal(with_sinks, generate(model, inputs, DynamicCache(config=model.config)))
 
 
 def _record_windows(model) -> list:
