@@ -521,8 +521,8 @@ def test_fp8_write_kv_matches_torch_bits():
     # and it is a quantization of the input: within half an e4m3 step (2**-4 relative) or saturated at +-448 * scale
     stored = expected_k.view(-1, num_kv_heads, head_dim)[slot_mapping].view(torch.float8_e4m3fn).float()
     dequant = stored * k_scale[:, None]
-    limit = FP8_LIMIT = 448 * k_scale[:, None]
-    inside = key.abs() <= FP8_LIMIT
+    limit = 448 * k_scale[:, None]  # [Hkv, 1]: the largest value an fp8 slot holds
+    inside = key.abs() <= limit
     assert ((dequant - key).abs() <= key.abs() / 16 + k_scale[:, None] * 2.0**-10)[inside].all()
     assert torch.equal(dequant[~inside], (key.sign() * limit.expand_as(key))[~inside])
 

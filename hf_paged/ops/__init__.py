@@ -103,7 +103,8 @@ def _check_kv_scales(key_cache: torch.Tensor, k_scale, v_scale) -> None:
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (num_kv_heads,):
             _fail(f"{name} must be a float32 tensor of shape [{num_kv_heads}] (one scale per KV head), got "
-                  f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}; ops.fp8_scales makes one.")
+                  f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}; "
+                  "ops.fp8_scales makes one.")
         if t.device != key_cache.device:
             _fail(f"{name} is on {t.device} but the KV cache is on {key_cache.device}; move it with "
                   ".to(key_cache.device).")

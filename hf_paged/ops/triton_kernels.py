@@ -600,7 +600,8 @@ def _signature(kernel_name: str, constexprs: dict, query_dtype: torch.dtype, kv_
 
 
 def _choice(kernel: str, constexprs: dict, num_warps: int, num_stages: int, query_dtype, kv_dtype) -> LaunchChoice:
-    return LaunchChoice(kernel, constexprs, num_warps, num_stages, _signature(kernel, constexprs, query_dtype, kv_dtype))
+    signature = _signature(kernel, constexprs, query_dtype, kv_dtype)
+    return LaunchChoice(kernel, constexprs, num_warps, num_stages, signature)
 
 
 def launch_choices(
