@@ -103,3 +103,13 @@ def set_attn_implementation(model, name: str) -> None:
         model.set_attn_implementation(name)
     else:
         model.config._attn_implementation = name
+
+
+def config_dtype(config):
+    """The dtype a config names (``dtype`` from 4.56's rename on; ``torch_dtype`` before), or None."""
+    dtype = config.__dict__.get("dtype", None)
+    if dtype is None:
+        dtype = config.__dict__.get("torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
