@@ -1,7 +1,8 @@
 """Build every Triton kernel variant the dispatcher can choose, for real GPUs, on a machine without one.
 
     python -m hf_paged check-kernels                 # CI: defaults + the slice, sm_80 and sm_90; non-zero on a problem
-    python -m hf_paged check-kernels --full          # the whole product (long: see "What is built")
+    python -m hf_paged check-kernels --full          # the whole product (hours: see "What is built")
+    python -m hf_paged check-kernels --only "prefill fp32"   # configurations whose label matches
     python -m hf_paged check-kernels --problems      # print only rows that spill or fail
     python -m hf_paged check-kernels --kernels-module /tmp/try/triton_kernels.py --allow-spills   # explore a copy
 
@@ -19,15 +20,22 @@ warp and block limits.
 Fails (exit 1) on: a build error; shared memory above the target's per-block limit; spills in a default variant
 (``--allow-spills`` turns that into a warning, for exploring).
 
-What is built (``DEFAULT`` marks what users get out of the box):
-    * default configurations, all built: block_size 16 (``PagedCache``'s default), fp16/bf16/fp32 (and fp8 KV when the
-      kernels take it), head dims 64/80/96/128/256, GQA groups 1-8, decode without and with split-KV (3 and 16
-      splits: the merge kernel's SPLITS_P 4 and 16), prefill with a long prompt (512 queries) and a short extend
-      (4 queries), the KV write for 8 KV heads.
-    * the slice of the rest: block sizes 8/32/64/128 with groups 1, 4 and 8 (block_size only changes the
-      ``// BLOCK_SIZE`` and ``% BLOCK_SIZE`` of the address arithmetic); split counts 2, 8 and 32 (SPLITS_P 2/8/32);
-      KV writes for 1/2/4/32 KV heads.
-    * ``--full``: every block size with every group, plus the above.
+What is built. "Default" variants are those users get without opting in: block_size 16 (``PagedCache``'s
+default) and KV in the model's dtype; a spill there fails the check. Opt-in variants (other block sizes, fp8 KV) are
+checked for build errors and shared memory, and their spills are listed.
+    * The CI set (the default run, ~210 builds): every dtype (fp16, bf16, fp32) x head dim (64, 80, 96, 128, 256) at
+      block_size 16 through every kernel: decode, decode with split-KV and its merge (3 splits: SPLITS_P 4), prefill
+      (a 512-query prompt), the KV write (8 KV heads). The GQA group is rotated over those 15 shapes (1, 2, ..., 8,
+      1, ...), so every group meets every kernel: the group changes row masks and head indices, not the tile shape
+      (decode: 16 rows for groups 1-8; prefill: 64 rows of BLOCK_Q x GROUP_P). Plus the shapes of models users run
+      (``MODEL_SHAPES``: Llama-3.2-1B, Llama-3.1-8B, Qwen2.5-7B, Gemma2 with soft-capping, gpt-oss with sinks,
+      SmolLM2), and an opt-in slice at bf16, d128, group 4: fp8 KV, block sizes 8 and 128, 32 splits (SPLITS_P 32),
+      a 4-query extend (a smaller BLOCK_Q).
+    * ``--full`` (~8,500 builds: hours on 2 cores): dtype x head dim x group 1-8 x block size 8-128 x {decode, split
+      decode, prefill of 512 and of 4 queries}, fp8 KV for fp16/bf16, every merge width (SPLITS_P 2-32), KV writes for
+      1-32 KV heads, soft-capping and sinks in every dtype.
+    Argument values are those of a contiguous pool and queries (the JIT's specialisation: strides of 1 constant,
+    head_dim multiples of 16 aligned); the block table is given an odd width, the less favourable case.
 """
 
 from __future__ import annotations
@@ -37,7 +45,6 @@ import importlib
 import importlib.util
 import itertools
 import json
-import math
 import os
 import re
 import shutil
@@ -479,10 +486,6 @@ def build_variant(variant: Variant, arch: int) -> Build:
     return result
 
 
-def _build_task(variant: Variant, arch: int) -> Build:
-    return build_variant(variant, arch)
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # Checking
 # --------------------------------------------------------------------------------------------------------------------
@@ -537,7 +540,7 @@ def run_builds(builds: list[Build], jobs: int, cache_dir: Path, progress=None) -
     done = []
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=(str(cache_dir),)) as pool:
-        futures = {pool.submit(_build_task, b.variant, b.arch): b for b in order}
+        futures = {pool.submit(build_variant, b.variant, b.arch): b for b in order}
         for i, future in enumerate(as_completed(futures), 1):
             planned = futures[future]
             b = future.result()
@@ -563,6 +566,14 @@ def check(captured, jobs: int = 2, cache_dir: Path | None = None, allow_spills: 
     start = time.perf_counter()
     builds = run_builds(plan(captured), jobs, cache_dir or default_cache_dir(), progress)
     return Report(builds, len({c for c, _, _ in captured}), time.perf_counter() - start, allow_spills)
+
+
+def _worker_cpu_seconds() -> float:
+    """CPU time of the finished worker processes and their ptxas runs (a load-independent cost of the check)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def format_table(builds: list[Build]) -> str:
@@ -598,10 +609,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default=",".join(map(str, DEFAULT_ARCHS)), help="CUDA compute capabilities (80,90)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes (default 2)")
-    p.add_argument("--full", action="store_true", help="every block size with every GQA group (long)")
-    p.add_argument("--kinds", default="decode,prefill,write_kv", help="which kernels' configurations")
+    p.add_argument("--full", action="store_true", help="the whole product (hours on 2 cores; see above)")
     p.add_argument("--kernels-module", default=KERNELS_MODULE,
                    help="module (dotted name or .py path) whose launchers and kernels to check")
+    p.add_argument("--only", metavar="REGEX", default=None,
+                   help="build only configurations whose label matches, e.g. 'prefill fp32' or 'decode bf16 d256'")
     p.add_argument("--allow-spills", action="store_true", help="report spills in default variants, do not fail")
     p.add_argument("--problems", action="store_true", help="print only variants that spill or fail")
     p.add_argument("--cache-dir", type=Path, default=None, help="Triton's cache (default ~/.cache/hf_paged/triton)")
@@ -616,8 +628,9 @@ def main(argv=None) -> int:
     if unknown:
         print(f"unknown --arch {unknown}: known {sorted(TARGETS)}", file=sys.stderr)
         return 2
-    kinds = set(args.kinds.split(","))
-    configs = [c for c in configurations(args.full) if c.kind in kinds]
+    configs = configurations(args.full)
+    if args.only:
+        configs = [c for c in configs if re.search(args.only, c.label())]
     cache_dir = args.cache_dir or default_cache_dir()
     started = time.perf_counter()
     captured = capture_in_worker(args.kernels_module, configs, archs, cache_dir)
@@ -636,8 +649,8 @@ def main(argv=None) -> int:
         rows = [b for b in rows if b.error or b.spill_bytes or b.smem > TARGETS[b.arch].smem_per_block]
     print(format_table(rows))
     spilling = [b for b in report.builds if b.spill_bytes]
-    print(f"\n{len(report.builds)} builds in {time.perf_counter() - started:.0f} s; "
-          f"{sum(b.error is not None for b in report.builds)} errors, {len(spilling)} spill "
+    print(f"\n{len(report.builds)} builds in {time.perf_counter() - started:.0f} s wall, {_worker_cpu_seconds():.0f} "
+          f"CPU-s in the workers; {sum(b.error is not None for b in report.builds)} errors, {len(spilling)} spill "
           f"({sum(b.default for b in spilling)} default)")
     if args.json:
         Path(args.json).write_text(json.dumps(_to_json(report), indent=1, default=str) + "\n")
