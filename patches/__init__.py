@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from torch import nn
@@ -77,6 +78,16 @@ class ModelPatch:
         """The family's own ``eager_attention_forward`` (imported on first use: modeling files are slow to import)."""
         return importlib.import_module(f"transformers.models.{self.module}.modeling_{self.module}").eager_attention_forward
 
+    def in_transformers(self) -> bool:
+        """Whether the installed transformers has this family with its attention behind ``AttentionInterface``
+        (older releases lack some families, or route their attention through per-implementation classes).
+        Reads the modeling file's text rather than importing it: importing all the families is slow."""
+        spec = importlib.util.find_spec(f"transformers.models.{self.module}")
+        if spec is None or not spec.submodule_search_locations:
+            return False
+        modeling = Path(list(spec.submodule_search_locations)[0]) / f"modeling_{self.module}.py"
+        return modeling.is_file() and "def eager_attention_forward" in modeling.read_text()
+
 
 def _patches() -> list[ModelPatch]:
     from . import gemma2, gemma3, gpt_oss, hybrid, llama, mistral
@@ -102,6 +113,14 @@ def find_patch_for_config(config) -> ModelPatch:
             f"model_type={model_type!r}. Without it a PagedCache still works (gathered K/V), "
             "or add a ModelPatch for this architecture in hf_paged/patches/."
         )
+    if not patch.in_transformers():
+        import transformers
+
+        raise ValueError(
+            f"model_type={model_type!r}: transformers {transformers.__version__} has no attention function for it "
+            "behind AttentionInterface, which the paged path hooks; upgrade transformers, or use PagedCache without "
+            "enable_paged_attention (gathered mode)."
+        )
     return patch
 
 
@@ -121,7 +140,7 @@ def supported_models() -> list[dict]:
     for model_type, patch in sorted(_registry().items()):
         missing = [f for f in patch.features if f not in have]
         status = "supported" if not missing else "needs " + ", ".join(missing)
-        if importlib.util.find_spec(f"transformers.models.{patch.module}") is None:
+        if not patch.in_transformers():
             status = "not in this transformers"
         rows.append({"model_type": model_type, "features": patch.features, "status": status})
     return rows
