@@ -19,6 +19,8 @@ warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
 
 VOCAB = 96
 PAD, EOS, BOS = 0, 1, 2
+# GPU-relevant tests (the Triton backend) put their models here; the rest stay on the CPU.
+DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def tiny_config(kind: str = "llama", **overrides):
@@ -32,12 +34,12 @@ def tiny_config(kind: str = "llama", **overrides):
     return MistralConfig(**common)
 
 
-def tiny_model(kind: str = "llama", seed: int = 0, attn: str = "sdpa", **overrides):
+def tiny_model(kind: str = "llama", seed: int = 0, attn: str = "sdpa", device="cpu", **overrides):
     torch.manual_seed(seed)
     config = tiny_config(kind, **overrides)
     config._attn_implementation = attn
     cls = LlamaForCausalLM if kind == "llama" else MistralForCausalLM
-    model = cls(config).eval()
+    model = cls(config).eval().to(device)
     model.generation_config.pad_token_id = PAD
     model.generation_config.eos_token_id = EOS
     return model
@@ -56,9 +58,35 @@ def left_padded(lengths: list[int], seed: int = 0):
 
 
 def generate(model, inputs, cache, **kwargs):
+    """model.generate() with ``cache`` under the installed transformers' keyword; inputs go to the model's device."""
     kwargs.setdefault("max_new_tokens", 12)
     kwargs.setdefault("do_sample", False)
+    inputs = {k: v.to(model.device) for k, v in inputs.items()}
     return model.generate(**inputs, **{compat.GENERATE_CACHE_KWARG: cache}, **kwargs)
+
+
+def ones_mask(ids: torch.Tensor) -> dict:
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def early_eos_model():
+    """A tiny model plus inputs where row 0 emits EOS at its third new token and the other rows run on."""
+    model = tiny_model("llama", seed=1)
+    inputs = left_padded([6, 9, 4], seed=5)
+    model.generation_config.eos_token_id = None
+    free_run = generate(model, inputs, dynamic(model), max_new_tokens=14)
+    width = inputs["input_ids"].shape[1]
+    first = free_run[0, width + 2].item()  # row 0's third new token becomes "EOS"
+    if (free_run[1:, width:width + 3] == first).any():
+        pytest.skip("the chosen EOS token also ends another row early with this seed")
+    model.generation_config.eos_token_id = first
+    return model, inputs
+
+
+def live_blocks_expected(cache) -> int:
+    """Blocks the cache's live rows need if nothing is shared: sum of ceil(len / block_size)."""
+    bs = cache.memory_stats().block_size
+    return sum(-(-n // bs) for n in cache.seq_lens() if n is not None)
 
 
 def dynamic(model):

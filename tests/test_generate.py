@@ -7,7 +7,8 @@ import warnings
 
 import pytest
 import torch
-from conftest import dynamic, generate, left_padded, tiny_model
+from conftest import dynamic, early_eos_model, generate, left_padded, live_blocks_expected, tiny_model
+from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from hf_paged import PagedCache, disable_paged_attention, enable_paged_attention
@@ -92,13 +93,26 @@ def test_patched_model_without_paged_cache_is_unchanged():
 
 
 def test_enable_twice_and_disable(llama):
+    cls = type(llama)
     before = llama.config._attn_implementation
+    inputs = left_padded([4, 9])
+    expected = generate(llama, inputs, dynamic(llama))
     assert enable_paged_attention(llama) is llama
     enable_paged_attention(llama, backend="torch")
     assert llama.config._attn_implementation == "hf_paged_" + before
+    assert torch.equal(generate(llama, inputs, PagedCache(llama.config, block_size=4)), expected)
     disable_paged_attention(llama)
     assert llama.config._attn_implementation == before
-    assert not llama.model._forward_pre_hooks
+    assert not llama.model._forward_pre_hooks and not llama.model._forward_hooks
+    # generate() and the stopping criteria are transformers' own again, not wrappers around them.
+    assert llama.generate.__func__ is cls.generate
+    assert llama._get_stopping_criteria.__func__ is cls._get_stopping_criteria
+    assert torch.equal(generate(llama, inputs, dynamic(llama)), expected)
+    # Enabling again after a disable works as the first time.
+    enable_paged_attention(llama, backend="torch")
+    assert torch.equal(generate(llama, inputs, PagedCache(llama.config, block_size=4)), expected)
+    disable_paged_attention(llama)
+    assert llama.generate.__func__ is cls.generate
 
 
 def test_unsupported_architecture_names_supported_ones():
@@ -118,23 +132,8 @@ def test_eager_original_implementation_kept(llama):
     assert torch.equal(generate(model, inputs, PagedCache(model.config, block_size=4)), expected)
 
 
-def _model_with_early_eos():
-    """A tiny model plus inputs where row 0 emits EOS early and the other rows run on."""
-    model = tiny_model("llama", seed=1)
-    inputs = left_padded([6, 9, 4], seed=5)
-    model.generation_config.eos_token_id = None
-    free_run = generate(model, inputs, dynamic(model), max_new_tokens=14)
-    first = free_run[0, inputs["input_ids"].shape[1] + 2].item()  # row 0's third new token becomes "EOS"
-    width = inputs["input_ids"].shape[1]
-    others = free_run[1:, width:width + 3]
-    if (others == first).any():
-        pytest.skip("the chosen EOS token also ends another row early with this seed")
-    model.generation_config.eos_token_id = first
-    return model, inputs
-
-
 def test_finished_rows_give_blocks_back():
-    model, inputs = _model_with_early_eos()
+    model, inputs = early_eos_model()
     expected = generate(model, inputs, dynamic(model), max_new_tokens=14)
     enable_paged_attention(model, backend="torch")
     keep = PagedCache(model.config, block_size=2, release_finished=False)
@@ -142,18 +141,49 @@ def test_finished_rows_give_blocks_back():
     release = PagedCache(model.config, block_size=2)
     out_release = generate(model, inputs, release, max_new_tokens=14)
     assert torch.equal(out_keep, expected) and torch.equal(out_release, expected)
-    assert release._released == {0}
     tables, lens = release.block_tables(), release.seq_lens()
     assert tables[0] is None and lens[0] is None
+    assert all(t is not None for t in tables[1:])
+    assert lens[1:] == keep.seq_lens()[1:]
     assert all(len(t) == math.ceil(n / 2) for t, n in zip(tables[1:], lens[1:]))
-    assert release.memory_stats().blocks_in_use < keep.memory_stats().blocks_in_use
-    assert release.memory_stats().num_sequences == 2
+    stats = release.memory_stats()
+    assert stats.blocks_in_use == live_blocks_expected(release)
+    assert keep.memory_stats().blocks_in_use - stats.blocks_in_use == math.ceil(keep.seq_lens()[0] / 2)
+    assert stats.num_sequences == 2
+    assert release.pool.memory_stats().blocks_in_use == stats.blocks_in_use  # released blocks are free in the pool
     release.pool.allocator.check_invariants()
     # Continuing the released row is an error, not silent attention over nothing.
     more = torch.cat([out_release, torch.full((3, 1), 5)], dim=1)
     mask = torch.cat([inputs["attention_mask"], torch.ones(3, more.shape[1] - inputs["attention_mask"].shape[1])], 1)
     with pytest.raises(RuntimeError, match="released"):
         generate(model, {"input_ids": more, "attention_mask": mask.long()}, release, max_new_tokens=2)
+
+
+def _per_step(out) -> dict:
+    return {"scores": out.scores, "logits": out.logits}
+
+
+@pytest.mark.parametrize("release_finished", [True, False])
+def test_scores_and_logits_equal_dynamic_when_a_row_ends_early(release_finished):
+    """Per-step outputs of a row that finished while others go on are what DynamicCache gives (not computed
+    without the row's history)."""
+    model, inputs = early_eos_model()
+    kw = dict(max_new_tokens=14, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    ref = generate(model, inputs, dynamic(model), **kw)
+    enable_paged_attention(model, backend="torch")
+    cache = PagedCache(model.config, block_size=2, release_finished=release_finished)
+    out = generate(model, inputs, cache, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    width = inputs["input_ids"].shape[1]
+    assert (ref.sequences[0, width + 3:] == model.generation_config.pad_token_id).all()  # row 0 really ended early
+    assert len(out.logits) == len(ref.logits) == ref.sequences.shape[1] - width
+    for name, steps in _per_step(out).items():
+        for step, (got, want) in enumerate(zip(steps, _per_step(ref)[name])):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}[{step}]: {m}")
+    transition = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+    expected = model.compute_transition_scores(ref.sequences, ref.scores, normalize_logits=True)
+    torch.testing.assert_close(transition, expected, rtol=1e-4, atol=1e-4)
+    cache.pool.allocator.check_invariants()
 
 
 def test_batch_of_one_keeps_cache_for_next_turn(llama):
@@ -168,24 +198,66 @@ def test_batch_of_one_keeps_cache_for_next_turn(llama):
     assert torch.equal(generate(llama, turn2, cache, max_new_tokens=5), generate(llama, turn2, ref_cache, max_new_tokens=5))
 
 
+class _StopRowsAt(StoppingCriteria):
+    """Stops the given rows once they hold ``length`` columns (a user's own criterion, not EOS)."""
+
+    def __init__(self, rows: list[int], length: int):
+        self.rows, self.length = rows, length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        if input_ids.shape[1] >= self.length:
+            done[self.rows] = True
+        return done
+
+
+class _Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks = []
+
+    def put(self, value):
+        self.chunks.append(value.flatten().tolist())
+
+    def end(self):
+        pass
+
+
 def test_streaming_and_stopping_criteria(llama):
-    class Collect(BaseStreamer):
-        def __init__(self):
-            self.chunks = []
-
-        def put(self, value):
-            self.chunks.append(value.flatten().tolist())
-
-        def end(self):
-            pass
-
     inputs = left_padded([6])
-    expected = generate(llama, inputs, dynamic(llama), max_new_tokens=8)
+    stop = StoppingCriteriaList([_StopRowsAt([0], 6 + 5)])  # ends after 5 of the 8 new tokens
+    expected = generate(llama, inputs, dynamic(llama), max_new_tokens=8, stopping_criteria=stop)
+    assert expected.shape[1] == 6 + 5
     enable_paged_attention(llama, backend="torch")
-    streamer = Collect()
-    out = generate(llama, inputs, PagedCache(llama.config), max_new_tokens=8, streamer=streamer)
+    streamer = _Collect()
+    cache = PagedCache(llama.config, block_size=4)
+    out = generate(llama, inputs, cache, max_new_tokens=8, streamer=streamer, stopping_criteria=stop)
     assert torch.equal(out, expected)
-    assert sum(streamer.chunks, [])[-8:] == out[0, -8:].tolist()
+    assert sum(streamer.chunks, []) == out[0].tolist()  # the prompt, then each new token as it comes
+    assert cache.seq_lens() == [6 + 5 - 1]  # a batch of one keeps its cache
+
+
+def test_custom_stopping_criteria_release_rows():
+    """A user's stopping criterion that ends some rows early: same tokens, and those rows' blocks go back."""
+    model = tiny_model("llama", seed=3)
+    inputs = left_padded([5, 8, 3], seed=2)
+    width = inputs["input_ids"].shape[1]
+    stop = StoppingCriteriaList([_StopRowsAt([0, 2], width + 3)])
+    kw = dict(max_new_tokens=10, min_new_tokens=10, stopping_criteria=stop)
+    expected = generate(model, inputs, dynamic(model), **kw)
+    assert (expected[[0, 2], width + 3:] == model.generation_config.pad_token_id).all()
+    enable_paged_attention(model, backend="torch")
+    keep = PagedCache(model.config, block_size=2, release_finished=False)
+    cache = PagedCache(model.config, block_size=2)
+    assert torch.equal(generate(model, inputs, keep, **kw), expected)
+    assert torch.equal(generate(model, inputs, cache, **kw), expected)
+    assert cache.block_tables()[0] is None and cache.block_tables()[2] is None
+    assert cache.seq_lens()[1] == keep.seq_lens()[1] == 8 + 10 - 1
+    stats = cache.memory_stats()
+    assert stats.num_sequences == 1
+    assert stats.blocks_in_use == math.ceil((8 + 10 - 1) / 2)
+    assert cache.pool.memory_stats().blocks_in_use == stats.blocks_in_use
+    assert keep.memory_stats().blocks_in_use == live_blocks_expected(keep) > stats.blocks_in_use
+    cache.pool.allocator.check_invariants()
 
 
 def test_sliding_window_blocks_return_to_pool():
@@ -208,5 +280,5 @@ def test_rows_finishing_together_keep_their_cache(llama):
     enable_paged_attention(llama, backend="torch")
     cache = PagedCache(llama.config)
     generate(llama, left_padded([3, 5]), cache, max_new_tokens=4, min_new_tokens=4)
-    assert cache._released == set()
+    assert cache.seq_lens() == [3 + 3, 5 + 3]
     assert cache.memory_stats().num_sequences == 2

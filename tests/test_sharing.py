@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from conftest import dynamic, generate, left_padded, tiny_model
+from conftest import dynamic, generate, left_padded, live_blocks_expected, ones_mask, tiny_model
 
 from hf_paged import BlockPool, OutOfBlocksError, PagedCache, compat, enable_paged_attention
 
@@ -40,26 +40,72 @@ def test_sampling_num_return_sequences_matches_dynamic(model):
     assert torch.equal(generate(model, inputs, PagedCache(model.config, block_size=4), **kw), expected)
 
 
+def _watch_crops(cache) -> list[tuple[int, int, int]]:
+    """Record (blocks in use before, after, blocks the rows' lengths need after) around each crop() of ``cache``."""
+    seen, crop = [], cache.crop
+
+    def watched(max_length):
+        before = cache.pool.memory_stats().blocks_in_use
+        crop(max_length)
+        seen.append((before, cache.pool.memory_stats().blocks_in_use, live_blocks_expected(cache)))
+
+    cache.crop = watched
+    return seen
+
+
+def _assert_crops_freed_blocks(crops):
+    assert crops, "no crop() happened: the test needs rejected candidate tokens"
+    for before, after, needed in crops:
+        assert after == needed, (before, after, needed)  # emptied blocks went back to the pool at once
+    assert any(after < before for before, after, _ in crops), crops  # some crop emptied whole blocks
+
+
 def test_prompt_lookup_decoding_matches_dynamic(model):
     # A repetitive prompt so lookups hit and crop() has rejected tokens to drop.
     ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    inputs = ones_mask(ids)
     kw = dict(prompt_lookup_num_tokens=3, max_new_tokens=20)
     expected = _ref(model, inputs, **kw)
-    cache = PagedCache(model.config, block_size=4)
+    cache = PagedCache(model.config, block_size=2)
+    crops = _watch_crops(cache)
     assert torch.equal(generate(model, inputs, cache, **kw), expected)
-    a = cache.pool.allocator
-    a.check_invariants()
-    (seq,) = cache._rows
-    assert len(a.block_table(seq)) == math.ceil(a.seq_len(seq) / 4)  # cropped blocks went back
+    _assert_crops_freed_blocks(crops)
+    assert cache.memory_stats().blocks_in_use == live_blocks_expected(cache)
+    assert cache.seq_lens() == [expected.shape[1] - 1]
+    cache.pool.allocator.check_invariants()
 
 
 def test_assisted_decoding_matches_dynamic(model):
     assistant = tiny_model("llama", seed=9, num_hidden_layers=1)
     inputs = left_padded([8])
-    expected = _ref(model, inputs, assistant_model=assistant, max_new_tokens=12)
-    out = generate(model, inputs, PagedCache(model.config, block_size=4), assistant_model=assistant, max_new_tokens=12)
-    assert torch.equal(out, expected)
+    kw = dict(assistant_model=assistant, max_new_tokens=12)
+    expected = _ref(model, inputs, **kw)
+    cache = PagedCache(model.config, block_size=1)
+    crops = _watch_crops(cache)
+    assert torch.equal(generate(model, inputs, cache, **kw), expected)
+    _assert_crops_freed_blocks(crops)
+    assert cache.memory_stats().blocks_in_use == live_blocks_expected(cache) == expected.shape[1] - 1
+    cache.pool.allocator.check_invariants()
+
+
+@pytest.mark.parametrize("mode", ["beams", "samples"])
+def test_sliding_window_with_beams_and_sampling(mode):
+    """Mistral's window on the torch backend with shared rows: same tokens, blocks outside the window returned."""
+    window, new = 6, 24
+    m = enable_paged_attention(tiny_model("mistral", seed=5, sliding_window=window), backend="torch")
+    inputs = left_padded([9, 4], seed=3)
+    kw = dict(max_new_tokens=new, min_new_tokens=new, num_return_sequences=2)
+    kw.update(num_beams=2) if mode == "beams" else kw.update(do_sample=True, top_k=20)
+    torch.manual_seed(0)
+    expected = _ref(m, inputs, **kw)
+    cache = PagedCache(m.config, block_size=2)
+    torch.manual_seed(0)
+    assert torch.equal(generate(m, inputs, cache, **kw), expected)
+    stats = cache.memory_stats()
+    rows = len(cache.seq_lens())
+    assert stats.logical_tokens > rows * new  # every row went well past the window...
+    assert stats.blocks_in_use <= rows * (window // 2 + 1)  # ...and holds only the blocks the window still sees
+    cache.pool.allocator.check_invariants()
 
 
 @pytest.mark.parametrize("mode", ["beams", "samples"])
@@ -88,23 +134,42 @@ def test_prompt_shared_once_across_returned_sequences(model):
 
 
 def test_fork_prefix_reuse_without_copy(model):
-    prefix = left_padded([21], seed=1)
-    suffixes = [torch.tensor([[11, 12, 13]]), torch.tensor([[40, 41]])]
+    prefix = left_padded([21], seed=1)  # block 4: the last prefix block is partly filled, so forks must copy it
     base = PagedCache(model.config, block_size=4)
     with torch.no_grad():
         model(**prefix, **{compat.FORWARD_CACHE_KWARG: base})
     before = base.memory_stats().blocks_in_use
-    forks = [base.fork() for _ in suffixes]  # several forks alive at once
+    forks = [base.fork() for _ in range(2)]  # several forks alive at once
     assert base.memory_stats().blocks_in_use == before  # nothing copied
-    for fork, suffix in zip(forks, suffixes):
-        ids = torch.cat([prefix["input_ids"], suffix], 1)
-        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        assert torch.equal(generate(model, inputs, fork, max_new_tokens=8), _ref(model, inputs, max_new_tokens=8))
-    # The prefix's full blocks are still shared by the base and both forks.
-    a = base.pool.allocator
-    first_block = a.block_table(base._rows[0])[0]
-    assert a.refcount(first_block) == 3
-    a.check_invariants()
+    assert all(f.block_tables() == base.block_tables() for f in forks)
+
+    def turn(cache, ref_cache, ids, new=6):
+        got = generate(model, ones_mask(ids), cache, max_new_tokens=new)
+        want = generate(model, ones_mask(ids), ref_cache, max_new_tokens=new)
+        assert torch.equal(got, want)
+        return got
+
+    refs = [dynamic(model) for _ in forks]
+    with torch.no_grad():
+        for ref in refs:
+            model(**prefix, **{compat.FORWARD_CACHE_KWARG: ref})
+    # Each fork writes into the shared, partly filled last block's positions; then the base writes there too.
+    outs = [turn(f, r, torch.cat([prefix["input_ids"], torch.tensor([s])], 1))
+            for f, r, s in zip(forks, refs, ([11, 12, 13], [40, 41]))]
+    base_ref = dynamic(model)
+    with torch.no_grad():
+        model(**prefix, **{compat.FORWARD_CACHE_KWARG: base_ref})
+    turn(base, base_ref, torch.cat([prefix["input_ids"], torch.tensor([[60, 61, 62, 63]])], 1))
+    # Every cache still reads its own tokens: the forks continue after the base wrote.
+    for fork, ref, out in zip(forks, refs, outs):
+        turn(fork, ref, torch.cat([out, torch.tensor([[7, 8]])], 1))
+    # The prefix's full blocks are still shared by the base and both forks; the partly filled one was copied.
+    full = 21 // 4
+    tables = [c.block_tables()[0] for c in (base, *forks)]
+    assert all(t[:full] == tables[0][:full] for t in tables)
+    assert len({t[full] for t in tables}) == 3
+    assert base.pool.memory_stats().blocks_in_use == sum(live_blocks_expected(c) for c in (base, *forks)) - 2 * full
+    base.pool.allocator.check_invariants()
 
 
 def test_fork_batch_of_prompts_sharing_a_prefix(model):
