@@ -225,7 +225,7 @@ def test_check_supported_refuses_named_feature(make_config, feature):
 def test_check_supported_accepts_every_family_when_features_exist(monkeypatch):
     everything = frozenset({"scaling", "sliding_window", "layer_windows", "softcap", "sinks"})
     monkeypatch.setattr(patches.support, "available_features", lambda: everything)
-    for model_type in FAMILIES:
+    for model_type in AVAILABLE:
         check_supported(tiny_family_config(model_type))
 
 
