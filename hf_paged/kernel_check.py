@@ -210,14 +210,25 @@ class Variant:
     num_stages: int = 2
 
     def label(self) -> str:
+        """Compact: kernel, input dtype, constexprs (flags only when on), scalars the JIT saw divisible by 16."""
         name = self.kernel.rsplit(":", 1)[1].strip("_").removesuffix("_kernel")
-        first_ptr = next((t for _, t in self.signature if t.startswith("*")), "")
-        consts = " ".join(f"{_short(k)}={v}" for k, v in self.constexprs
-                          if not k.startswith("DOT_") and not k.startswith("stride"))
-        return f"{name} {first_ptr[1:]} {consts} w{self.num_warps}s{self.num_stages}".replace("  ", " ")
+        types = dict(self.signature)
+        dtype = next((t[1:] for t in types.values() if t.startswith("*")), "")
+        kv = types.get("k_cache_ptr", "*")[1:]
+        parts = [name, dtype if kv in ("", dtype) else f"{dtype}/{kv}"]
+        consts = dict(self.constexprs)
+        for k, v in self.constexprs:
+            if k.startswith(("DOT_", "stride")) or v is False or (k == "FP8_NATIVE" and not consts.get("KV_FP8")):
+                continue
+            parts.append(_short(k) if v is True else f"{_short(k)}={v}")
+        parts += [f"{a}%16" for a in self.aligned if types[a][0] != "*" and not a.startswith("stride")
+                  and a != "sliding_window"]
+        return " ".join(parts + [f"w{self.num_warps}s{self.num_stages}"])
 
 
-_SHORT = {"BLOCK_SIZE": "BS", "HEAD_DIM": "D", "HEAD_DIM_P": "DP", "SPLIT_KV": "SPLIT", "GROUP": "G", "GROUP_P": "GP"}
+_SHORT = {"BLOCK_SIZE": "BS", "HEAD_DIM": "D", "HEAD_DIM_P": "DP", "SPLIT_KV": "SPLIT", "GROUP": "G", "GROUP_P": "GP",
+          "BLOCK_M": "M", "BLOCK_Q": "BQ", "TILE_N": "N", "USE_SOFTCAP": "SOFTCAP", "USE_SINKS": "SINKS",
+          "num_splits": "splits", "HEADS_P": "HP", "SPLITS_P": "SP"}
 
 
 def _short(name: str) -> str:
@@ -577,16 +588,19 @@ def _worker_cpu_seconds() -> float:
 
 
 def format_table(builds: list[Build]) -> str:
-    header = f"{'variant':<62} {'target':>6} {'regs':>4} {'spill B':>7} {'smem KiB':>8} {'warps/SM':>8} " \
-             f"{'occup.':>6} {'default':>7} {'configs':>7}"
+    """One row per build: variant, target, registers, spill bytes, shared memory, occupancy, default or not."""
+    width = max([len(b.variant.label()) for b in builds] + [7])
+    header = (f"{'variant':<{width}} {'target':>6} {'regs':>4} {'spill B':>7} {'smem KiB':>8} {'warps/SM':>8} "
+              f"{'occup.':>6} {'default':>7} {'configs':>7}")
     lines = [header, "-" * len(header)]
     for b in builds:
+        target = f"sm_{b.arch}"
         if b.error:
-            lines.append(f"{b.variant.label():<62} {'sm_' + str(b.arch):>6} BUILD ERROR: {b.error}")
+            lines.append(f"{b.variant.label():<{width}} {target:>6} BUILD ERROR: {b.error}")
             continue
         warps = b.warps_per_sm
         lines.append(
-            f"{b.variant.label():<62} {'sm_' + str(b.arch):>6} {b.regs:>4} {b.spill_bytes:>7} {b.smem / 1024:>8.1f} "
+            f"{b.variant.label():<{width}} {target:>6} {b.regs:>4} {b.spill_bytes:>7} {b.smem / 1024:>8.1f} "
             f"{warps:>8} {warps / TARGETS[b.arch].max_warps_per_sm:>6.0%} {'yes' if b.default else 'no':>7} "
             f"{b.configs:>7}"
         )
