@@ -50,6 +50,8 @@ def test_no_kv_slots_for_padding(llama):
     assert stats.tokens_stored == sum(kept)
     assert stats.blocks_in_use == sum(math.ceil(n / 4) for n in kept)
     assert stats.peak_blocks_in_use == stats.blocks_in_use
+    assert stats.utilization == sum(kept) / (stats.blocks_in_use * 4)
+    assert stats.logical_tokens == sum(kept) and stats.num_sequences == len(LENGTHS)
     assert cache.get_seq_length() == inputs["input_ids"].shape[1] + new - 1
 
 

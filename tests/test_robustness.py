@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 from conftest import dynamic, generate, left_padded, tiny_config, tiny_model
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from hf_paged import BlockPool, OutOfBlocksError, PagedCache, compat, enable_paged_attention
 from hf_paged.attention import active_cache
@@ -19,26 +20,54 @@ def model():
     return enable_paged_attention(tiny_model("llama", seed=4), backend="torch")
 
 
+class _Snapshot(StoppingCriteria):
+    """After every step: the cache's block tables, lengths and columns, i.e. its state before the next step."""
+
+    def __init__(self, cache):
+        self.cache, self.states = cache, []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        c = self.cache
+        self.states.append((c.block_tables(), c.seq_lens(), c.get_seq_length()))
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 def test_exhaustion_mid_generation_then_reset_and_reuse(model):
     pool = BlockPool(block_size=4, num_blocks=10)
     neighbour = PagedCache(model.config, pool=pool)
     neighbour_inputs = left_padded([5], seed=1)
     generate(model, neighbour_inputs, neighbour, max_new_tokens=3)  # 7 tokens -> 2 blocks, kept
-    neighbour_blocks = pool.allocator.blocks_in_use
+    neighbour_blocks = pool.memory_stats().blocks_in_use
+    neighbour_tables = neighbour.block_tables()
+    assert neighbour_blocks == 2
 
     cache = PagedCache(model.config, pool=pool)
     inputs = left_padded([6, 6], seed=2)  # prefill fits (4 blocks); decoding needs more than the 8 left
+    snapshot = _Snapshot(cache)
     with pytest.raises(OutOfBlocksError) as err:
-        generate(model, inputs, cache, max_new_tokens=40, min_new_tokens=40)
+        generate(model, inputs, cache, max_new_tokens=40, min_new_tokens=40,
+                 stopping_criteria=StoppingCriteriaList([snapshot]))
     message = str(err.value)
     assert "num_blocks" in message and "max_memory" in message and "free" in message
     assert err.value.needed > err.value.free
     assert active_cache() is None  # the forward's hook state was unwound
+    # It failed while decoding: the prefill and several decoding steps completed first.
+    assert len(snapshot.states) >= 2
+    tables, lens, columns = snapshot.states[-1]
+    assert lens[0] > 6 and lens[1] > 6 and columns > 6
+    # The failed step changed nothing: same tables, lengths and columns as after the last good step.
+    assert cache.block_tables() == tables and cache.seq_lens() == lens and cache.get_seq_length() == columns
+    # Every block is accounted for: the neighbour's, the failed cache's, and the free ones the error reported.
+    stats = pool.memory_stats()
+    assert stats.blocks_in_use == neighbour_blocks + cache.memory_stats().blocks_in_use
+    assert cache.memory_stats().blocks_in_use == sum(-(-n // 4) for n in lens)
+    assert err.value.free == 10 - stats.blocks_in_use
+    assert neighbour.block_tables() == neighbour_tables
     pool.allocator.check_invariants()
 
-    # The cache keeps what it had before the failing step; reset gives it all back.
+    # reset() gives all of the failed cache's blocks back.
     cache.reset()
-    assert pool.allocator.blocks_in_use == neighbour_blocks
+    assert pool.memory_stats().blocks_in_use == neighbour_blocks
     # The neighbour is intact: it continues exactly like a DynamicCache would.
     ref_cache = dynamic(model)
     ref = generate(model, neighbour_inputs, ref_cache, max_new_tokens=3)
@@ -55,7 +84,7 @@ def test_prefill_that_cannot_fit_changes_nothing(model):
     cache = PagedCache(model.config, block_size=4, num_blocks=3)
     with pytest.raises(OutOfBlocksError, match=r"needed 4 blocks of 4 tokens, 3 of 3 free"):
         generate(model, left_padded([16]), cache, max_new_tokens=2)
-    assert cache.pool.allocator.blocks_in_use == 0
+    assert cache.pool.memory_stats().blocks_in_use == 0 and cache.memory_stats().num_sequences == 0
     assert cache.get_seq_length() == 0 and cache.batch_size == -1
     out = generate(model, left_padded([5]), cache, max_new_tokens=2)
     assert torch.equal(out, generate(model, left_padded([5]), dynamic(model), max_new_tokens=2))
@@ -153,8 +182,9 @@ def test_soak_threads_on_one_pool():
     # torch's RNG is global and generate() draws from it even when greedy, so a seeded sampling pair runs alone;
     # every other call runs concurrently with the rest.
     rng_lock = _SharedExclusiveLock()
-    failures, calls = [], [0]
-    reserved = {}
+    failures = []
+    done = [0] * 4  # calls finished, one counter per thread
+    count_lock, calls, reserved = threading.Lock(), [0], {}
 
     def worker(tid: int, n: int):
         rng = random.Random(tid)
@@ -169,21 +199,29 @@ def test_soak_threads_on_one_pool():
                     torch.manual_seed(seed)
                     cache = PagedCache(model.config, pool=pool)
                     got = generate(model, inputs, cache, **kw)
+                stats = cache.memory_stats()
                 cache.reset()
                 if not torch.equal(got, want):
                     failures.append((tid, i, name))
+                if not (stats.blocks_in_use > 0 and 0 < stats.utilization <= 1
+                        and stats.utilization == stats.tokens_stored / (stats.blocks_in_use * 4)
+                        and stats.tokens_stored <= stats.logical_tokens):
+                    failures.append((tid, i, name, stats))
             except Exception as exc:  # pragma: no cover - reported by the assertion below
                 failures.append((tid, i, name, repr(exc)))
-            calls[0] += 1
-            if calls[0] == 100:
-                reserved["half"] = pool.bytes_reserved()
+            done[tid] += 1
+            with count_lock:
+                calls[0] += 1
+                if calls[0] == 100:
+                    reserved["half"] = pool.bytes_reserved()
 
     threads = [threading.Thread(target=worker, args=(t, 50)) for t in range(4)]
     [t.start() for t in threads]
     [t.join() for t in threads]
-    assert calls[0] == 200
+    assert done == [50] * 4 and calls[0] == 200
     assert not failures, failures[:5]
-    assert pool.allocator.blocks_in_use == 0
+    end = pool.memory_stats()
+    assert end.blocks_in_use == 0 and end.tokens_stored == 0 and end.utilization == 1.0
     pool.allocator.check_invariants()
     # Memory is flat: the pool stopped growing once it was large enough for the concurrent peak.
     assert pool.bytes_reserved() <= 2 * reserved["half"]
