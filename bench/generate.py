@@ -5,6 +5,10 @@
    token equality with DynamicCache, and the KV each cache held.
 2. Sharing: beam search and parallel sampling (num_return_sequences) with DynamicCache vs PagedCache: equal tokens,
    KV bytes, and blocks in use vs the blocks the same rows would take unshared.
+3. Compiled decoding: StaticCache + torch.compile vs PagedCache (fixed pool) + torch.compile, with DynamicCache and
+   PagedCache eager beside them, alternated; first-call (compile) time reported apart from steady-state tokens/s.
+4. Prefix reuse: a request whose long system prompt is in the pool's prefix cache vs the same request on a cold
+   pool: time to first token and prompt tokens the model computed.
 
 Default model: the embedded SmolLM2-135M-Instruct (fp32). Tokens/s count each row's generated tokens up to and
 including its end-of-sequence token.
@@ -13,6 +17,7 @@ including its end-of-sequence token.
     python bench/generate.py --quick             # smoke run, under a minute on 2 cores
     python bench/generate.py --plots bench/out   # + kv_over_steps.png (KV bytes per decoding step)
     python bench/generate.py --json out.json     # + JSON (stdout without a path)
+    python bench/generate.py --sections compiled,prefix   # only some sections
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, StoppingCriteria
+from transformers import DynamicCache, StaticCache, StoppingCriteria
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
@@ -38,6 +43,7 @@ import transformers  # noqa: E402
 from hf_paged import compat, embedded  # noqa: E402
 from hf_paged.attention import disable_paged_attention, enable_paged_attention  # noqa: E402
 from hf_paged.cache import PagedCache  # noqa: E402
+from hf_paged.pool import BlockPool  # noqa: E402
 from hf_paged.progress import GenerationProgress  # noqa: E402
 from hf_paged.report import cpu_name, dynamic_cache_bytes, format_table, kv_bytes_per_token, mb, real_kv_tokens  # noqa: E402
 
@@ -393,6 +399,127 @@ def section_sharing(model, tokenizer, args, backends: list[str]) -> dict:
     return result
 
 
+# ----------------------------------------------------------------------------------------------------- section 3
+STATIC_C, PAGED_C, PAGED_E = "StaticCache compiled", "PagedCache compiled", "PagedCache eager"
+
+
+def compile_config(device: torch.device, mode: str | None):
+    from transformers.generation import CompileConfig
+
+    config = CompileConfig(fullgraph=True, mode=mode or ("reduce-overhead" if device.type == "cuda" else "default"))
+    config._compile_all_devices = True  # transformers compiles on its own only on CUDA
+    return config
+
+
+def section_compiled(model, tokenizer, args, backends: list[str]) -> dict:
+    inputs = embedded.chat_batch(tokenizer, args.batch_size).to(model.device)
+    columns = inputs["input_ids"].shape[1]
+    eos = model.generation_config.eos_token_id
+    max_len = columns + args.max_new_tokens
+    blocks = args.batch_size * math.ceil(max_len / args.block_size) + 8
+    cc = compile_config(model.device, args.compile_mode)
+    print(f"\n== 3. Compiled decoding: {plural(args.batch_size, 'chat prompt')} x {args.max_new_tokens} new tokens, "
+          f"greedy, {model.dtype}; compile mode {cc.mode!r}; StaticCache sized to {max_len} positions per row, "
+          f"PagedCache pool fixed at {blocks} blocks of {args.block_size}; {plural(args.repeats, 'round')} "
+          "alternated after a first (compiling) call ==", flush=True)
+    backend = backends[-1]
+
+    def run(name: str, label: str):
+        if name in (DYNAMIC, STATIC_C):
+            disable_paged_attention(model)
+        else:
+            enable_paged_attention(model, backend=backend)
+        if name == DYNAMIC:
+            cache, extra = DynamicCache(config=model.config), {}
+        elif name == STATIC_C:
+            cache, extra = StaticCache(config=model.config, max_cache_len=max_len), {"compile_config": cc}
+        else:
+            cache = PagedCache(model.config, block_size=args.block_size, num_blocks=blocks)
+            extra = {"compile_config": cc} if name == PAGED_C else {"disable_compile": True}
+        out, seconds, _ = run_generate(model, inputs, cache, args.max_new_tokens, label, do_sample=False, **extra)
+        return out, seconds, cache
+
+    names = [DYNAMIC, PAGED_E, STATIC_C, PAGED_C]
+    first, seconds, outs, errors = {}, {n: [] for n in names}, {}, {}
+    for name in names:
+        try:
+            _, first[name], _ = run(name, f"first call {name}")
+        except Exception as err:
+            errors[name] = f"{type(err).__name__}: {err}"
+            print(f"{name} failed: {errors[name]}", flush=True)
+    for round_ in range(args.repeats):
+        for name in names:
+            if name in errors:
+                continue
+            out, secs, cache = run(name, f"round {round_ + 1}/{args.repeats} {name}")
+            seconds[name].append(secs)
+            outs[name] = out
+    disable_paged_attention(model)
+    generated = sum(generated_lengths(outs[DYNAMIC], columns, eos))
+    tok_s = {n: generated / statistics.median(seconds[n]) for n in names if seconds[n]}
+    rows = [[n, f"{first.get(n, float('nan')):.1f}", " ".join(f"{s:.1f}" for s in seconds[n]), tok_s[n],
+             f"{tok_s[n] / tok_s[DYNAMIC]:.2f}x",
+             f"{tok_s[n] / tok_s[STATIC_C]:.2f}x" if STATIC_C in tok_s else "-",
+             "reference" if n == DYNAMIC else ("yes" if torch.equal(outs[n], outs[DYNAMIC]) else "NO")]
+            for n in names if n in tok_s]
+    print(format_table(["contender", "first call s", "runs (s)", "tokens/s", "vs DynamicCache",
+                        "vs StaticCache compiled", "tokens equal"], rows))
+    print(f"tokens/s: {generated} generated tokens (up to EOS) / median seconds of the timed runs; the first call "
+          "includes compilation (transformers compiles the decoding forward; the prefill runs eagerly).")
+    for name, err in errors.items():
+        print(f"{name}: FAILED ({err})")
+    return {"first_call_seconds": first, "seconds": seconds, "tokens_per_s": tok_s, "errors": errors,
+            "compile_mode": cc.mode, "pool_blocks": blocks,
+            "tokens_equal": {n: bool(torch.equal(outs[n], outs[DYNAMIC])) for n in outs}}
+
+
+# ----------------------------------------------------------------------------------------------------- section 4
+def section_prefix(model, tokenizer, args, backends: list[str]) -> dict:
+    system = " ".join(embedded.SYSTEM_PARAGRAPH for _ in range(args.prefix_repeat))
+    prompts = [tokenizer.apply_chat_template([{"role": "system", "content": system},
+                                              {"role": "user", "content": q}], add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)
+               for q in ("What is a KV cache?", "Name three uses of a block table.")]
+    new_tokens = 8
+    print(f"\n== 4. Prefix reuse: a {prompts[0]['input_ids'].shape[1]}-token chat prompt whose system prompt is "
+          f"cached in the pool vs a cold pool; {new_tokens} new tokens, batch of one, {plural(args.repeats, 'round')} ==",
+          flush=True)
+    enable_paged_attention(model, backend=backends[-1])
+    computed: list[int] = []
+    hook = model.model.register_forward_pre_hook(
+        lambda module, a, kw: computed.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    rows, result = [], {"cold": [], "warm": []}
+    try:
+        for _ in range(args.repeats):
+            for label in ("cold", "warm"):
+                pool = BlockPool(block_size=args.block_size, prefix_caching=True)
+                if label == "warm":  # another request with the same system prompt ran before
+                    run_generate(model, prompts[0].to(model.device), PagedCache(model.config, pool=pool), 2,
+                                 "warm-up")
+                computed.clear()
+                inputs = prompts[1].to(model.device)
+                start = time.perf_counter()
+                model.generate(**inputs, **{compat.GENERATE_CACHE_KWARG: PagedCache(model.config, pool=pool)},
+                               max_new_tokens=1, do_sample=False)
+                ttft = time.perf_counter() - start
+                result[label].append({"ttft_s": ttft, "prompt_tokens_computed": computed[0],
+                                      "prompt_tokens": inputs["input_ids"].shape[1]})
+    finally:
+        hook.remove()
+        disable_paged_attention(model)
+    for label in ("cold", "warm"):
+        runs = result[label]
+        rows.append([label, runs[0]["prompt_tokens"], runs[0]["prompt_tokens_computed"],
+                     " ".join(f"{r['ttft_s']:.2f}" for r in runs), statistics.median(r["ttft_s"] for r in runs)])
+    cold = statistics.median(r["ttft_s"] for r in result["cold"])
+    warm = statistics.median(r["ttft_s"] for r in result["warm"])
+    print(format_table(["pool", "prompt tokens", "computed by the model", "TTFT runs (s)", "median TTFT s"], rows))
+    print(f"time to first token, warm / cold: {warm / cold:.2f}x; tokens computed, warm / cold: "
+          f"{result['warm'][0]['prompt_tokens_computed'] / result['cold'][0]['prompt_tokens_computed']:.2f}x")
+    result["ttft_ratio"] = warm / cold
+    return result
+
+
 # --------------------------------------------------------------------------------------------------------- plots
 def plot_traces(greedy: dict, directory: str, args) -> Path:
     import matplotlib
@@ -433,6 +560,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="model dtype (default fp32)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 prompts x 16 tokens, 1 round")
+    p.add_argument("--sections", default="greedy,sharing,compiled,prefix",
+                   help="comma-separated sections to run (greedy, sharing, compiled, prefix)")
+    p.add_argument("--compile-mode", default=None, help="torch.compile mode (default: reduce-overhead on CUDA, "
+                   "default on CPU)")
+    p.add_argument("--prefix-repeat", type=int, default=6, help="system prompt length, in paragraphs (section 4)")
     p.add_argument("--plots", metavar="DIR", default=None, help="write DIR/kv_over_steps.png")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="also write the results as JSON to PATH (stdout without PATH)")
@@ -456,9 +588,14 @@ def main(argv=None) -> int:
     model, tokenizer = embedded.load(args.model, dtype=DTYPES[args.dtype])
     model.to(device)
 
-    greedy = section_greedy(model, tokenizer, args, backends)
-    sharing = section_sharing(model, tokenizer, args, backends)
-    if args.plots:
+    sections = set(args.sections.split(","))
+    results = {}
+    for name, section in (("greedy", section_greedy), ("sharing", section_sharing), ("compiled", section_compiled),
+                          ("prefix", section_prefix)):
+        if name in sections:
+            results[name] = section(model, tokenizer, args, backends)
+    greedy = results.get("greedy", {"paged_equal": True, "traces": {}, "real_trace": {}})
+    if args.plots and "greedy" in results:
         print(f"\nplot: {plot_traces(greedy, args.plots, args)}")
     total = time.perf_counter() - started
     print(f"\ntotal {total:.0f} s")
@@ -469,7 +606,7 @@ def main(argv=None) -> int:
 
     if args.json:
         result = {"machine": machine(), "device": str(device), "backends": backends, "seconds_total": total,
-                  "greedy": greedy, "sharing": sharing}
+                  **results}
         text = json.dumps(result, indent=1, default=str)
         if args.json == "-":
             print(text)

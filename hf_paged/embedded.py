@@ -77,6 +77,14 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float
     return model.eval(), tokenizer
 
 
+# A system prompt paragraph for prefix-reuse demos and tests (repeat it for a longer shared prefix).
+SYSTEM_PARAGRAPH = (
+    "You are a careful, friendly assistant for engineers who run language models on their own machines. Answer "
+    "in plain words, show the numbers you rely on, say when you are unsure, and prefer short, concrete examples "
+    "over long explanations. When a question is about memory, count bytes; when it is about speed, count tokens "
+    "per second; when it is about correctness, compare outputs token by token."
+)
+
 CHAT_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about autumn leaves.",
