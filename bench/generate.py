@@ -45,7 +45,8 @@ from hf_paged.attention import disable_paged_attention, enable_paged_attention  
 from hf_paged.cache import PagedCache  # noqa: E402
 from hf_paged.pool import BlockPool  # noqa: E402
 from hf_paged.progress import GenerationProgress  # noqa: E402
-from hf_paged.report import cpu_name, dynamic_cache_bytes, format_table, kv_bytes_per_token, mb, real_kv_tokens  # noqa: E402
+from hf_paged.report import (cpu_name, dynamic_cache_bytes, format_table, kv_bytes_per_token, mb,  # noqa: E402
+                             real_kv_bytes, real_kv_tokens, row_token_counts)
 
 DYNAMIC, CB = "DynamicCache", "continuous batching"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -274,8 +275,9 @@ def section_greedy(model, tokenizer, args, backends: list[str]) -> dict:
 
     # KV figures, from the last round
     real = real_kv_tokens(reference.cpu(), mask.cpu(), eos)
+    real_bytes = real_kv_bytes(model.config, model.dtype, row_token_counts(reference, mask, eos))  # windows counted
     dyn_bytes = dynamic_cache_bytes(runs[DYNAMIC][-1]["cache"])
-    kv_rows = [[DYNAMIC, mb(dyn_bytes), mb(dyn_bytes), mb(dyn_bytes), f"{real * per_token / dyn_bytes:.0%}"]]
+    kv_rows = [[DYNAMIC, mb(dyn_bytes), mb(dyn_bytes), mb(dyn_bytes), f"{real_bytes / dyn_bytes:.0%}"]]
     kv = {DYNAMIC: {"peak_bytes": dyn_bytes, "end_bytes": dyn_bytes, "reserved_bytes": dyn_bytes}}
     for name in contenders:
         if name.startswith("PagedCache") and runs[name]:
@@ -290,7 +292,7 @@ def section_greedy(model, tokenizer, args, backends: list[str]) -> dict:
         kv[CB] = {"reserved_bytes": cb_reserved}
     print()
     print(format_table(["cache", "KV peak", "KV at end", "KV reserved", "used at end"], kv_rows))
-    print(f"real KV tokens at the end, finished rows included: {real:,} ({mb(real * per_token)}). DynamicCache keeps "
+    print(f"real KV tokens at the end, finished rows included: {real:,} ({mb(real_bytes)}; sliding-window layers count only their window). DynamicCache keeps "
           "padding and finished rows; PagedCache gives finished rows' blocks back (used: tokens stored / block slots "
           "in use; DynamicCache: real tokens / tokens held). Continuous batching: a pool of "
           f"{cb.num_blocks if cb else '-'} pages x {args.block_size} tokens, sized by this script.")
@@ -301,7 +303,7 @@ def section_greedy(model, tokenizer, args, backends: list[str]) -> dict:
         "seconds": {n: [r["seconds"] for r in runs[n]] for n in contenders},
         "tokens_per_s": tok_s, "ratio_to_dynamic": {n: tok_s[n] / tok_s[DYNAMIC] for n in tok_s},
         "tokens_equal": equal, "errors": errors, "kv": kv,
-        "real_kv_tokens": real, "real_kv_bytes": real * per_token, "kv_bytes_per_token": per_token,
+        "real_kv_tokens": real, "real_kv_bytes": real_bytes, "kv_bytes_per_token": per_token,
         "traces": {n: runs[n][-1]["trace"] for n in contenders if n != CB and runs[n]},
         "real_trace": real_kv_trace(reference, mask, eos, len(runs[DYNAMIC][-1]["trace"]), per_token),
     }

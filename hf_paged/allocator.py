@@ -349,12 +349,10 @@ class BlockAllocator:
         if tokens is None:
             self._seq_keys[seq], self._seq_tail[seq] = None, []
             return
-        bs, table, tail = self.block_size, self._tables[seq], self._seq_tail[seq]
+        bs, tail = self.block_size, self._seq_tail[seq]
         tail.extend(int(t) for t in tokens)
         while len(tail) >= bs:
-            key = block_key(keys[-1] if keys else _ROOT_KEY, tail[:bs])
-            block = table[len(keys)]
-            keys.append(key)
+            keys.append(block_key(keys[-1] if keys else _ROOT_KEY, tail[:bs]))
             del tail[:bs]
 
     def _publish(self, seq: int) -> None:

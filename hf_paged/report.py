@@ -28,6 +28,23 @@ def real_kv_tokens(sequences: torch.Tensor, prompt_mask: torch.Tensor, eos_token
     return total
 
 
+def row_token_counts(sequences: torch.Tensor, prompt_mask: torch.Tensor, eos_token_id) -> list[int]:
+    """Per row: the tokens whose KV a cache must keep after ``generate()`` (see :func:`real_kv_tokens`)."""
+    return [real_kv_tokens(sequences[i:i + 1].cpu(), prompt_mask[i:i + 1].cpu(), eos_token_id)
+            for i in range(sequences.shape[0])]
+
+
+def real_kv_bytes(config, dtype: torch.dtype, row_tokens: list[int]) -> int:
+    """Bytes of the KV the rows really need, layer by layer: a sliding-window layer needs only its last
+    ``window - 1`` tokens between steps (what transformers' DynamicCache keeps there), a full layer all of them."""
+    from hf_paged.patches import layer_windows
+
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_layer = 2 * config.num_key_value_heads * head_dim * dtype.itemsize
+    windows = layer_windows(config) or [None] * config.num_hidden_layers
+    return sum(per_layer * (n if w is None else min(n, w - 1)) for w in windows for n in row_tokens)
+
+
 def dynamic_cache_bytes(cache) -> int:
     """Bytes a DynamicCache holds (its K/V tensors, padding and finished rows included)."""
     return sum(t.numel() * t.element_size() for layer in cache.layers
