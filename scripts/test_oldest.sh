@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# End-to-end equality tests (PagedCache vs DynamicCache) on the OLDEST transformers hf_paged supports.
+# The tests that touch transformers (PagedCache vs DynamicCache end to end, sharing, robustness, the Triton path)
+# on the OLDEST transformers hf_paged supports. A few minutes on 2 cores.
 #
 #   bash scripts/test_oldest.sh [MAIN_VENV]      (MAIN_VENV default: .venv, e.g. the one `make setup` builds)
 #
@@ -58,7 +59,9 @@ fi
 "$OLD/bin/python" -c "import transformers, torch; print('transformers', transformers.__version__, '| torch', torch.__version__)"
 export TRITON_INTERPRET=1 PYTHONUNBUFFERED=1
 set +e
-"$OLD/bin/python" -m pytest -q -p no:cacheprovider tests/test_generate.py tests/test_sharing.py
+# Version-independent files (allocator, kernels, op API, simulation, notebooks, packaging) run once, in `make test`.
+"$OLD/bin/python" -m pytest -q -p no:cacheprovider \
+    tests/test_generate.py tests/test_sharing.py tests/test_robustness.py tests/test_triton_e2e.py
 status=$?
 if [ "$status" -eq 5 ]; then echo "no tests were collected: treating as failure" >&2; exit 1; fi
 exit "$status"

@@ -61,14 +61,18 @@ def test_triton_backend_extend_with_history(triton_calls):
     ref = generate(model, first, ref_cache, max_new_tokens=3)
     turn2 = ones_mask(torch.cat([ref.cpu(), torch.tensor([[7, 8, 9, 10, 11]])], 1))
     expected = generate(model, turn2, ref_cache, max_new_tokens=3)
+    # Prompt lookup on a model without a window: transformers 4.56.0's windowed DynamicCache cannot crop.
+    lookup_model = _model("llama", seed=3)
     lookup = ones_mask(torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]]))
-    expected_lookup = generate(model, lookup, dynamic(model), prompt_lookup_num_tokens=2, max_new_tokens=5)
+    expected_lookup = generate(lookup_model, lookup, dynamic(lookup_model), prompt_lookup_num_tokens=2, max_new_tokens=5)
 
     enable_paged_attention(model, backend="triton")
     cache = PagedCache(model.config, block_size=4)
     assert torch.equal(generate(model, first, cache, max_new_tokens=3), ref)
     assert torch.equal(generate(model, turn2, cache, max_new_tokens=3), expected)
-    out = generate(model, lookup, PagedCache(model.config, block_size=4), prompt_lookup_num_tokens=2, max_new_tokens=5)
+    enable_paged_attention(lookup_model, backend="triton")
+    out = generate(lookup_model, lookup, PagedCache(lookup_model.config, block_size=4), prompt_lookup_num_tokens=2,
+                   max_new_tokens=5)
     assert torch.equal(out, expected_lookup)
     assert triton_calls
 
