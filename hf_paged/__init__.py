@@ -2,13 +2,14 @@
 
     from hf_paged import PagedCache, enable_paged_attention
     enable_paged_attention(model)
-    out = model.generate(**inputs, past_key_values=PagedCache(model.config), max_new_tokens=256)
+    out = model.generate(**inputs, cache=PagedCache(model.config), max_new_tokens=256)
 """
 
 from . import ops
 from .allocator import BlockAllocator
 from .attention import disable_paged_attention, enable_paged_attention, is_paged
 from .cache import PagedCache
+from .embedded import local_model_dir as embedded_model_dir
 from .errors import OutOfBlocksError
 from .pool import BlockPool, parse_memory
 from .stats import MemoryStats
@@ -22,6 +23,7 @@ __all__ = [
     "OutOfBlocksError",
     "PagedCache",
     "disable_paged_attention",
+    "embedded_model_dir",
     "enable_paged_attention",
     "is_paged",
     "ops",
