@@ -64,15 +64,15 @@ def test_triton_backend_extend_with_history(triton_calls):
     # Prompt lookup on a model without a window: transformers 4.56.0's windowed DynamicCache cannot crop.
     lookup_model = _model("llama", seed=3)
     lookup = ones_mask(torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]]))
-    expected_lookup = generate(lookup_model, lookup, dynamic(lookup_model), prompt_lookup_num_tokens=2, max_new_tokens=5)
+    kw = dict(prompt_lookup_num_tokens=2, max_new_tokens=5)
+    expected_lookup = generate(lookup_model, lookup, dynamic(lookup_model), **kw)
 
     enable_paged_attention(model, backend="triton")
     cache = PagedCache(model.config, block_size=4)
     assert torch.equal(generate(model, first, cache, max_new_tokens=3), ref)
     assert torch.equal(generate(model, turn2, cache, max_new_tokens=3), expected)
     enable_paged_attention(lookup_model, backend="triton")
-    out = generate(lookup_model, lookup, PagedCache(lookup_model.config, block_size=4), prompt_lookup_num_tokens=2,
-                   max_new_tokens=5)
+    out = generate(lookup_model, lookup, PagedCache(lookup_model.config, block_size=4), **kw)
     assert torch.equal(out, expected_lookup)
     assert triton_calls
 
