@@ -8,6 +8,7 @@
 #   SCRATCH_DIR  where the copy goes (default: a new /tmp/hf_paged-mutation.XXXX); the checkout is never touched.
 #
 # Environment: REV (copy this commit, e.g. HEAD, instead of the working tree), PY (default .venv/bin/python),
+# RESUME=1 (with SCRATCH_DIR of a run stopped by the cap: go on with the mutants not yet run),
 # JOBS (mutmut --max-children, default 2; runs under nice -n 19), LIMIT_S (wall-clock cap of the mutmut run, default 1800).
 # Slow on 2 cores (tens of minutes), so not part of `make test` or CI. Prints the score and the surviving mutants;
 # `cd SCRATCH_DIR && $PY -m mutmut show NAME` shows one mutant's diff.
@@ -36,25 +37,30 @@ if [ "$installed" != "$MUTMUT_VERSION" ]; then
 fi
 
 SCRATCH=${2:-$(mktemp -d /tmp/hf_paged-mutation.XXXX)}
-mkdir -p "$SCRATCH"
-if [ -n "${REV:-}" ]; then
-    git archive "$REV" | tar -xf - -C "$SCRATCH"
-else  # the working tree as it is (tracked and untracked files, not ignored ones), uncommitted changes included
-    git ls-files -z --cached --others --exclude-standard | xargs -0 -I{} sh -c '[ -e "{}" ] && printf "%s\0" "{}"' \
-        | tar --null -cf - -T - | tar -xf - -C "$SCRATCH"
+if [ "${RESUME:-0}" = 1 ]; then
+    [ -d "$SCRATCH/mutants" ] || { echo "RESUME=1 needs the SCRATCH_DIR of an earlier run" >&2; exit 2; }
+    cd "$SCRATCH"
+else
+    mkdir -p "$SCRATCH"
+    if [ -n "${REV:-}" ]; then
+        git archive "$REV" | tar -xf - -C "$SCRATCH"
+    else  # the working tree as it is (tracked and untracked files, not ignored ones), uncommitted changes included
+        git ls-files -z --cached --others --exclude-standard | xargs -0 -I{} sh -c '[ -e "{}" ] && printf "%s\0" "{}"' \
+            | tar --null -cf - -T - | tar -xf - -C "$SCRATCH"
+    fi
+    cd "$SCRATCH"
+    rm -rf mutants
+    # mutmut reads [mutmut] from setup.cfg when pyproject.toml has no [tool.mutmut]. The whole package is copied (so
+    # its imports resolve to the mutated copy), only $MUTATE is mutated.
+    {
+        echo "[mutmut]"
+        echo "source_paths=hf_paged"
+        echo "only_mutate=$MUTATE"
+        echo "pytest_add_cli_args_test_selection="
+        printf '    %s\n' "${TESTS[@]}"
+        echo "pytest_add_cli_args=-p no:cacheprovider"
+    } >> setup.cfg
 fi
-cd "$SCRATCH"
-rm -rf mutants
-# mutmut reads [mutmut] from setup.cfg when pyproject.toml has no [tool.mutmut]. The whole package is copied (so
-# its imports resolve to the mutated copy), only $MUTATE is mutated.
-{
-    echo "[mutmut]"
-    echo "source_paths=hf_paged"
-    echo "only_mutate=$MUTATE"
-    echo "pytest_add_cli_args_test_selection="
-    printf '    %s\n' "${TESTS[@]}"
-    echo "pytest_add_cli_args=-p no:cacheprovider"
-} >> setup.cfg
 
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 TRITON_INTERPRET=1
 echo "mutating $MUTATE (${REV:-working tree}) with ${TESTS[*]} in $SCRATCH (mutmut $MUTMUT_VERSION, $JOBS children, cap ${LIMIT_S}s)"
