@@ -30,7 +30,7 @@ if [ "$DRY" = 1 ]; then
     export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     BUDGET=${BUDGET:-150} BATCH=${BATCH:-2} PROMPT=${PROMPT:-12} NEW_TOKENS=${NEW_TOKENS:-4}
     MODELS=${MODELS:-tiny}
-    TESTS_K=${TESTS_K:-"decode_matches_float64 and not split"}
+    TESTS_K=${TESTS_K:-"fp32-d64-bs16-gqa4 or prefill_matches_float64 and fp32-d64-bs16-gqa2 or skips_negative"}
 else
     OUT=${OUT:-bench/out/gpu}
     export TRITON_INTERPRET=0
@@ -162,7 +162,7 @@ with open(os.path.join(out, "e2e.jsonl"), "a") as f:
 EOF
 
 # ------------------------------------------------------------------------------------------------------ stages
-stage env 30 "$PY" - <<'EOF'
+stage env 60 "$PY" - <<'EOF'
 import os, platform, sys
 import torch, transformers
 lines = [f"python {platform.python_version()} at {sys.executable}", f"torch {torch.__version__} (CUDA {torch.version.cuda})",
@@ -194,7 +194,7 @@ import torch
 import kernels as bk
 from hf_paged.ops.triton_kernels import choose_num_kv_splits, paged_attention_triton
 name, extra = sys.argv[1], sys.argv[2:]
-args = bk.parse_args(["--batches", "1,2", "--contexts", "32", "--prefill-lens", "16", "--prefill-batch", "1",
+args = bk.parse_args(["--batches", "2", "--contexts", "32", "--prefill-lens", "16", "--prefill-batch", "1",
                       "--num-q-heads", "4", "--num-kv-heads", "2", *extra])
 def do_bench(fn):  # one warm call, one timed (triton.testing.do_bench needs CUDA)
     fn()
@@ -208,8 +208,8 @@ print(json.dumps(result, indent=1))
 with open(os.path.join(os.environ["OUT"], f"kernels-{name}.json"), "w") as f:
     json.dump(result, f)
 EOF
-    stage kernels-8b 40 "$PY" "$DRY_KERNELS" 8b --head-dim 32
-    stage kernels-1b 40 "$PY" "$DRY_KERNELS" 1b --head-dim 16
+    stage kernels-8b 60 "$PY" "$DRY_KERNELS" 8b --head-dim 32
+    stage kernels-1b 60 "$PY" "$DRY_KERNELS" 1b --head-dim 16
 else
     # shellcheck disable=SC2086  # KERNELS_ARGS is a word list on purpose
     stage kernels-8b 120 "$PY" bench/kernels.py --json "$OUT/kernels-8b.json" ${KERNELS_ARGS:-}
