@@ -63,7 +63,7 @@ else
 fi
 
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 TRITON_INTERPRET=1
-echo "mutating $MUTATE (${REV:-working tree}) with ${TESTS[*]} in $SCRATCH (mutmut $MUTMUT_VERSION, $JOBS children, cap ${LIMIT_S}s)"
+echo "mutating $MUTATE ($([ "${RESUME:-0}" = 1 ] && echo resumed || echo "${REV:-working tree}")) with ${TESTS[*]} in $SCRATCH (mutmut $MUTMUT_VERSION, $JOBS children, cap ${LIMIT_S}s)"
 start=$(date +%s)
 set +e
 nice -n 19 timeout "$LIMIT_S" "$PY" -m mutmut run --max-children "$JOBS" > mutmut-run.log 2>&1
