@@ -106,8 +106,13 @@ def _pre_hook(module, args, kwargs):
         embeds = kwargs.get("inputs_embeds")
         batch, query_len = (input_ids if input_ids is not None else embeds).shape[:2]
         attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-        cache.plan(input_ids, attention_mask, batch, query_len, module._hf_paged_backend)
+        cache.plan(input_ids, attention_mask, batch, query_len, module._hf_paged_backend, _dtype(module))
     _FORWARDS.set(_FORWARDS.get() + (cache,))
+
+
+def _dtype(module) -> torch.dtype | None:
+    param = next(module.parameters(), None)
+    return param.dtype if param is not None else None
 
 
 def _post_hook(module, args, kwargs, output):
@@ -169,7 +174,7 @@ def _wrap_generate(model, generate, backend_of):
     return wrapped
 
 
-def _wrap_prepare_inputs(prepare):
+def _wrap_prepare_inputs(prepare, model):
     @functools.wraps(prepare)
     def wrapped(input_ids, *args, **kwargs):
         inputs = prepare(input_ids, *args, **kwargs)
@@ -177,7 +182,7 @@ def _wrap_prepare_inputs(prepare):
         if isinstance(cache, PagedCache) and cache._call is not None:
             ids, embeds = inputs.get("input_ids"), inputs.get("inputs_embeds")
             batch, query_len = (ids if ids is not None else embeds).shape[:2]
-            cache.plan(ids, kwargs.get("attention_mask"), batch, query_len, cache._call.backend)
+            cache.plan(ids, kwargs.get("attention_mask"), batch, query_len, cache._call.backend, model.dtype)
         return inputs
 
     return wrapped
@@ -233,7 +238,7 @@ def enable_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module
         state = model._hf_paged_state = {"original": original, "handles": handles, "decoder": decoder}
         if hasattr(model, "generate"):
             model.generate = _wrap_generate(model, model.generate, lambda: decoder._hf_paged_backend)
-            model.prepare_inputs_for_generation = _wrap_prepare_inputs(model.prepare_inputs_for_generation)
+            model.prepare_inputs_for_generation = _wrap_prepare_inputs(model.prepare_inputs_for_generation, model)
             model._get_stopping_criteria = _wrap_stopping_criteria(model._get_stopping_criteria)
     decoder._hf_paged_backend = backend
     return model

@@ -165,9 +165,13 @@ class PagedCache(Cache):
 
     # ------------------------------------------------------------- the step
     def plan(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, batch: int, query_len: int,
-             backend: str = "auto") -> None:
-        """Plan the coming paged forward (called by the model hooks and ``generate()``, never inside a forward)."""
+             backend: str = "auto", dtype: torch.dtype | None = None) -> None:
+        """Plan the coming paged forward (called by the model hooks and ``generate()``, never inside a forward).
+
+        ``dtype``: the model's, which sizes a ``max_memory`` pool before its first blocks are taken."""
         self._check_mode("paged")
+        if dtype is not None:
+            self._apply_memory_cap(dtype)
         self._backend_name = backend
         self._check_call_start(batch)
         self.forward_done()
@@ -474,9 +478,23 @@ class PagedCache(Cache):
                 stacklevel=4,
             )
         self._check_call_start(key.shape[0])
+        self.pool.apply_memory_cap(key.shape[1], key.shape[3], key.dtype, self._slots_per_block())
         self._step = plan_step(self, None, None, key.shape[0], key.shape[2], gathered=True)
         self._columns += key.shape[2]
         self._mode = "gathered"
+
+    def _slots_per_block(self) -> int:
+        return self.groups.group_size if self.groups.layer_slot else (self.num_layers or 1)
+
+    def _apply_memory_cap(self, dtype: torch.dtype) -> None:
+        """Size a ``max_memory`` pool from the config's K/V shape (per rank under tensor parallelism the real heads
+        are fewer: the cap is then conservative)."""
+        if self.pool.max_memory is None or self.pool.allocator.max_blocks is not None or self.config is None:
+            return
+        c = self.config
+        heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.pool.apply_memory_cap(heads, head_dim, dtype, self._slots_per_block())
 
     def _layer_step(self, layer_idx: int, key: torch.Tensor | None, value: torch.Tensor | None) -> LayerStep:
         pool, step = self.pool, self._step

@@ -127,15 +127,23 @@ class BlockPool:
             if owner is not None and self.layer_shapes[owner] != shape:
                 slot = ("layer", layer_idx)  # a shape/device differing from its slot partner: own tensors
             self.layer_slot[layer_idx] = slot
-            if self.max_memory is not None and self.allocator.max_blocks is None:
-                per_block = self._block_bytes(shape) * (slots_per_block or num_layers)
-                blocks = self.max_memory // per_block - 1  # the scratch block counts against the budget
-                if blocks < 1:
-                    raise ValueError(
-                        f"max_memory={self.max_memory} bytes holds no block: one block of {self.block_size} tokens "
-                        f"takes {per_block} bytes over the model's layers. Raise max_memory."
-                    )
-                self.allocator.set_limit(blocks)
+            self.apply_memory_cap(shape.num_kv_heads, shape.head_dim, shape.dtype, slots_per_block or num_layers)
+
+    def apply_memory_cap(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, slots_per_block: int) -> None:
+        """Turn ``max_memory`` into a block cap, once, from the model's K/V shape: before the first blocks are taken,
+        so the pool never grows past it."""
+        if self.max_memory is None or self.allocator.max_blocks is not None:
+            return
+        shape = LayerShape(num_kv_heads, head_dim, dtype, torch.device("cpu"))
+        per_block = self._block_bytes(shape) * slots_per_block
+        blocks = self.max_memory // per_block - 1  # the scratch block counts against the budget
+        if blocks < 1:
+            raise ValueError(
+                f"max_memory={self.max_memory} bytes holds no block: one block of {self.block_size} tokens "
+                f"takes {per_block} bytes over the model's layers. Raise max_memory."
+            )
+        with self.lock:
+            self.allocator.set_limit(blocks)
 
     def check_layer(self, layer_idx: int, key: torch.Tensor) -> None:
         """``ValueError`` unless ``key`` ``[B, Hkv, S, D]`` fits the shape, dtype and device layer ``layer_idx`` holds."""
