@@ -368,6 +368,9 @@ def _recording(module, arch: int):
     stand_ins["_check_runnable"] = lambda *a, **k: None  # meta tensors stand in for CUDA ones
     stand_ins["_capability"] = lambda *a, **k: arch  # what launch_choices specialises on (fp8 conversion)
     saved = {n: getattr(module, n) for n in stand_ins if hasattr(module, n)}
+    if hasattr(module, "launch_choices") and "_capability" not in saved:
+        raise RuntimeError(f"{module.__name__} has launch_choices but no _capability(device): the check pins the "
+                           "target's compute capability through it; update kernel_check._recording to the new name.")
     try:
         for name, value in stand_ins.items():
             if name in saved:
