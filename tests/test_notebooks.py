@@ -208,11 +208,73 @@ def claims_kernels(nb):
     assert "GPU figures are not measured here" in text or "Decode" in text
 
 
+def claims_compiled_decoding(nb):
+    text = text_of(nb)
+    assert re.search(r"^(quick|full) mode: torch.compile backend", text, re.M)
+    seconds = {}
+    for label in ("compiled, 1st", "compiled, 2nd", "compiled, 3rd", "eager \\(disable_compile\\)"):
+        match = re.search(rf"^{label}.*? ([0-9.]+) +True$", text, re.M)
+        assert match, f"{label}: no timing, or tokens differ from DynamicCache"
+        seconds[label] = float(match.group(1))
+    assert seconds["compiled, 1st"] > 2 * max(seconds["compiled, 2nd"], seconds["compiled, 3rd"]), seconds
+    assert "compiled decoding needs a KV pool of fixed size" in text
+    assert "ran eagerly in" in text and text.rstrip().endswith("tokens equal to DynamicCache: True")
+
+
+def claims_model_families(nb):
+    text = text_of(nb)
+    assert re.search(r"^gpt_oss +sliding_window, layer_windows, sinks +supported", text, re.M)
+    rows = dict(re.findall(r"^(qwen2|gemma2|gemma3_text|gpt_oss) +(.*)$", text, re.M))
+    assert set(rows) == {"qwen2", "gemma2", "gemma3_text", "gpt_oss"}, rows
+    assert all(row.endswith("True") and re.search(r"\b8: \d+", row) and "full: " in row for row in rows.values()), rows
+    assert rows["gemma2"].split()[0] == "1.0" and rows["gpt_oss"].split()[1] == "yes"
+    assert "hybrid model, tokens equal to DynamicCache: True" in text
+    groups = re.findall(r"^\d +(32|full) +\d+ +([0-9.]+)$", text, re.M)
+    assert [w for w, _ in groups].count("32") == 5 and [w for w, _ in groups].count("full") == 1, groups
+    kb = {label: float(v) for label, v in re.findall(r"^((?:Paged|Dynamic)Cache, [\w ]+?) +([0-9.]+) KB", text, re.M)}
+    assert abs(sum(float(v) for _, v in groups) - kb["PagedCache, hybrid"]) < 0.5, (groups, kb)
+    full = kb["PagedCache, every layer full"]
+    assert kb["PagedCache, hybrid"] < full / 2 and kb["DynamicCache, hybrid"] < full / 2, kb
+    assert images_in(nb) >= 1
+
+
+def claims_prefix_caching(nb):
+    text = text_of(nb)
+    (prompt_1, computed_1), (prompt_2, computed_2) = [
+        tuple(map(int, m)) for m in re.findall(r"^[12] +(\d+) +(\d+) +True$", text, re.M)]
+    assert computed_1 == prompt_1 and computed_2 < prompt_2 // 4
+    hits = int(re.search(r"prefix_hit_tokens (\d+)", text).group(1))
+    assert hits > 0 and hits % 16 == 0 and computed_2 == prompt_2 - hits
+    assert int(re.search(r"blocks_cached (\d+)", text).group(1)) > 0
+    assert float(re.search(r"second / first: ([0-9.]+)x", text).group(1)) < 1
+    questions = re.findall(r"question \d: (\d+) prompt tokens computed, tokens equal to DynamicCache True", text)
+    assert len(questions) == 2 and all(int(n) < 32 for n in questions)
+    assert re.search(r"continued from disk: \d+ prompt tokens computed; .*: True", text)
+
+
+def claims_fp8_blocks(nb):
+    text = text_of(nb)
+    per_token = dict(re.findall(r"^(float32|float8_e4m3fn) +[0-9.]+ +([0-9,]+)$", text, re.M))
+    assert int(per_token["float8_e4m3fn"].replace(",", "")) * 4 == int(per_token["float32"].replace(",", ""))
+    assert abs(float(re.search(r"perplexity ([+-][0-9.]+)%", text).group(1))) < 5
+    same, rows = map(int, re.search(r"rows identical: (\d+) of (\d+)", text).groups())
+    assert 1 <= same <= rows
+    capacity = re.findall(r"^\d+[MG]iB +([0-9,]+) +([0-9,]+)$", text, re.M)
+    assert len(capacity) == 4 and all(int(b.replace(",", "")) >= 4 * int(a.replace(",", "")) - 16 for a, b in capacity)
+    blocks = int(re.search(r"kv_dtype=float8_e4m3fn\): (\d+) blocks", text).group(1))
+    assert 0 < int(capacity[0][1].replace(",", "")) // 16 - blocks <= 1  # the scratch block
+    assert images_in(nb) >= 1
+
+
 CLAIMS = {
     "01_quickstart.ipynb": claims_quickstart,
     "02_memory_anatomy.ipynb": claims_memory_anatomy,
     "03_sharing.ipynb": claims_sharing,
     "04_kernels.ipynb": claims_kernels,
+    "05_compiled_decoding.ipynb": claims_compiled_decoding,
+    "06_model_families.ipynb": claims_model_families,
+    "07_prefix_caching_and_disk.ipynb": claims_prefix_caching,
+    "08_fp8_blocks.ipynb": claims_fp8_blocks,
 }
 
 
