@@ -154,7 +154,11 @@ def _wrap_generate(model, generate, backend_of):
         per_step = bool(_generate_flag(model, kwargs, "return_dict_in_generate")) and any(
             _generate_flag(model, kwargs, n) for n in _PER_STEP_OUTPUTS)
         compile_config = _generate_flag(model, kwargs, "compile_config")
-        if compile_config is not None and not cache.pool.fixed:
+        if compile_config is not None and not compat.STEP_IN_ATTENTION_KWARGS:
+            warnings.warn(
+                f"compiled decoding with a PagedCache needs transformers >= 5.24 (this is "
+                f"{compat.TRANSFORMERS_VERSION}), so this generate() runs eagerly.", stacklevel=2)
+        elif compile_config is not None and not cache.pool.fixed:
             warnings.warn(
                 "compiled decoding needs a KV pool of fixed size, so this generate() runs eagerly. Size the pool: "
                 "PagedCache(model.config, num_blocks=N) or max_memory='4GiB' (or a BlockPool with either).",
@@ -162,7 +166,8 @@ def _wrap_generate(model, generate, backend_of):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         cache._start_generate()
         cache._start_from_prefix(input_ids, kwargs.get("attention_mask"))
-        cache._call = GenerateCall(backend=backend_of(), release=not per_step, compile=True)
+        cache._call = GenerateCall(backend=backend_of(), release=not per_step,
+                                   compile=compat.STEP_IN_ATTENTION_KWARGS)
         token = _GENERATE_CACHE.set(cache)
         try:
             return generate(*args, **kwargs)
