@@ -30,20 +30,22 @@ if [ "$DRY" = 1 ]; then
     export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     BUDGET=${BUDGET:-150} BATCH=${BATCH:-2} PROMPT=${PROMPT:-12} NEW_TOKENS=${NEW_TOKENS:-4}
     MODELS=${MODELS:-tiny}
+    COMPILE_BACKEND=${COMPILE_BACKEND:-eager}  # dynamo traces the compiled path; inductor's CPU codegen would take minutes
     TESTS_K=${TESTS_K:-"fp32-d64-bs16-gqa4 or prefill_matches_float64 and fp32-d64-bs16-gqa2 or skips_negative"}
 else
     OUT=${OUT:-bench/out/gpu}
     export TRITON_INTERPRET=0
     BUDGET=${BUDGET:-470} BATCH=${BATCH:-8} PROMPT=${PROMPT:-512} NEW_TOKENS=${NEW_TOKENS:-128}
     MODELS=${MODELS:-8b 1b}
+    COMPILE_BACKEND=${COMPILE_BACKEND:-inductor}
     TESTS_K=${TESTS_K:-}
 fi
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-export OUT BATCH PROMPT NEW_TOKENS
+export OUT BATCH PROMPT NEW_TOKENS COMPILE_BACKEND
 SUMMARY="$OUT/summary.txt"
-printf '%-22s %4s %7s\n' stage rc seconds >"$SUMMARY"
+printf '%-26s %4s %7s\n' stage rc seconds >"$SUMMARY"
 : >"$OUT/e2e.jsonl"
 FAILED=()
 E2E=$(mktemp /tmp/hf_paged_e2e.XXXXXX.py)
@@ -65,7 +67,7 @@ stage() {
         timeout --signal=INT --kill-after=15 "$cap" "$@" 2>&1 | tee -a "$OUT/$name.log"
         rc=${PIPESTATUS[0]}
     fi
-    printf '%-22s %4d %7d\n' "$name" "$rc" $((SECONDS - start)) | tee -a "$SUMMARY"
+    printf '%-26s %4d %7d\n' "$name" "$rc" $((SECONDS - start)) | tee -a "$SUMMARY"
     [ "$rc" -eq 0 ] || FAILED+=("$name")
 }
 
@@ -103,7 +105,8 @@ inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
 compiled = contender.endswith("compiled")
 gen = dict(do_sample=False, max_new_tokens=new, min_new_tokens=new)
 if compiled:
-    cc = CompileConfig(fullgraph=False)
+    backend = os.environ.get("COMPILE_BACKEND", "inductor")
+    cc = CompileConfig(fullgraph=False, backend=backend, mode="reduce-overhead" if backend == "inductor" else None)
     cc._compile_all_devices = True  # the dry run compiles on CPU too
     gen["compile_config"] = cc
 kv_bytes = None
@@ -142,6 +145,8 @@ if device.type == "cuda":
     torch.cuda.synchronize()
 seconds = time.perf_counter() - t0
 new_tokens = tokens[:, prompt:].cpu()  # [batch, new]
+if kv_bytes is None:  # DynamicCache and StaticCache hold every row's K and V for prompt + new positions
+    kv_bytes = 2 * layers * batch * (prompt + new) * kv_heads * head_dim * torch.finfo(dtype).bits // 8
 reference = os.path.join(out, f"e2e-{model_name}-dynamic-tokens.pt")
 if contender == "dynamic":
     torch.save(new_tokens, reference)
@@ -247,13 +252,14 @@ for name in ("8b", "1b"):
               f"{r['paged_over_sdpa']:.2f} |")
 rows = [json.loads(l) for l in open(os.path.join(out, "e2e.jsonl")) if l.strip()]
 if rows:
-    print("\n### generate()\n\n| model | cache | batch x prompt + new | tokens/s | ms/step | warm-up s | peak GiB | rows equal to Dynamic |\n|---|---|---|---:|---:|---:|---:|---|")
+    print("\n### generate()\n\n| model | cache | batch x prompt + new | tokens/s | ms/step | warm-up s | KV MiB | peak GiB | rows equal to Dynamic |\n|---|---|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
         eq = r["equal_to_dynamic"]
         eq = "reference" if r["contender"] == "dynamic" else ("-" if eq is None else f"{eq['rows']}/{eq['of']}")
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         print(f"| {r['model']} | {r['contender']} | {r['batch']} x {r['prompt']} + {r['new_tokens']} | "
-              f"{r['tokens_per_s']:.0f} | {r['ms_per_step']:.1f} | {r['warmup_s']:.1f} | {peak} | {eq} |")
+              f"{r['tokens_per_s']:.0f} | {r['ms_per_step']:.1f} | {r['warmup_s']:.1f} | "
+              f"{r['kv_reserved_bytes'] / 2**20:.2f} | {peak} | {eq} |")
 EOF
 
 echo
