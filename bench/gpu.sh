@@ -11,14 +11,14 @@
 #   triton-e2e  tests/test_triton_e2e.py (tiny models through the Triton backend)
 #
 #   bash bench/gpu.sh                  # on the GPU machine: python3 with torch (CUDA), triton, transformers
-#   DRY=1 bash bench/gpu.sh            # the same stages on CPU, Triton interpreter, tiny shapes (~2 minutes)
+#   DRY=1 bash bench/gpu.sh            # the same stages on CPU, Triton interpreter, tiny shapes (~2-4 minutes)
 #   OUT=/tmp/gpu bash bench/gpu.sh     # where results go (default bench/out/gpu, or bench/out/dry)
 #
 # Results in $OUT: summary.txt (stage, exit code, seconds), results.md (the tables), env.txt, e2e.jsonl (one JSON
 # object per generate() run), kernels-8b.json, kernels-1b.json, and one .log per stage. Exit status 0 when every stage
 # passed. Environment: PYTHON (python3; .venv/bin/python for DRY when present), BUDGET (seconds for everything,
-# default 470), BATCH / PROMPT / NEW_TOKENS (generate() shape: 8 / 512 / 128), KERNELS_ARGS (extra bench/kernels.py
-# arguments), TESTS_K (pytest -k for the kernel tests).
+# default 470; DRY 300), BATCH / PROMPT / NEW_TOKENS (generate() shape: 8 / 512 / 128), KERNELS_ARGS (bench/kernels.py
+# extra arguments), TESTS_K (pytest -k for the kernel tests), MODELS (8b 1b), COMPILE_BACKEND (inductor; DRY eager).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -28,7 +28,7 @@ if [ "$DRY" = 1 ]; then
     OUT=${OUT:-bench/out/dry}
     [ -x .venv/bin/python ] && PYTHON=${PYTHON:-.venv/bin/python}
     export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-    BUDGET=${BUDGET:-150} BATCH=${BATCH:-2} PROMPT=${PROMPT:-12} NEW_TOKENS=${NEW_TOKENS:-4}
+    BUDGET=${BUDGET:-300} BATCH=${BATCH:-2} PROMPT=${PROMPT:-12} NEW_TOKENS=${NEW_TOKENS:-4}
     MODELS=${MODELS:-tiny}
     COMPILE_BACKEND=${COMPILE_BACKEND:-eager}  # dynamo traces the compiled path; inductor's CPU codegen would take minutes
     TESTS_K=${TESTS_K:-"fp32-d64-bs16-gqa4 or prefill_matches_float64 and fp32-d64-bs16-gqa2 or skips_negative"}
