@@ -14,9 +14,9 @@
 #   DRY=1 bash bench/gpu.sh            # the same stages on CPU, Triton interpreter, tiny shapes (~2-4 minutes)
 #   OUT=/tmp/gpu bash bench/gpu.sh     # where results go (default bench/out/gpu, or bench/out/dry)
 #
-# Results in $OUT: summary.txt (stage, exit code, seconds), results.md (the tables), env.txt, e2e.jsonl (one JSON
-# object per generate() run), kernels-8b.json, kernels-1b.json, and one .log per stage. Exit status 0 when every stage
-# passed. Environment: PYTHON (python3; .venv/bin/python for DRY when present), BUDGET (seconds for everything,
+# Results in $OUT: summary.txt (stage, exit code, seconds), results.md (the tables), env.txt, nvidia-smi.txt,
+# e2e.jsonl (one JSON object per generate() run), kernels-8b.json, kernels-1b.json, and one .log per stage.
+# Exit status 0 when every stage passed. Environment: PYTHON (python3; .venv/bin/python for DRY when present), BUDGET (seconds for everything,
 # default 470; DRY 300), BATCH / PROMPT / NEW_TOKENS (generate() shape: 8 / 512 / 128), KERNELS_ARGS (bench/kernels.py
 # extra arguments), TESTS_K (pytest -k for the kernel tests), MODELS (8b 1b), COMPILE_BACKEND (inductor; DRY eager).
 set -uo pipefail
@@ -30,7 +30,7 @@ if [ "$DRY" = 1 ]; then
     export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     BUDGET=${BUDGET:-300} BATCH=${BATCH:-2} PROMPT=${PROMPT:-12} NEW_TOKENS=${NEW_TOKENS:-4}
     MODELS=${MODELS:-tiny}
-    COMPILE_BACKEND=${COMPILE_BACKEND:-eager}  # dynamo traces the compiled path; inductor's CPU codegen would take minutes
+    COMPILE_BACKEND=${COMPILE_BACKEND:-eager}  # dynamo traces the compiled path; inductor on CPU takes minutes
     TESTS_K=${TESTS_K:-"fp32-d64-bs16-gqa4 or prefill_matches_float64 and fp32-d64-bs16-gqa2 or skips_negative"}
 else
     OUT=${OUT:-bench/out/gpu}
@@ -170,8 +170,9 @@ EOF
 stage env 60 "$PY" - <<'EOF'
 import os, platform, sys
 import torch, transformers
-lines = [f"python {platform.python_version()} at {sys.executable}", f"torch {torch.__version__} (CUDA {torch.version.cuda})",
-         f"transformers {transformers.__version__}", f"cuda available: {torch.cuda.is_available()}"]
+lines = [f"python {platform.python_version()} at {sys.executable}",
+         f"torch {torch.__version__} (CUDA {torch.version.cuda})", f"transformers {transformers.__version__}",
+         f"cuda available: {torch.cuda.is_available()}"]
 try:
     import triton
     lines.append(f"triton {triton.__version__}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}")
@@ -179,7 +180,8 @@ except ImportError:
     lines.append("triton: not installed")
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
-    lines.append(f"GPU {p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}")
+    lines.append(f"GPU {p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB, "
+                 f"sm_{p.major}{p.minor}")
 elif os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("no CUDA device visible to torch: run DRY=1 bash bench/gpu.sh on a CPU machine.")
 from hf_paged.ops import triton_kernels
@@ -187,7 +189,7 @@ lines.append(f"hf_paged Triton kernels interpreted: {triton_kernels._INTERPRETED
 print("\n".join(lines))
 open(os.path.join(os.environ["OUT"], "env.txt"), "w").write("\n".join(lines) + "\n")
 EOF
-command -v nvidia-smi >/dev/null && nvidia-smi >>"$OUT/env.txt" 2>&1
+command -v nvidia-smi >/dev/null && nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 
 stage kernel-tests 150 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py ${TESTS_K:+-k "$TESTS_K"}
 
@@ -236,23 +238,30 @@ stage triton-e2e 60 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_triton
 "$PY" - <<'EOF' | tee "$OUT/results.md"
 import json, os
 out = os.environ["OUT"]
-print(open(os.path.join(out, "env.txt")).read().split("\n\n")[0].strip() if os.path.exists(os.path.join(out, "env.txt")) else "")
+def table(title, columns):
+    print(f"\n### {title}\n\n| " + " | ".join(columns) + " |\n|" + "|".join("---" for _ in columns) + "|")
+
+
+if os.path.exists(os.path.join(out, "env.txt")):
+    print(open(os.path.join(out, "env.txt")).read().strip())
 for name in ("8b", "1b"):
     path = os.path.join(out, f"kernels-{name}.json")
     if not os.path.exists(path):
         continue
     data = json.load(open(path))
-    print(f"\n### Decode kernel, {name} shape\n\n| batch | context | splits | paged us | GB/s | % peak | SDPA us | paged/SDPA |\n|---:|---:|---:|---:|---:|---:|---:|---:|")
+    table(f"Decode kernel, {name} shape", ["batch", "context", "splits", "paged us", "GB/s", "% peak", "SDPA us",
+                                          "paged/SDPA"])
     for r in data.get("decode", []):
         print(f"| {r['batch']} | {r['context']} | {r['splits']} | {r['paged_us']:.1f} | {r['paged_gbps']:.0f} | "
               f"{r['paged_pct_peak']:.1f} | {r['sdpa_us']:.1f} | {r['paged_over_sdpa']:.2f} |")
-    print(f"\n### Prefill kernel, {name} shape\n\n| batch | length | paged us | TFLOP/s | SDPA us | paged/SDPA |\n|---:|---:|---:|---:|---:|---:|")
+    table(f"Prefill kernel, {name} shape", ["batch", "length", "paged us", "TFLOP/s", "SDPA us", "paged/SDPA"])
     for r in data.get("prefill", []):
         print(f"| {r['batch']} | {r['length']} | {r['paged_us']:.1f} | {r['paged_tflops']:.1f} | {r['sdpa_us']:.1f} | "
               f"{r['paged_over_sdpa']:.2f} |")
 rows = [json.loads(l) for l in open(os.path.join(out, "e2e.jsonl")) if l.strip()]
 if rows:
-    print("\n### generate()\n\n| model | cache | batch x prompt + new | tokens/s | ms/step | warm-up s | KV MiB | peak GiB | rows equal to Dynamic |\n|---|---|---|---:|---:|---:|---:|---:|---|")
+    table("generate()", ["model", "cache", "batch x prompt + new", "tokens/s", "ms/step", "warm-up s", "KV MiB",
+                         "peak GiB", "rows equal to Dynamic"])
     for r in rows:
         eq = r["equal_to_dynamic"]
         eq = "reference" if r["contender"] == "dynamic" else ("-" if eq is None else f"{eq['rows']}/{eq['of']}")
