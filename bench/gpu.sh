@@ -16,9 +16,10 @@
 #
 # Results in $OUT: summary.txt (stage, exit code, seconds), results.md (the tables), env.txt, nvidia-smi.txt,
 # e2e.jsonl (one JSON object per generate() run), kernels-8b.json, kernels-1b.json, and one .log per stage.
-# Exit status 0 when every stage passed. Environment: PYTHON (python3; .venv/bin/python for DRY when present), BUDGET (seconds for everything,
-# default 470; DRY 300), BATCH / PROMPT / NEW_TOKENS (generate() shape: 8 / 512 / 128), KERNELS_ARGS (bench/kernels.py
-# extra arguments), TESTS_K (pytest -k for the kernel tests), MODELS (8b 1b), COMPILE_BACKEND (inductor; DRY eager).
+# Exit status 0 when every stage passed. Environment: PYTHON (python3; .venv/bin/python for DRY when present),
+# BUDGET (seconds for everything: 470; DRY 300), BATCH / PROMPT / NEW_TOKENS (generate() shape: 8 / 512 / 128),
+# KERNELS_ARGS (extra bench/kernels.py arguments), TESTS_K (pytest -k for the kernel tests), MODELS (8b 1b),
+# COMPILE_BACKEND (inductor; DRY eager).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
