@@ -674,7 +674,10 @@ def launch_choices(
         block_q = max(1, rows // group_p)
         if max_query_len is not None:
             block_q = min(block_q, max(_next_pow2(max_query_len), max(1, 16 // group_p)))
-        constexprs = dict(common, GROUP_P=group_p, BLOCK_Q=block_q, USE_SINKS=bool(sinks))
+        # Eight heads per query fill the tile's rows with the widest group: halving the KV tile keeps the scores
+        # and the accumulator in registers (found by `python -m hf_paged check-kernels`: 8-16 B spilled otherwise).
+        prefill_tile_n = tile_n // 2 if group_p == 8 else tile_n
+        constexprs = dict(common, TILE_N=prefill_tile_n, GROUP_P=group_p, BLOCK_Q=block_q, USE_SINKS=bool(sinks))
         return [_choice("_prefill_kernel", constexprs, num_warps, 2, query_dtype, kv_dtype)]
 
     decode = dict(common, BLOCK_M=max(16, _next_pow2(group)), SPLIT_KV=bool(split_kv),
