@@ -462,7 +462,7 @@ CHILD = """
 import sys, json, torch
 sys.path.insert(0, {tests!r})
 from conftest import generate, tiny_model
-from hf_paged import BlockPool, PagedCache, enable_paged_attention
+from hf_paged import PagedCache, enable_paged_attention
 model = tiny_model("llama")
 model.generation_config.eos_token_id = None
 enable_paged_attention(model, backend="torch")

@@ -1,0 +1,128 @@
+"""fp8 KV blocks (#14): ``kv_dtype=torch.float8_e4m3fn`` — accuracy on the embedded SmolLM2, bytes, bad input, and
+the two backends agreeing on fp8 blocks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import dynamic, generate, left_padded, tiny_config, tiny_model
+
+from _features import chat_inputs, forward, require_smollm, smollm
+from hf_paged import BlockPool, PagedCache, embedded, enable_paged_attention, disable_paged_attention, ops
+
+FP8 = torch.float8_e4m3fn
+PASSAGE = (
+    "The lighthouse stood at the end of a long stone pier, and for more than a century its keepers had climbed the "
+    "same one hundred and twelve steps every evening to light the lamp. In the early years the light came from a "
+    "row of oil lamps set before polished copper reflectors; later a great glass lens, ground in Paris and shipped "
+    "in crates packed with straw, bent the beam into a single bright ray that sailors could see from twenty miles "
+    "away. The keepers kept a log of every night: the weather, the ships that passed, the hours the fog horn "
+    "sounded, and the small repairs that never seemed to end. Salt wind ate at the iron railings, gulls nested in "
+    "the gutters, and winter storms threw spray high enough to wet the lantern glass. When electricity finally "
+    "reached the pier, the oil lamps were taken down and stored in the shed, and the last keeper, a quiet man "
+    "named Thomas Reed, wrote in the log that the new bulb was brighter than any flame he had tended. A few years "
+    "later the light was automated, the keeper's cottage was sold, and the log books were sent to the county "
+    "museum, where visitors can still read, in faded ink, the long record of storms survived and ships brought "
+    "safely home. Today the tower is painted white and red, a small museum fills the ground floor, and on summer "
+    "evenings children climb the steps to look out over the harbour, counting the boats as the light begins to turn."
+)
+CHUNKS = 4
+
+
+def test_unsupported_kv_dtype_lists_the_supported_ones():
+    for kv_dtype in (torch.int8, torch.float16, torch.float8_e5m2):
+        with pytest.raises(ValueError, match="float8_e4m3fn"):
+            PagedCache(tiny_config(), kv_dtype=kv_dtype)
+        with pytest.raises(ValueError, match="float8_e4m3fn"):
+            BlockPool(kv_dtype=kv_dtype)
+
+
+def pool_bytes_per_token(cache) -> float:
+    """Bytes one token takes in the pool, over every layer: K/V blocks plus the per-layer scales spread over the
+    tokens held."""
+    stats, pool = cache.memory_stats(), cache.pool
+    scales = sum(t.numel() * t.element_size() for t in (*pool.k_scales.values(), *pool.v_scales.values()))
+    return stats.bytes_per_block / stats.block_size + scales / max(1, stats.tokens_stored)
+
+
+def test_fp8_pool_bytes_per_token_vs_bf16():
+    model = tiny_model("llama").to(torch.bfloat16)
+    enable_paged_attention(model, backend="torch")
+    per_token = {}
+    for kv_dtype in (None, FP8):
+        cache = PagedCache(model.config, kv_dtype=kv_dtype)
+        generate(model, left_padded([20, 33]), cache, max_new_tokens=4)
+        per_token[kv_dtype] = pool_bytes_per_token(cache)
+    print(f"bytes/token: bf16 {per_token[None]:.1f}, fp8 {per_token[FP8]:.1f}")
+    assert per_token[FP8] <= 0.53 * per_token[None]
+
+
+@pytest.mark.skipif(not ops.triton_available(), reason="triton is not importable here")
+def test_fp8_torch_and_triton_backends_agree():
+    model = tiny_model("llama", seed=3)
+    inputs = left_padded([5, 12], seed=1)
+    outs = []
+    for backend in ("torch", "triton"):
+        enable_paged_attention(model, backend=backend)
+        outs.append(generate(model, inputs, PagedCache(model.config, block_size=4, kv_dtype=FP8), max_new_tokens=6))
+    assert torch.equal(*outs)
+    print("fp8 tokens equal to DynamicCache:", torch.equal(outs[0], generate(model, inputs, dynamic(model),
+                                                                              max_new_tokens=6)))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The embedded SmolLM2
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def paged_smollm():
+    require_smollm()
+    model, tokenizer = smollm()
+    enable_paged_attention(model, backend="torch")
+    yield model, tokenizer
+    disable_paged_attention(model)
+
+
+def chunked_perplexity(model, ids: torch.Tensor, kv_dtype):
+    """Perplexity of ``ids`` ``[1, L]`` fed in CHUNKS forwards: every chunk after the first attends through the pool."""
+    cache = PagedCache(model.config, kv_dtype=kv_dtype)
+    nll, count, last = 0.0, 0, None
+    for chunk in ids.tensor_split(CHUNKS, dim=1):
+        logits = forward(model, chunk, cache).logits.float()  # [1, n, vocab]
+        if last is not None:  # the previous chunk's last position predicts this chunk's first token
+            logits = torch.cat([last, logits], 1)
+            targets = chunk
+        else:
+            logits, targets = logits[:, :-1], chunk[:, 1:]
+        nll -= torch.log_softmax(logits[:, : targets.shape[1]], -1).gather(-1, targets[..., None]).sum().item()
+        count += targets.shape[1]
+        last = logits[:, -1:]
+    return math.exp(nll / count), cache
+
+
+def test_fp8_perplexity_within_two_percent(paged_smollm):
+    model, tokenizer = paged_smollm
+    ids = tokenizer(PASSAGE, return_tensors="pt").input_ids
+    assert ids.shape[1] >= 250
+    full, full_cache = chunked_perplexity(model, ids, None)
+    fp8, fp8_cache = chunked_perplexity(model, ids, FP8)
+    print(f"perplexity over {ids.shape[1]} tokens in {CHUNKS} chunks: full precision {full:.4f}, fp8 {fp8:.4f}, "
+          f"ratio {fp8 / full:.4f}")
+    assert fp8 / full <= 1.02
+    full_bytes, fp8_bytes = pool_bytes_per_token(full_cache), pool_bytes_per_token(fp8_cache)
+    print(f"bytes/token: fp32 {full_bytes:.1f}, fp8 {fp8_bytes:.1f} ({fp8_bytes / full_bytes:.3f}x)")
+    assert fp8_bytes <= 0.27 * full_bytes
+    assert fp8_cache.memory_stats().bytes_in_use * 4 == full_cache.memory_stats().bytes_in_use
+
+
+def test_fp8_greedy_chat_batch_share_identical(paged_smollm):
+    model, tokenizer = paged_smollm
+    inputs = chat_inputs(tokenizer, embedded.CHAT_PROMPTS[:4])
+    outs = [model.generate(**inputs, cache=PagedCache(model.config, kv_dtype=kv), max_new_tokens=12, do_sample=False)
+            for kv in (None, FP8)]
+    same = [torch.equal(a, b) for a, b in zip(*outs)]
+    print(f"fp8 greedy rows identical to full precision: {sum(same)}/{len(same)}")
+    assert outs[1].shape[0] == 4 and outs[1].shape[1] > inputs["input_ids"].shape[1]
