@@ -319,6 +319,8 @@ class BlockAllocator:
         table, length, bs = self._tables[seq], self._lens[seq], self.block_size
         if length % bs:
             last = table[-1]
+            if last in self._key_of and self._refcount[last] == 1:  # (cropped) keyed block written in place: unkey
+                del self._block_of[self._key_of.pop(last)]
             if self._refcount[last] > 1:
                 fresh = self._take()
                 self._refcount[fresh] = 1
@@ -381,11 +383,8 @@ class BlockAllocator:
         del keys[full:]
         self._published[seq] = min(self._published[seq], full)
         self._seq_tail[seq] = []
-        if new_len % bs:  # a full block became partly filled and will be written again: unkey it, stop keying
-            self._seq_keys[seq] = None
-            block = self._tables[seq][full]
-            if self._refcount[block] == 1 and block in self._key_of:
-                del self._block_of[self._key_of.pop(block)]
+        if new_len % bs:  # a full block became partly filled: this row's keys end here (the block is unkeyed
+            self._seq_keys[seq] = None  # if this row writes into it in place, see _append_one)
 
     def _copy_keys(self, src: int, dst: int) -> None:
         keys = self._seq_keys[src]

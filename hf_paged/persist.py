@@ -24,6 +24,9 @@ def _fingerprint(config) -> dict:
         "num_hidden_layers": getattr(config, "num_hidden_layers", None),
         "hidden_size": getattr(config, "hidden_size", None),
         "vocab_size": getattr(config, "vocab_size", None),
+        "num_attention_heads": getattr(config, "num_attention_heads", None),
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None),
+        "head_dim": getattr(config, "head_dim", None),
     }
 
 

@@ -47,12 +47,6 @@ SYSTEM = (
 QUESTIONS = ["When does the library open on Saturday?", "How many books can I borrow?",
              "Recommend a novel about the sea."]
 NEW_TOKENS = 5
-KEYED_BLOCK_WRITTEN_IN_PLACE = (
-    "bug: BlockAllocator._append_one writes in place into a partly filled last block whose refcount is 1 even when "
-    "it is keyed (findable by match_prefix): after crop() into a shared full keyed block and the other holder's "
-    "free, the cropped sequence overwrites KV the prefix index still advertises (_crop_keys unkeys only blocks "
-    "with refcount 1 at crop time)")
-
 
 # ---------------------------------------------------------------------------------------------------------------------
 # copy.deepcopy / copy.copy / pickle
@@ -424,13 +418,11 @@ MACHINE_SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=N
                             suppress_health_check=[HealthCheck.too_slow])
 TestPrefixCachingMachine = PrefixCachingMachine.TestCase
 TestPrefixCachingMachine.settings = MACHINE_SETTINGS
-TestPrefixCachingMachineWithCrop = pytest.mark.xfail(strict=True, reason=KEYED_BLOCK_WRITTEN_IN_PLACE)(
-    PrefixCachingMachineWithCrop.TestCase)
+TestPrefixCachingMachineWithCrop = PrefixCachingMachineWithCrop.TestCase
 # shrinking a stateful failure takes minutes here: report the example as found
 TestPrefixCachingMachineWithCrop.settings = settings(MACHINE_SETTINGS, phases=[Phase.explicit, Phase.generate])
 
 
-@pytest.mark.xfail(strict=True, reason=KEYED_BLOCK_WRITTEN_IN_PLACE)
 def test_cropped_row_never_rewrites_a_cached_prefix_block():
     """A crops into a full block it shares with B (keyed, findable); B ends; A writes its next tokens there. A later
     request C matching that prefix must read the prefix's KV, not A's new tokens."""
@@ -520,8 +512,6 @@ def test_load_into_another_model_shape_or_dtype_is_refused(saved, config):
         PagedCache.load(saved, config)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: persist.load_cache checks only model_type/layers/hidden/vocab, not the "
-                                       "config's KV heads (or head_dim): the file loads and fails at the first forward")
 def test_load_into_a_model_with_other_kv_heads_is_refused(saved):
     with pytest.raises(ValueError):
         PagedCache.load(saved, tiny_config(num_key_value_heads=1))
