@@ -845,10 +845,12 @@ later = min(seconds["compiled, 2nd"], seconds["compiled, 3rd"])
 print(f"\\nfirst call / later calls: {seconds['compiled, 1st (compiles)'] / later:.0f}x")
 """),
     md("""
-With `aot_eager` (quick mode) the compiled forward runs the same operations as the eager one, so it cannot be faster;
-the gain from compiling comes with inductor, most of all on a GPU where the decoding step is launch-bound
-(`bench/generate.py` section 3 measures it, against `StaticCache` compiled). What this shows is that the paged cache
-runs inside the compiled graph (`fullgraph=True`: no graph breaks), gives the same tokens, and compiles once.
+Do not expect a speed-up here: with `aot_eager` (quick mode) the compiled forward runs the same operations as the
+eager one, and on a CPU even inductor's code gains little for a small model (full mode, on a busy 2-core machine:
+about 16 s per compiled call vs 14 s eager, after a first call of about 7 minutes). The gain from compiling comes on
+a GPU, where the decoding step is launch-bound (`bench/generate.py` section 3 measures it, against `StaticCache`
+compiled). What this shows is that the paged cache runs inside the compiled graph (`fullgraph=True`: no graph
+breaks), gives the same tokens, and compiles once.
 
 ## A pool that grows cannot be compiled
 
@@ -910,8 +912,8 @@ print(subprocess.run([sys.executable, "-m", "hf_paged", "models"], check=True, c
 ## Four families against `DynamicCache`
 
 A left-padded batch of three random prompts; windows of 8 tokens so that the 40-token rows slide several times.
-Gemma2 and gpt-oss use the `eager` attention for the reference (transformers' SDPA path does not apply their
-soft-capping or sinks).
+Gemma2 and gpt-oss run transformers' `eager` attention for the reference (their models do not support SDPA, which
+has no soft-capping or sinks).
 """),
     code("""
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
