@@ -51,7 +51,10 @@ class MemoryStats:
         return self.peak_blocks_in_use * self.bytes_per_block
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """Plain values (JSON-ready): ``groups`` becomes a list of dicts."""
+        out = asdict(self)
+        out["groups"] = list(out["groups"])
+        return out
 
     @classmethod
     def from_tables(cls, *, block_size, num_blocks, max_blocks, tables, lens, peak_blocks_in_use,

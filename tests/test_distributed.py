@@ -23,7 +23,7 @@ from conftest import dynamic, generate, left_padded, tiny_model
 from transformers import AutoModelForCausalLM
 
 from hf_paged import PagedCache, enable_paged_attention
-from hf_paged.cache import StepMetadata
+from hf_paged.step import GroupStep, Step, StepBuffers
 from hf_paged.distributed import gather_stats, sum_over_ranks
 
 WORKER = Path(__file__).with_name("_tp_worker.py")
@@ -220,21 +220,29 @@ def test_device_map_pool_follows_each_layer(tmp_path, placement):
         layer_devices.add(weight.device)
     assert cache.memory_stats().bytes_per_block == expected_bytes_per_block
     assert {k.dtype for k in pool.key_caches.values()} == {dtype for _, dtype in placement.values()}
-    # The last step's metadata was built on the host and copied once to each other device, whatever the layer count.
+    # The last step's tensors were built on the host and copied once to each device, whatever the layer count.
     step = cache._step
-    assert set(step._on_device) == layer_devices - {step.slot_mapping.device}
+    assert {device for _, device in step._on_device} == layer_devices
+    assert len(step._on_device) == len(layer_devices)  # one group
 
 
-def test_step_metadata_moves_once_per_device():
-    step = StepMetadata(
-        batch_size=2, query_len=1, token_index=None, write_index=None,
-        slot_mapping=torch.tensor([5, 9]), block_tables=torch.tensor([[1, 0], [2, 3]], dtype=torch.int32),
-        seq_lens=torch.tensor([2, 6], dtype=torch.int32), query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
-        max_query_len=1, max_seq_len=6,
-    )
-    assert step.to(torch.device("cpu")) is step
+def test_step_moves_once_per_device():
+    group = GroupStep(slot_mapping=torch.tensor([5, 9]), block_tables=torch.tensor([[1, 0], [2, 3]], dtype=torch.int32),
+                      seq_lens=torch.tensor([2, 6], dtype=torch.int32),
+                      query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32), window=None)
+    step = Step(batch_size=2, query_len=1, max_query_len=1, no_history=False, token_index=None, write_index=None,
+                groups=[group], backend="torch")
+    buffers = StepBuffers()
     meta = torch.device("meta")  # stands in for a second device on a CPU-only machine
-    moved = step.to(meta)
-    assert moved is step.to(meta)  # every layer on that device gets the one copy
+    moved, packing = step.device_view(0, meta, buffers)
+    assert step.device_view(0, meta, buffers)[0] is moved  # every layer on that device gets the one copy
     assert moved.slot_mapping.device == meta and moved.block_tables.device == meta and moved.seq_lens.device == meta
-    assert (moved.max_query_len, moved.max_seq_len, moved.token_index) == (1, 6, None)
+    assert packing == (None, None)
+    on_cpu, _ = step.device_view(0, torch.device("cpu"), buffers)
+    assert torch.equal(on_cpu.block_tables, group.block_tables)
+    # A decode step stages its tensors in buffers that the next step with the same shapes reuses in place.
+    again = Step(batch_size=2, query_len=1, max_query_len=1, no_history=False, token_index=None, write_index=None,
+                 groups=[GroupStep(group.slot_mapping + 1, group.block_tables, group.seq_lens + 1,
+                                   group.query_start_loc, None)], backend="torch")
+    staged, _ = again.device_view(0, torch.device("cpu"), buffers)
+    assert staged.seq_lens.data_ptr() == on_cpu.seq_lens.data_ptr() and staged.seq_lens.tolist() == [3, 7]
