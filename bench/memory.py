@@ -42,13 +42,17 @@ def machine() -> str:
     return f"{cpu}, Python {platform.python_version()}"
 
 
+DTYPE_BYTES = {"fp8": 1, "fp16": 2, "fp32": 4}  # fp8's per-layer, per-head scales are a few bytes per layer
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, help="requests per workload (default: 1000 ShareGPT-like, 2000 Alpaca-like)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget", help="KV budget per workload, e.g. 2GiB (default: 3GiB ShareGPT-like, "
                    "512MiB Alpaca-like)")
-    p.add_argument("--dtype", choices=("fp16", "fp32"), default="fp16", help="KV dtype for bytes (default fp16)")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="fp16",
+                   help="KV dtype for bytes (default fp16; fp8 = PagedCache(kv_dtype=torch.float8_e4m3fn))")
     p.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32], help="padded batch sizes (default 8 32)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -58,7 +62,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     start = time.perf_counter()
-    shape = replace(SMOLLM2_135M, dtype_bytes=2 if args.dtype == "fp16" else 4)
+    shape = replace(SMOLLM2_135M, dtype_bytes=DTYPE_BYTES[args.dtype])
     results, report = [], []
     for lengths, default_requests, default_budget in WORKLOADS:
         budget_bytes = parse_memory(args.budget or default_budget)
