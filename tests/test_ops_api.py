@@ -202,7 +202,8 @@ WRITE_CORRUPTIONS = POOL_CORRUPTIONS + [
     ("key head_dim", _always, lambda c: c.update(key=torch.cat([c["key"], c["key"][..., :1]], -1)),
      r"key/value must be \[num_tokens, \d+, \d+\] to match the cache, got"),
     ("key 2 dims", _always, lambda c: c.update(key=c["key"][:, 0]), r"key/value must be \[num_tokens, \d+, \d+\]"),
-    ("value shape", _always, lambda c: c.update(value=torch.cat([c["value"], c["value"][:1]])),
+    ("value shape", _always,  # one more row, also when there are no tokens at all
+     lambda c: c.update(value=torch.cat([c["value"], c["value"].new_zeros(1, *c["value"].shape[1:])])),
      r"key/value must be \[num_tokens, \d+, \d+\] to match the cache, got \(\d+, \d+, \d+\) and"),
     ("slot_mapping float32", _always, lambda c: c.update(slot_mapping=c["slot_mapping"].float()),
      r"slot_mapping must be torch.int32 or torch.int64, got torch.float32"),
