@@ -24,7 +24,11 @@ TARGET=${1:-allocator}
 case "$TARGET" in
     allocator)
         MUTATE=hf_paged/allocator.py
-        TESTS=(tests/test_allocator.py) ;;
+        TESTS=(tests/test_allocator.py)
+        # prefix caching's state machines, where the copy has them (not before the prefix-caching commit)
+        if [ -z "${REV:-}" ] || git cat-file -e "${REV}:tests/test_reuse.py" 2>/dev/null; then
+            TESTS+=(tests/test_reuse.py::TestPrefixCachingMachine tests/test_reuse.py::TestPrefixCachingMachineWithCrop)
+        fi ;;
     reference)
         MUTATE=hf_paged/ops/reference.py
         TESTS=(tests/test_ops_api.py tests/test_kernels.py) ;;
