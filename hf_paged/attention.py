@@ -166,8 +166,12 @@ def _wrap_generate(model, generate, backend_of):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         cache._start_generate()
         cache._start_from_prefix(input_ids, kwargs.get("attention_mask"))
+        # Compileable only when transformers will compile this call: a compileable cache also makes generate()
+        # build a 4D mask every step, which an eager run does not need.
+        wanted = model.device.type in ("cuda", "xpu") or bool(getattr(compile_config, "_compile_all_devices", False))
         cache._call = GenerateCall(backend=backend_of(), release=not per_step,
-                                   compile=compat.STEP_IN_ATTENTION_KWARGS)
+                                   compile=compat.STEP_IN_ATTENTION_KWARGS and wanted
+                                   and not _generate_flag(model, kwargs, "disable_compile"))
         token = _GENERATE_CACHE.set(cache)
         try:
             return generate(*args, **kwargs)
