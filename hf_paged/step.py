@@ -151,7 +151,7 @@ def row_tokens(input_ids: torch.Tensor | None, real: torch.Tensor | None) -> lis
     return [[t for t, keep in zip(row, mask) if keep] for row, mask in zip(ids, real.tolist())]
 
 
-def group_tensors(tables, lens, counts, starts, written, scratch: int, block_size: int, window, bucket: bool):
+def group_tensors(tables, lens, counts, starts, written, scratch: int, block_size: int, bucket: bool):
     """The step tensors of one group (host).
 
     ``tables``/``lens``: per row (``None`` for a released row); ``counts``: per row, its real new tokens;
@@ -240,7 +240,7 @@ def plan_step(cache, input_ids, attention_mask, batch: int, query_len: int, gath
             tables = [None if r in released else a.block_table(rows[r][g]) for r in range(batch)]
             lens = [0 if r in released else a.seq_len(rows[r][g]) for r in range(batch)]
             block_tables, seq_lens, qsl, slots = group_tensors(
-                tables, lens, counts, start_list, written, pool.scratch_block, bs, window, bucket=decode)
+                tables, lens, counts, start_list, written, pool.scratch_block, bs, bucket=decode)
             group_steps.append(GroupStep(slots, block_tables, seq_lens, qsl, window))
 
     token_index = None if real is None else real.flatten().nonzero().flatten()
