@@ -576,3 +576,13 @@ TestBoundedPool = BoundedPool.TestCase
 TestBoundedPool.settings = MACHINE_SETTINGS
 TestUnboundedPool = UnboundedPool.TestCase
 TestUnboundedPool.settings = MACHINE_SETTINGS
+
+
+def test_set_limit_at_the_current_capacity_is_allowed_below_it_refused():
+    a = BlockAllocator(block_size=4)
+    seq = a.new_sequence()
+    a.append([(seq, 9)])  # 3 blocks exist
+    a.set_limit(a.capacity)  # a cap equal to what exists is fine
+    assert a.max_blocks == a.capacity and a.num_free == a.capacity - a.blocks_in_use
+    with pytest.raises(ValueError, match="already exist"):
+        a.set_limit(a.capacity - 1)
