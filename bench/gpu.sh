@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# hf_paged on the GPU machine, one command, nothing installed, nothing downloaded (at most ~8 minutes; every stage is
-# capped and guarded, so one failing stage does not stop the others):
+# hf_paged on the GPU machine, one command, nothing downloaded (at most ~6 minutes; every stage is capped and
+# guarded, so one failing stage does not stop the others):
+#   wheels      (not DRY) when .whl/ holds wheels (e.g. a newer transformers than the machine's), installs them with
+#                  pip --no-index --no-deps into /tmp/site (SITE), put on PYTHONPATH after the repo root
 #   env         versions, GPU, nvidia-smi
 #   kernel-tests   tests/test_kernels.py on the GPU (not the interpreter)
 #   kernels-8b / kernels-1b   bench/kernels.py: decode GB/s and % of peak over batch x context, paged vs contiguous
 #                  SDPA, prefill vs SDPA, at Llama-3.1-8B's (32 q / 8 kv heads, d 128) and Llama-3.2-1B's (d 64) shapes
-#   e2e-*       generate() on random-weight bf16 models of real shapes built on the GPU (Llama-3.1-8B, Llama-3.2-1B):
+#   e2e-*       generate() on random-weight bf16 models of real shapes built on the GPU (Llama-3.2-1B, then Llama-3.1-8B):
 #                  DynamicCache, StaticCache + compile, PagedCache eager, PagedCache compiled; tokens/s, KV bytes,
 #                  peak memory, tokens equal to DynamicCache's
 #   triton-e2e  tests/test_triton_e2e.py (tiny models through the Triton backend)
@@ -17,9 +19,10 @@
 # Results in $OUT: summary.txt (stage, exit code, seconds), results.md (the tables), env.txt, nvidia-smi.txt,
 # e2e.jsonl (one JSON object per generate() run), kernels-8b.json, kernels-1b.json, and one .log per stage.
 # Exit status 0 when every stage passed. Environment: PYTHON (python3; .venv/bin/python for DRY when present),
-# BUDGET (seconds for everything: 470; DRY 300), BATCH / PROMPT / NEW_TOKENS (generate() shape: 8 / 512 / 128),
-# KERNELS_ARGS (extra bench/kernels.py arguments), TESTS_K (pytest -k for the kernel tests), MODELS (8b 1b),
-# COMPILE_BACKEND (inductor; DRY eager).
+# BUDGET (seconds for everything: 330; DRY 300), BATCH / PROMPT / NEW_TOKENS (generate() shape: 8 / 512 / 128),
+# KERNELS_ARGS (extra bench/kernels.py arguments), TESTS_K (pytest -k for the kernel tests), MODELS (1b 8b),
+# COMPILE_BACKEND (inductor; DRY eager), SITE (where .whl/ is installed: /tmp/site).
+# Each stage's cap is also cut so that triton-e2e, last, keeps its share of the budget (RESERVE).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -36,8 +39,8 @@ if [ "$DRY" = 1 ]; then
 else
     OUT=${OUT:-bench/out/gpu}
     export TRITON_INTERPRET=0
-    BUDGET=${BUDGET:-470} BATCH=${BATCH:-8} PROMPT=${PROMPT:-512} NEW_TOKENS=${NEW_TOKENS:-128}
-    MODELS=${MODELS:-8b 1b}
+    BUDGET=${BUDGET:-330} BATCH=${BATCH:-8} PROMPT=${PROMPT:-512} NEW_TOKENS=${NEW_TOKENS:-128}
+    MODELS=${MODELS:-1b 8b}
     COMPILE_BACKEND=${COMPILE_BACKEND:-inductor}
     TESTS_K=${TESTS_K:-}
 fi
@@ -53,12 +56,18 @@ E2E=$(mktemp /tmp/hf_paged_e2e.XXXXXX.py)
 DRY_KERNELS=$(mktemp /tmp/hf_paged_dry_kernels.XXXXXX.py)
 trap 'rm -f "$E2E" "$DRY_KERNELS"' EXIT
 
-# stage NAME CAP CMD...: CMD under a time limit of min(CAP, what is left of BUDGET), output to screen and
-# $OUT/NAME.log; records exit code and seconds; skipped (rc 125) when under 10 s of the budget is left.
+# cap DRY_SECONDS GPU_SECONDS: the stage cap for this mode.
+cap() { if [ "$DRY" = 1 ]; then echo "$1"; else echo "$2"; fi; }
+TRITON_E2E_CAP=$(cap 60 40)
+RESERVE=$TRITON_E2E_CAP  # seconds of BUDGET kept for the last stage (triton-e2e) until it runs
+
+# stage NAME CAP CMD...: CMD under a time limit of min(CAP, what is left of BUDGET less RESERVE), output to screen
+# and $OUT/NAME.log; records exit code and seconds (and returns that code); skipped (rc 125) when under 10 s of the
+# budget is left.
 stage() {
     local name=$1 cap=$2 start=$SECONDS rc=0
     shift 2
-    local left=$((BUDGET - SECONDS))
+    local left=$((BUDGET - SECONDS - RESERVE))
     [ "$cap" -gt "$left" ] && cap=$left
     if [ "$cap" -lt 10 ]; then
         rc=125
@@ -70,6 +79,7 @@ stage() {
     fi
     printf '%-26s %4d %7d\n' "$name" "$rc" $((SECONDS - start)) | tee -a "$SUMMARY"
     [ "$rc" -eq 0 ] || FAILED+=("$name")
+    return "$rc"
 }
 
 # ------------------------------------------------------------------------------------ generate() on a random model
@@ -168,11 +178,27 @@ with open(os.path.join(out, "e2e.jsonl"), "a") as f:
 EOF
 
 # ------------------------------------------------------------------------------------------------------ stages
+# Wheels carried to the machine (it has no internet): installed into $SITE, which goes on PYTHONPATH after the repo
+# root (our package still wins) and before the machine's own site-packages. Without pip, wheels are zip files.
+SITE=${SITE:-/tmp/site}
+WHEELS=(.whl/*.whl)
+if [ "$DRY" != 1 ] && [ -e "${WHEELS[0]}" ]; then
+    if "$PY" -m pip --version >/dev/null 2>&1; then
+        stage wheels 90 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$SITE" "${WHEELS[@]}"
+    else
+        mkdir -p "$SITE"
+        stage wheels 90 bash -c 'py=$1 site=$2; shift 2; for w; do echo "extract $w"; "$py" -m zipfile -e "$w" "$site" || exit; done' \
+            - "$PY" "$SITE" "${WHEELS[@]}"
+    fi && export PYTHONPATH="$ROOT:$SITE${PYTHONPATH#"$ROOT"}"  # only when they installed: else the machine's own
+fi
+
 stage env 60 "$PY" - <<'EOF'
 import os, platform, sys
 import torch, transformers
 lines = [f"python {platform.python_version()} at {sys.executable}",
-         f"torch {torch.__version__} (CUDA {torch.version.cuda})", f"transformers {transformers.__version__}",
+         f"torch {torch.__version__} (CUDA {torch.version.cuda})",
+         f"transformers {transformers.__version__} at {os.path.dirname(transformers.__file__)}",
          f"cuda available: {torch.cuda.is_available()}"]
 try:
     import triton
@@ -192,7 +218,7 @@ open(os.path.join(os.environ["OUT"], "env.txt"), "w").write("\n".join(lines) + "
 EOF
 command -v nvidia-smi >/dev/null && nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 
-stage kernel-tests 150 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py ${TESTS_K:+-k "$TESTS_K"}
+stage kernel-tests "$(cap 150 60)" "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py ${TESTS_K:+-k "$TESTS_K"}
 
 if [ "$DRY" = 1 ]; then  # bench/kernels.py's own main needs CUDA: drive its functions on CPU with tiny shapes
     cat >"$DRY_KERNELS" <<'EOF'
@@ -220,20 +246,26 @@ EOF
     stage kernels-1b 60 "$PY" "$DRY_KERNELS" 1b --head-dim 16
 else
     # shellcheck disable=SC2086  # KERNELS_ARGS is a word list on purpose
-    stage kernels-8b 120 "$PY" bench/kernels.py --json "$OUT/kernels-8b.json" ${KERNELS_ARGS:-}
+    stage kernels-8b 60 "$PY" bench/kernels.py --json "$OUT/kernels-8b.json" ${KERNELS_ARGS:-}
     # shellcheck disable=SC2086
-    stage kernels-1b 60 "$PY" bench/kernels.py --head-dim 64 --batches 1,32,128 --contexts 1024,8192 \
+    stage kernels-1b 40 "$PY" bench/kernels.py --head-dim 64 --batches 1,32,128 --contexts 1024,8192 \
         --prefill-lens 2048 --json "$OUT/kernels-1b.json" ${KERNELS_ARGS:-}
 fi
 
 for model in $MODELS; do
-    stage "e2e-$model-dynamic" 60 "$PY" "$E2E" "$model" dynamic
-    stage "e2e-$model-paged" 60 "$PY" "$E2E" "$model" paged
-    stage "e2e-$model-static-compiled" 150 "$PY" "$E2E" "$model" static-compiled
-    stage "e2e-$model-paged-compiled" 150 "$PY" "$E2E" "$model" paged-compiled
+    case "$DRY:$model" in  # caps: eager dynamic, eager paged, compiled static, compiled paged
+        1:*) caps=(60 60 150 150) ;;
+        0:1b) caps=(30 30 60 60) ;;
+        *) caps=(30 30 90 90) ;;
+    esac
+    stage "e2e-$model-dynamic" "${caps[0]}" "$PY" "$E2E" "$model" dynamic
+    stage "e2e-$model-paged" "${caps[1]}" "$PY" "$E2E" "$model" paged
+    stage "e2e-$model-static-compiled" "${caps[2]}" "$PY" "$E2E" "$model" static-compiled
+    stage "e2e-$model-paged-compiled" "${caps[3]}" "$PY" "$E2E" "$model" paged-compiled
 done
 
-stage triton-e2e 60 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_triton_e2e.py ${DRY_E2E_K:+-k "$DRY_E2E_K"}
+RESERVE=0
+stage triton-e2e "$TRITON_E2E_CAP" "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_triton_e2e.py ${DRY_E2E_K:+-k "$DRY_E2E_K"}
 
 # ------------------------------------------------------------------------------------------------------ results
 "$PY" - <<'EOF' | tee "$OUT/results.md"
