@@ -425,12 +425,12 @@ def section_compiled(model, tokenizer, args, backends: list[str]) -> dict:
           f"PagedCache pool fixed at {blocks} blocks of {args.block_size}; {plural(args.repeats, 'round')} "
           "alternated after a first (compiling) call ==", flush=True)
     backend = backends[-1]
+    # The paged contenders run a twin of the model (same weights, copied), patched once: switching one model's
+    # attention back and forth would change what its compiled graphs were built for and recompile them every round.
+    disable_paged_attention(model)
+    paged_model = enable_paged_attention(copy.deepcopy(model), backend=backend)
 
     def run(name: str, label: str):
-        if name in (DYNAMIC, STATIC_C):
-            disable_paged_attention(model)
-        else:
-            enable_paged_attention(model, backend=backend)
         if name == DYNAMIC:
             cache, extra = DynamicCache(config=model.config), {}
         elif name == STATIC_C:
@@ -438,7 +438,8 @@ def section_compiled(model, tokenizer, args, backends: list[str]) -> dict:
         else:
             cache = PagedCache(model.config, block_size=args.block_size, num_blocks=blocks)
             extra = {"compile_config": cc} if name == PAGED_C else {"disable_compile": True}
-        out, seconds, _ = run_generate(model, inputs, cache, args.max_new_tokens, label, do_sample=False, **extra)
+        out, seconds, _ = run_generate(paged_model if name in (PAGED_C, PAGED_E) else model, inputs, cache,
+                                       args.max_new_tokens, label, do_sample=False, **extra)
         return out, seconds, cache
 
     names = [DYNAMIC, PAGED_E, STATIC_C, PAGED_C]
@@ -456,7 +457,7 @@ def section_compiled(model, tokenizer, args, backends: list[str]) -> dict:
             out, secs, cache = run(name, f"round {round_ + 1}/{args.repeats} {name}")
             seconds[name].append(secs)
             outs[name] = out
-    disable_paged_attention(model)
+    del paged_model
     generated = sum(generated_lengths(outs[DYNAMIC], columns, eos))
     tok_s = {n: generated / statistics.median(seconds[n]) for n in names if seconds[n]}
     rows = [[n, f"{first.get(n, float('nan')):.1f}", " ".join(f"{s:.1f}" for s in seconds[n]), tok_s[n],

@@ -89,9 +89,10 @@ import json, os, sys, time
 
 import torch
 import transformers
+from torch._dynamo.utils import counters
 from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
 
-from hf_paged import PagedCache, compat, disable_paged_attention, enable_paged_attention
+from hf_paged import BlockPool, PagedCache, compat, disable_paged_attention, enable_paged_attention
 
 SHAPES = {  # hidden, layers, q heads, kv heads, head_dim, intermediate, vocab
     "8b": (4096, 32, 32, 8, 128, 14336, 128256), "1b": (2048, 16, 32, 8, 64, 8192, 128256),
@@ -121,6 +122,7 @@ if compiled:
     cc._compile_all_devices = True  # the dry run compiles on CPU too
     gen["compile_config"] = cc
 kv_bytes = None
+pool = BlockPool(block_size=16, num_blocks=batch * -(-(prompt + new) // 16) + batch)
 
 
 def run(max_new):
@@ -128,10 +130,8 @@ def run(max_new):
     kwargs = dict(gen, max_new_tokens=max_new, min_new_tokens=max_new)
     if contender.startswith("static"):
         kwargs["cache_implementation"] = "static"
-    elif contender.startswith("paged"):
-        block_size = 16
-        num_blocks = batch * -(-(prompt + new) // block_size) + batch
-        cache = PagedCache(model.config, block_size=block_size, num_blocks=num_blocks)
+    elif contender.startswith("paged"):  # one pool for both calls: its graphs, recorded once, replay for both
+        cache = PagedCache(model.config, pool=pool)
         kwargs[compat.GENERATE_CACHE_KWARG] = cache
     with torch.inference_mode():
         result = model.generate(**inputs, **kwargs)
@@ -171,7 +171,9 @@ row = dict(model=model_name, contender=contender, device=torch.cuda.get_device_n
            tokens_per_s=batch * new / seconds, ms_per_step=1000 * seconds / new, warmup_s=warm_s, build_s=build_s,
            peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
            kv_reserved_bytes=kv_bytes, equal_to_dynamic=equal, torch=torch.__version__,
-           transformers=transformers.__version__)
+           transformers=transformers.__version__, compiled_graphs=counters["stats"]["unique_graphs"],
+           graph_breaks=sum(counters["graph_break"].values()),
+           cudagraph_skips=counters["inductor"]["cudagraph_skips"])
 print(json.dumps(row))
 with open(os.path.join(out, "e2e.jsonl"), "a") as f:
     f.write(json.dumps(row) + "\n")
@@ -255,7 +257,7 @@ fi
 for model in $MODELS; do
     case "$DRY:$model" in  # caps: eager dynamic, eager paged, compiled static, compiled paged
         1:*) caps=(60 60 150 150) ;;
-        0:1b) caps=(30 30 60 60) ;;
+        0:1b) caps=(40 40 100 100) ;;
         *) caps=(30 30 90 90) ;;
     esac
     stage "e2e-$model-dynamic" "${caps[0]}" "$PY" "$E2E" "$model" dynamic
@@ -294,14 +296,15 @@ for name in ("8b", "1b"):
 rows = [json.loads(l) for l in open(os.path.join(out, "e2e.jsonl")) if l.strip()]
 if rows:
     table("generate()", ["model", "cache", "batch x prompt + new", "tokens/s", "ms/step", "warm-up s", "KV MiB",
-                         "peak GiB", "rows equal to Dynamic"])
+                         "peak GiB", "rows equal to Dynamic", "graphs / CUDA-graph skips"])
     for r in rows:
         eq = r["equal_to_dynamic"]
         eq = "reference" if r["contender"] == "dynamic" else ("-" if eq is None else f"{eq['rows']}/{eq['of']}")
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         print(f"| {r['model']} | {r['contender']} | {r['batch']} x {r['prompt']} + {r['new_tokens']} | "
               f"{r['tokens_per_s']:.0f} | {r['ms_per_step']:.1f} | {r['warmup_s']:.1f} | "
-              f"{r['kv_reserved_bytes'] / 2**20:.2f} | {peak} | {eq} |")
+              f"{r['kv_reserved_bytes'] / 2**20:.2f} | {peak} | {eq} | "
+              f"{r.get('compiled_graphs', '-')} / {r.get('cudagraph_skips', '-')} |")
 EOF
 
 echo

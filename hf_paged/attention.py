@@ -82,6 +82,7 @@ def _layer_step(module, kwargs):
     return layer
 
 
+@functools.lru_cache(maxsize=None)  # one function per name: re-enabling keeps compiled graphs valid
 def _make_attention(original: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         layer = _layer_step(module, kwargs)
@@ -186,6 +187,9 @@ def _wrap_generate(model, generate, backend_of):
 def _wrap_prepare_inputs(prepare, model):
     @functools.wraps(prepare)
     def wrapped(input_ids, *args, **kwargs):
+        cache = compat.cache_from_kwargs(kwargs)
+        if isinstance(cache, PagedCache) and cache._call is not None:
+            cache.forward_done()  # the last forward ran (a compiled one runs no hooks): count it before sizing masks
         inputs = prepare(input_ids, *args, **kwargs)
         cache = compat.cache_from_kwargs(inputs)
         if isinstance(cache, PagedCache) and cache._call is not None:

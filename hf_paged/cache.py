@@ -18,7 +18,7 @@ from .groups import LayerGroups
 from .ops import custom_ops
 from .pool import BlockPool
 from .stats import MemoryStats
-from .step import LayerStep, Step, StepBuffers, plan_step
+from .step import LayerStep, Step, next_pow2, plan_step
 
 STEP_KWARG = "hf_paged_step"  # the attention kwarg through which update() hands a layer its LayerStep
 
@@ -98,7 +98,7 @@ class PagedCache(Cache):
         self._mode: str | None = None  # "paged" (attention reads the pool) or "gathered"
         self._step: Step | None = None
         self._planned = False  # a hook or generate() planned the coming forward
-        self._buffers = StepBuffers()
+        self._buffers = self.pool.lend_step_buffers(self)
         self._backend_name = "auto"
         self._beam_reordered = False
         self._recording = False
@@ -117,7 +117,14 @@ class PagedCache(Cache):
         return -1
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
-        return self._columns + compat.query_length(query_length), 0
+        query_len = compat.query_length(query_length)
+        kv_length = self._columns + query_len
+        if query_len == 1 and self.is_compileable:
+            # A compiled decode step: generate() builds a 4D mask outside the graph (the paged attention never reads
+            # it); its width follows the block tables' bucket so the graph's input shapes stay fixed between buckets.
+            bs = self.pool.block_size
+            kv_length = next_pow2(-(-kv_length // bs)) * bs
+        return kv_length, 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self._columns
@@ -328,7 +335,7 @@ class PagedCache(Cache):
     def _clone(self, rows: list[int]) -> "PagedCache":
         child = PagedCache.__new__(PagedCache)
         child.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_step", "_buffers", "_call")})
-        child._step, child._buffers, child._call, child._planned = None, StepBuffers(), None, False
+        child._step, child._buffers, child._call, child._planned = None, self.pool.lend_step_buffers(child), None, False
         child._columns, child._pending_columns = self._columns + self._pending_columns, 0
         a = self.pool.allocator
         with self.pool.lock:

@@ -14,11 +14,13 @@ A pool can back several :class:`~hf_paged.PagedCache` objects (concurrent reques
 from __future__ import annotations
 
 import re
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from .allocator import BlockAllocator
+from .step import StepBuffers
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -77,6 +79,17 @@ class BlockPool:
         self.value_caches: dict[object, torch.Tensor] = {}
         self.k_scales: dict[int, torch.Tensor] = {}  # layer -> [Hkv] float32 (fp8 pools)
         self.v_scales: dict[int, torch.Tensor] = {}
+        self._free_step_buffers: list[StepBuffers] = []
+
+    def lend_step_buffers(self, cache) -> StepBuffers:
+        """Step buffers for ``cache``, given back to this pool when the cache is collected. A later cache on the same
+        pool gets the same buffers, so a CUDA graph recorded for the first replays for it without re-recording."""
+        try:  # list.pop/append are atomic: no lock, since the finalizer may run inside a garbage collection anywhere
+            buffers = self._free_step_buffers.pop()
+        except IndexError:
+            buffers = StepBuffers()
+        weakref.finalize(cache, self._free_step_buffers.append, buffers)
+        return buffers
 
     @property
     def block_size(self) -> int:

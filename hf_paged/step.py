@@ -61,6 +61,7 @@ class Step:
     write_index: torch.Tensor | None
     groups: list[GroupStep]
     backend: str
+    static: bool = False  # a compiled decode step: tensor shapes fixed by the table-width bucket, all staged
     layers: list = field(default_factory=list)  # per layer: LayerStep once built
     _on_device: dict = field(default_factory=dict)
 
@@ -69,26 +70,22 @@ class Step:
         view = self._on_device.get(key)
         if view is None:
             g = self.groups[group]
-            if self.query_len == 1 and g.gather_slots is None:  # decode: stable buffers, one per shape
-                moved = {n: buffers.stage((group, n), getattr(g, n), device)
-                         for n in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")}
+            if self.static:  # stable buffers, one per shape: a compiled graph reads the same addresses every step
+                def put(name, t):
+                    return None if t is None else buffers.stage((group, name), t, device)
             else:
-                moved = {n: getattr(g, n).to(device, non_blocking=True)
-                         for n in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")}
-            plan = _plan_to(g.plan, device)
-            gather = g.gather_slots.to(device) if g.gather_slots is not None else None
-            packing = tuple(t.to(device) if t is not None else None for t in (self.token_index, self.write_index))
-            view = self._on_device[key] = (GroupStep(**moved, window=g.window, plan=plan, gather_slots=gather),
-                                           packing)
+                def put(name, t):
+                    return None if t is None else t.to(device, non_blocking=True)
+            moved = {n: put(n, getattr(g, n)) for n in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")}
+            plan = None
+            if g.plan is not None:
+                plan = type(g.plan)(**{n: (put("plan." + n, v) if isinstance(v, torch.Tensor) or v is None else v)
+                                       for n, v in vars(g.plan).items()})
+            packing = tuple(put(n, t) for n, t in (("token_index", self.token_index),
+                                                   ("write_index", self.write_index)))
+            view = self._on_device[key] = (GroupStep(**moved, window=g.window, plan=plan,
+                                                     gather_slots=put("gather_slots", g.gather_slots)), packing)
         return view
-
-
-def _plan_to(plan, device):
-    if plan is None or plan.tables.device == device:
-        return plan
-    moved = {n: (getattr(plan, n).to(device) if isinstance(getattr(plan, n), torch.Tensor) else getattr(plan, n))
-             for n in plan.__dataclass_fields__}
-    return type(plan)(**moved)
 
 
 class StepBuffers:
@@ -250,6 +247,7 @@ def plan_step(cache, input_ids, attention_mask, batch: int, query_len: int, gath
         writes = torch.repeat_interleave(torch.tensor(written), q_lens)
         write_index = writes.nonzero().flatten()
     backend = cache._resolved_backend(input_ids)
+    static = decode and cache.is_compileable
     max_query_len = max(counts) if counts else 0
     num_tokens = sum(counts)
     for g in group_steps:
@@ -258,11 +256,13 @@ def plan_step(cache, input_ids, attention_mask, batch: int, query_len: int, gath
             pos = torch.arange(length)
             g.gather_slots = g.block_tables.long()[:, pos // bs] * bs + pos % bs  # [B, L]
         elif backend == "torch":
-            context = -(-int(g.seq_lens.max()) // bs) * bs  # whole blocks: the plan's width tells its length
+            # Whole blocks: the plan's width tells its length. A compiled step always carries the mask; its width
+            # changes block by block (dynamo compiles that dimension as dynamic after the first change).
+            context = -(-int(g.seq_lens.max()) // bs) * bs
             g.plan = plan_torch_attention(g.block_tables, g.seq_lens, g.query_start_loc, bs, num_tokens, g.window,
-                                          max_query_len, context)
+                                          max_query_len, context, always_mask=static)
     return Step(batch, query_len, max_query_len, fresh and not gathered, token_index, write_index, group_steps,
-                backend, layers=[None] * max(cache.num_layers or 0, 1))
+                backend, static, layers=[None] * max(cache.num_layers or 0, 1))
 
 
 def _copy_on_write(pool, copies) -> None:

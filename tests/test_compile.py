@@ -21,10 +21,10 @@ from transformers.generation import CompileConfig
 from _features import forward
 from hf_paged import PagedCache, enable_paged_attention
 
-# Measured: the first call compiles 3 graphs (the first decode step; again once the attention mask's length turns
-# dynamic; again once the bucketed block-table width does) and the later calls, with other prompt lengths and
+# Measured: the first call compiles 2 graphs (the first decode step; again at the first shape change, after which
+# dynamo compiles the changing dimensions as dynamic) and the later calls, with other prompt lengths and
 # max_new_tokens, reuse them. One spare graph is allowed.
-MAX_UNIQUE_GRAPHS = 4
+MAX_UNIQUE_GRAPHS = 3
 NUM_BLOCKS = 64
 
 
@@ -56,6 +56,7 @@ class StepProbe(StoppingCriteria):
         self.cache = cache
         self.pool_ptrs: list[tuple[int, ...]] = []
         self.decode_reads_buffers: list[bool] = []
+        self.widths: list[tuple[int, int, int]] = []  # per decode layer: table width, mask width, plan blocks
 
     def __call__(self, input_ids, scores, **kwargs):
         self.pool_ptrs.append(tuple(t.data_ptr() for t in pool_tensors(self.cache)))
@@ -64,8 +65,10 @@ class StepProbe(StoppingCriteria):
             buffers = list(self.cache._buffers._buffers.values())
             for layer in step.layers:
                 g = layer.group
-                self.decode_reads_buffers.append(all(any(t is b for b in buffers) for t in (
-                    g.slot_mapping, g.block_tables, g.seq_lens, g.query_start_loc)))
+                # the torch backend's plan too, mask included: its presence and shapes depend on the bucket alone
+                read = (g.slot_mapping, g.block_tables, g.seq_lens, g.query_start_loc, g.plan.tables, g.plan.mask)
+                self.decode_reads_buffers.append(all(any(t is b for b in buffers) for t in read))
+                self.widths.append((g.block_tables.shape[1], g.plan.mask.shape[-1], g.plan.tables.shape[0]))
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
@@ -83,7 +86,8 @@ def greedy_calls():
     last_inputs, last_n = calls[-1]
     expected_longer = generate(model, last_inputs, dynamic(model), max_new_tokens=last_n + extra)
     enable_paged_attention(model, backend="torch")
-    record = {"tokens": [], "expected": expected, "graphs": [], "probes": [], "released": [], "static": []}
+    record = {"tokens": [], "expected": expected, "graphs": [], "probes": [], "released": [], "static": [],
+              "widths": []}
     for inputs, n in calls:
         cache = PagedCache(model.config, num_blocks=NUM_BLOCKS)
         probe = StepProbe(cache)
@@ -92,6 +96,7 @@ def greedy_calls():
         record["tokens"].append(out)
         record["graphs"].append(unique_graphs())
         record["probes"].append((probe.pool_ptrs, probe.decode_reads_buffers))
+        record["widths"].append(probe.widths)
         record["released"].append(cache.seq_lens())
         record["static"].append({
             "pool": [getattr(t, "_dynamo_static_input_type", None) for t in pool_tensors(cache)],
@@ -99,6 +104,7 @@ def greedy_calls():
         })
         del probe
     record["graph_breaks"] = dict(counters["graph_break"])
+    record["model"] = model
 
     # The last cache, continued by hand: one token a step, eagerly, left-padded rows at their own positions.
     mask = torch.cat([last_inputs["attention_mask"], torch.ones(3, last_n, dtype=torch.long)], 1)
@@ -147,6 +153,18 @@ def test_pool_and_step_buffers_are_static_and_stay_put(greedy_calls):
     for pool_ptrs, decode_reads_buffers in greedy_calls["probes"]:
         assert len(pool_ptrs) > 5 and len(set(pool_ptrs)) == 1, "the KV pool was reallocated between steps"
         assert decode_reads_buffers and all(decode_reads_buffers), "a decode step read metadata outside the buffers"
+
+
+def test_compiled_decode_steps_keep_their_inputs_and_bucket_the_tables(greedy_calls):
+    """A compiled decode step's inputs are the same every step (the torch plan always carries its mask: a plan
+    without one would be another graph) and the block tables' width is a power of two, so shapes change only with
+    the bucket, or block by block for the plan (a dimension dynamo then compiles as dynamic)."""
+    block_size = PagedCache(greedy_calls["model"].config).pool.block_size
+    for widths in greedy_calls["widths"]:
+        assert widths
+        for width, mask_width, plan_blocks in widths:
+            assert width & (width - 1) == 0
+            assert mask_width % block_size == 0 and plan_blocks == 3 * (mask_width // block_size) <= 3 * width
 
 
 def test_manual_eager_loop_after_compiled_generate(greedy_calls):

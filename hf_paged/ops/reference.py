@@ -99,12 +99,16 @@ class TorchAttentionPlan:
 def plan_torch_attention(
     block_tables, seq_lens, query_start_loc, block_size: int, num_tokens: int,
     sliding_window: int | None = None, max_query_len: int | None = None, max_seq_len: int | None = None,
+    always_mask: bool = False,
 ) -> TorchAttentionPlan:
     """Index and mask tensors for :func:`paged_attention_torch`, built once per step and shared by its layers.
 
     ``max_seq_len`` may exceed every ``seq_lens`` entry (a bucketed width, up to ``block_tables.shape[1] *
     block_size``), and table columns past a sequence's blocks may hold any valid block id (e.g. 0): positions at or
     past ``seq_lens[s]`` are masked, so what those slots hold never reaches the output unless it is NaN/inf.
+
+    ``always_mask``: build the mask even where every sequence fills ``max_seq_len`` (a compiled step's plan then
+    holds the same tensors, of shapes fixed by the table width, every step).
     """
     device = block_tables.device
     seq_lens_l = seq_lens.to(torch.long)
@@ -127,7 +131,7 @@ def plan_torch_attention(
     q_index = q_valid = None
     if decode:
         queries = 1
-        if sliding_window is None and bool((seq_lens_l == max_seq_len).all()):
+        if not always_mask and sliding_window is None and bool((seq_lens_l == max_seq_len).all()):
             return TorchAttentionPlan(tables, max_seq_len, num_ctx_blocks, None, None, None)
     else:
         queries = max_query_len
