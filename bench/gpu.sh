@@ -21,7 +21,7 @@
 # Exit status 0 when every stage passed. Environment: PYTHON (python3; .venv/bin/python for DRY when present),
 # BUDGET (seconds for everything: 330; DRY 300), BATCH / PROMPT / NEW_TOKENS (generate() shape: 8 / 512 / 128),
 # KERNELS_ARGS (extra bench/kernels.py arguments), TESTS_K (pytest -k for the kernel tests), MODELS (1b 8b),
-# COMPILE_BACKEND (inductor; DRY eager), SITE (where .whl/ is installed: /tmp/site).
+# COMPILE_BACKEND (inductor; DRY eager), SITE (where .whl/ is installed: /tmp/site), SKIP (stage names not to run).
 # Each stage's cap is also cut so that triton-e2e, last, keeps its share of the budget (RESERVE).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -69,7 +69,10 @@ stage() {
     shift 2
     local left=$((BUDGET - SECONDS - RESERVE))
     [ "$cap" -gt "$left" ] && cap=$left
-    if [ "$cap" -lt 10 ]; then
+    if [[ " ${SKIP:-} " == *" $name "* ]]; then
+        echo "== $name: skipped (SKIP)" | tee "$OUT/$name.log"
+        return 0
+    elif [ "$cap" -lt 10 ]; then
         rc=125
         echo "== $name: skipped, the ${BUDGET}s budget is spent" | tee "$OUT/$name.log"
     else
@@ -220,7 +223,7 @@ open(os.path.join(os.environ["OUT"], "env.txt"), "w").write("\n".join(lines) + "
 EOF
 command -v nvidia-smi >/dev/null && nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 
-stage kernel-tests "$(cap 150 60)" "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py ${TESTS_K:+-k "$TESTS_K"}
+stage kernel-tests "$(cap 150 120)" "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py ${TESTS_K:+-k "$TESTS_K"}
 
 if [ "$DRY" = 1 ]; then  # bench/kernels.py's own main needs CUDA: drive its functions on CPU with tiny shapes
     cat >"$DRY_KERNELS" <<'EOF'

@@ -37,3 +37,21 @@ def test_patches_import_as_subpackage():
 
     families = set(supported_model_types())
     assert {"llama", "mistral", "qwen2", "gemma2", "gemma3_text", "gpt_oss"} <= families
+
+
+def test_checkout_without_install_finds_the_patches(tmp_path):
+    """``PYTHONPATH=<checkout>`` with no install (bench/gpu.sh on a bare GPU machine): ``python -S`` skips the
+    editable install's finder, so hf_paged comes from the checkout and ``patches/`` must become hf_paged.patches."""
+    import site
+
+    script = ("import hf_paged, hf_paged.patches as p; from transformers import LlamaConfig, LlamaForCausalLM; "
+              "m = LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, "
+              "num_key_value_heads=1, intermediate_size=32, vocab_size=50)); hf_paged.enable_paged_attention(m); "
+              "print(hf_paged.__file__); print(p.__file__)")
+    env = {"PYTHONPATH": ":".join([str(ROOT), *site.getsitepackages()]), "PATH": "/usr/bin:/bin"}
+    run = subprocess.run([sys.executable, "-S", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    package, patches = run.stdout.split()
+    assert package == str(ROOT / "hf_paged" / "__init__.py")
+    assert patches == str(ROOT / "patches" / "__init__.py")
