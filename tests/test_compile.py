@@ -234,6 +234,57 @@ def test_eager_cache_is_collected_after_del():
     assert cache_ref() is None and pool_ref() is None
 
 
+def test_step_buffers_go_back_to_the_pool_for_the_next_cache():
+    """What lets recorded CUDA graphs replay for the next call on a shared pool: a collected cache's step buffers go
+    to the next cache on the same pool; caches alive at once never share them."""
+    fresh_dynamo()
+    model = tiny_model("llama", num_hidden_layers=1)
+    enable_paged_attention(model, backend="torch")
+    pool = PagedCache(model.config, num_blocks=NUM_BLOCKS).pool
+    first = PagedCache(model.config, pool=pool)
+    generate(model, left_padded([5, 8]), first, max_new_tokens=4, compile_config=compile_config())
+    buffers = first._buffers
+    assert buffers._buffers, "the compiled decode steps staged nothing"
+    addresses = {k: t.data_ptr() for k, t in buffers._buffers.items()}
+    other = PagedCache(model.config, pool=pool)
+    assert other._buffers is not buffers  # both alive: their own buffers
+    del first
+    gc.collect()
+    second = PagedCache(model.config, pool=pool)
+    assert second._buffers is buffers
+    generate(model, left_padded([5, 8]), second, max_new_tokens=4, compile_config=compile_config())
+    assert {k: t.data_ptr() for k, t in second._buffers._buffers.items()} == addresses
+    del other, second
+    fresh_dynamo()
+
+
+def test_reenabling_keeps_the_attention_function_and_mask_sizes_follow_the_bucket():
+    """Re-enabling paged attention registers the very same attention function (so compiled graphs, which guard on
+    it, stay valid), and a compiled decode step's mask width is the block tables' bucket, not the exact length."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from hf_paged import disable_paged_attention
+    from hf_paged.attention import GenerateCall
+
+    model = tiny_model("llama", num_hidden_layers=1)
+    enable_paged_attention(model, backend="torch")
+    name = model.config._attn_implementation
+    function = ALL_ATTENTION_FUNCTIONS[name]
+    disable_paged_attention(model)
+    enable_paged_attention(model, backend="torch")
+    assert ALL_ATTENTION_FUNCTIONS[name] is function
+
+    cache = PagedCache(model.config, num_blocks=NUM_BLOCKS)  # block size 16
+    cache._columns = 40
+    assert cache.get_mask_sizes(1) == (41, 0)  # eager: the exact length
+    cache._call = GenerateCall(backend="torch", release=True, compile=True)
+    assert cache.get_mask_sizes(1) == (64, 0)  # 3 blocks -> a bucket of 4
+    assert cache.get_mask_sizes(5) == (45, 0)  # not a decode step
+    cache._columns = 64
+    assert cache.get_mask_sizes(1) == (128, 0)
+    cache._call = None
+
+
 def test_inductor_compiled_decode_step():
     """The one real compile (inductor, CPU): tokens equal, no graph break, and the cache is collected afterwards."""
     fresh_dynamo()
