@@ -19,7 +19,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation import CompileConfig
 
 from _features import forward
-from hf_paged import PagedCache, enable_paged_attention
+from hf_paged import BlockPool, PagedCache, enable_paged_attention
 
 # Measured: the first call compiles 2 graphs (the first decode step; again at the first shape change, after which
 # dynamo compiles the changing dimensions as dynamic) and the later calls, with other prompt lengths and
@@ -240,7 +240,7 @@ def test_step_buffers_go_back_to_the_pool_for_the_next_cache():
     fresh_dynamo()
     model = tiny_model("llama", num_hidden_layers=1)
     enable_paged_attention(model, backend="torch")
-    pool = PagedCache(model.config, num_blocks=NUM_BLOCKS).pool
+    pool = BlockPool(num_blocks=NUM_BLOCKS)
     first = PagedCache(model.config, pool=pool)
     generate(model, left_padded([5, 8]), first, max_new_tokens=4, compile_config=compile_config())
     buffers = first._buffers

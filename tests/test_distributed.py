@@ -231,7 +231,7 @@ def test_step_moves_once_per_device():
                       seq_lens=torch.tensor([2, 6], dtype=torch.int32),
                       query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32), window=None)
     step = Step(batch_size=2, query_len=1, max_query_len=1, no_history=False, token_index=None, write_index=None,
-                groups=[group], backend="torch")
+                groups=[group], backend="torch", static=True)  # a compiled decode step
     buffers = StepBuffers()
     meta = torch.device("meta")  # stands in for a second device on a CPU-only machine
     moved, packing = step.device_view(0, meta, buffers)
@@ -240,9 +240,14 @@ def test_step_moves_once_per_device():
     assert packing == (None, None)
     on_cpu, _ = step.device_view(0, torch.device("cpu"), buffers)
     assert torch.equal(on_cpu.block_tables, group.block_tables)
-    # A decode step stages its tensors in buffers that the next step with the same shapes reuses in place.
+    # A compiled decode step stages its tensors in buffers that the next one with the same shapes reuses in place;
+    # an eager step just moves them.
+    groups = [GroupStep(group.slot_mapping + 1, group.block_tables, group.seq_lens + 1, group.query_start_loc, None)]
     again = Step(batch_size=2, query_len=1, max_query_len=1, no_history=False, token_index=None, write_index=None,
-                 groups=[GroupStep(group.slot_mapping + 1, group.block_tables, group.seq_lens + 1,
-                                   group.query_start_loc, None)], backend="torch")
+                 groups=groups, backend="torch", static=True)
     staged, _ = again.device_view(0, torch.device("cpu"), buffers)
     assert staged.seq_lens.data_ptr() == on_cpu.seq_lens.data_ptr() and staged.seq_lens.tolist() == [3, 7]
+    eager = Step(batch_size=2, query_len=1, max_query_len=1, no_history=False, token_index=None, write_index=None,
+                 groups=groups, backend="torch")
+    moved_only, _ = eager.device_view(0, torch.device("cpu"), buffers)
+    assert moved_only.seq_lens.data_ptr() != on_cpu.seq_lens.data_ptr() and moved_only.seq_lens.tolist() == [3, 7]
