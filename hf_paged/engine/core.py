@@ -12,10 +12,12 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 from ..errors import OutOfBlocksError
 from .outputs import RequestStatus, RequestTooLargeError
 from .request import Request
-from .scheduler import Batch, Scheduler
+from .scheduler import Batch, Chunk, Scheduler
 
 try:
     from .sampling import Sampler
@@ -95,30 +97,39 @@ class EngineCore:
                     callback=None) -> Request:
         """A request ready for :meth:`add` (sizes already checked)."""
         max_length = self.max_context if self.max_context is not None else len(prompt) + params.max_new_tokens
-        return Request(
-            request_id=request_id, tokens=list(prompt), num_prompt=len(prompt),
-            max_new_tokens=params.max_new_tokens, max_length=max_length,
-            eos_token_ids=frozenset(params.eos_token_ids), params=params,
-            generator=self.sampler.new_generator(params), streaming=streaming, callback=callback,
-            logprobs=[] if params.logprobs is not None else None,
-            top_logprobs=[] if params.logprobs else None,
-        )
+
+        def make(rid, index):
+            return Request(
+                request_id=rid, tokens=list(prompt), num_prompt=len(prompt),
+                max_new_tokens=params.max_new_tokens, max_length=max_length,
+                eos_token_ids=frozenset(params.eos_token_ids), params=params,
+                generator=self.sampler.new_generator(params, index), streaming=streaming, callback=callback,
+                logprobs=[] if params.logprobs is not None else None,
+                top_logprobs=[] if params.logprobs else None,
+            )
+
+        request = make(request_id, 0)
+        # transformers' names for the forks of num_return_sequences
+        request.children = [make(f"{request_id}__child#{i}", i + 1)
+                            for i in range(getattr(params, "num_return_sequences", 1) - 1)]
+        return request
 
     def add(self, request: Request) -> None:
         self.scheduler.add(request)
 
-    def cancel(self, request: Request) -> None:
-        """End ``request`` as cancelled; its blocks go back now (between steps)."""
+    def cancel(self, request: Request) -> list[Request]:
+        """End ``request`` as cancelled; its blocks go back now (between steps). Returns the requests that ended
+        (with its forks not made yet)."""
         if request.is_finished:
-            return
-        self._end(request, RequestStatus.CANCELLED)
+            return []
+        return self._end(request, RequestStatus.CANCELLED)
 
     def fail_all(self, error: str) -> list[Request]:
         """End every waiting and running request as failed (the engine cannot go on)."""
-        ended = [*self.scheduler.running, *self.scheduler.waiting]
-        for req in ended:
+        ended = []
+        for req in [*self.scheduler.running, *self.scheduler.waiting]:
             req.error = error
-            self._end(req, RequestStatus.FAILED, keep=req.num_computed)
+            ended += self._end(req, RequestStatus.FAILED, keep=req.num_computed)
         return ended
 
     @property
@@ -164,7 +175,20 @@ class EngineCore:
         chunks = [c for c in batch.chunks if c.sample]
         if not chunks:
             return []
-        reqs = [c.request for c in chunks]
+        reqs, rows = [], []
+        for i, chunk in enumerate(chunks):
+            req = chunk.request
+            reqs.append(req)
+            rows.append(i)
+            if req.children and not req.forked:  # its prompt is in: the forks start here, each drawing its own token
+                req.forked = True
+                for child in req.children:
+                    if not child.is_finished:
+                        self.scheduler.add_fork(req, child)
+                        reqs.append(child)
+                        rows.append(i)
+        if len(rows) != len(chunks):
+            logits = logits[torch.tensor(rows, device=logits.device)]  # [k + forks, vocab]
         result = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs],
                               [r.tokens for r in reqs])
         now = time.perf_counter()
@@ -184,19 +208,32 @@ class EngineCore:
     def _fail_batch(self, batch: Batch, err: Exception, computed: bool = False) -> list[Request]:
         self.failed_steps += 1
         message = f"the forward of this request's step failed: {type(err).__name__}: {err}"
-        reqs = [c.request for c in batch.chunks]
-        for chunk in batch.chunks:
+        ended = []
+        forks = [child for c in batch.chunks for child in c.request.children
+                 if child.status == RequestStatus.RUNNING and child.num_generated == 0]  # made in this step
+        for chunk in [*batch.chunks, *(Chunk(child, 0, 0) for child in forks)]:
             req = chunk.request
+            if req.is_finished:
+                continue
             req.error = message
             # keep: what the row held validly before this step (its new blocks may be half written)
-            self._end(req, RequestStatus.FAILED, keep=None if computed else chunk.start)
-        return reqs
+            ended += self._end(req, RequestStatus.FAILED, keep=None if computed else chunk.start)
+        return ended
 
     def _preempt_last(self) -> None:
         running = self.scheduler.running
         if running:
             self.scheduler.preempt(running[-1])
 
-    def _end(self, req: Request, status: RequestStatus, keep: int | None = None) -> None:
+    def _end(self, req: Request, status: RequestStatus, keep: int | None = None) -> list[Request]:
+        """End ``req`` (and its forks not made yet, with the same status and error)."""
+        now = time.perf_counter()
         self.scheduler.finish(req, status, keep=keep)
-        req.end_time = time.perf_counter()
+        req.end_time = now
+        ended = [req]
+        if not req.forked:
+            for child in req.children:
+                if not child.is_finished:
+                    child.status, child.error, child.end_time = status, req.error, now
+                    ended.append(child)
+        return ended

@@ -105,6 +105,11 @@ class RequestKV:
             seqs = [a.new_sequence(list(prefix_blocks) if g == 0 else []) for g in range(self.groups.num_groups)]
         return KVRow(seqs)
 
+    def fork(self, row: KVRow) -> KVRow:
+        """A new row sharing every block of ``row`` (copy-on-write when either writes a shared last block)."""
+        with self.pool.lock:
+            return KVRow([self.allocator.fork(seq) for seq in row.seqs])
+
     def free(self, row: KVRow) -> None:
         """All its blocks back (keyed full blocks stay cached for later prompts)."""
         with self.pool.lock:

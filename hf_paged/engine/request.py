@@ -44,6 +44,8 @@ class Request:
     end_time: float | None = None
     timestamps: list[float] = field(default_factory=list)
     emitted: int = 0  # generated tokens already handed out as stream deltas
+    children: list["Request"] = field(default_factory=list)  # num_return_sequences > 1: the forks to come
+    forked: bool = False  # its forks were made (or it is one): never fork again
 
     @property
     def num_generated(self) -> int:

@@ -155,8 +155,12 @@ class Scheduler:
         budget = self.max_batch_tokens - batch.num_tokens
         reserved = self._reserved
         held = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting.popleft()
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            width = 1 if req.forked else getattr(req.params, "num_return_sequences", 1)
+            if self.running and len(self.running) + width > self.max_num_seqs:
+                break
+            self.waiting.popleft()
             limit = len(req.tokens) - 1  # the last known token always runs: its logits give the next token
             prefix = self.kv.match(req.tokens, limit)
             if self._waits_for_prefix(req, len(prefix), limit):
@@ -219,6 +223,18 @@ class Scheduler:
                     break
                 self._pending[key] = req
                 req.pending_keys += 1
+
+    def add_fork(self, parent: Request, child: Request) -> None:
+        """Run ``child`` from now on, sharing ``parent``'s blocks (``num_return_sequences``): its tokens are the
+        parent's, computed as far as the parent's."""
+        child.tokens = list(parent.tokens)
+        child.row = self.kv.fork(parent.row)
+        child.num_computed = parent.num_computed
+        child.status = RequestStatus.RUNNING
+        child.ever_admitted = child.forked = True
+        child.admitted_at = self._admissions
+        self._admissions += 1
+        self.running.append(child)
 
     def preempt(self, req: Request) -> None:
         """Give ``req``'s blocks back and requeue it at the head, keeping its tokens (recomputed later)."""
@@ -288,4 +304,3 @@ class Scheduler:
             assert req.status == RequestStatus.PENDING and req.row is None and req.num_computed == 0, req.request_id
         for key, owner in self._pending.items():
             assert owner in self.running, "a pending prefix block belongs to a request that is not running"
-        assert len(self.running) <= self.max_num_seqs
