@@ -1,0 +1,1 @@
+"""The continuous-batching engine: requests scheduled on a shared BlockPool (see engine/ modules)."""
