@@ -1,4 +1,4 @@
-"""The engine's sampler: settings read like generate() reads them, tokens like generate() picks them, per-request seeds."""
+"""The engine's sampler: settings read as generate() reads them, tokens as generate() picks them, per-request seeds."""
 
 from __future__ import annotations
 
