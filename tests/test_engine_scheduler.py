@@ -17,10 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from _engine_shadow import EOS, VOCAB, expected_tokens, run_to_end, shadow_engine
 from hf_paged.engine.outputs import RequestStatus, RequestTooLargeError
 
-try:
-    from hf_paged.engine.sampling import SamplingParams
-except ImportError:
-    from hf_paged.engine._greedy import SamplingParams
+from hf_paged.engine.sampling import SamplingParams
 
 
 def prompt_of(n: int, seed: int, prefix: list[int] = ()) -> list[int]:

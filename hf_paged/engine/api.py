@@ -22,10 +22,7 @@ from .core import EngineCore
 from .outputs import EngineStats, GenerationOutput, QueueFullError, RequestStatus
 from .request import Request
 
-try:
-    from .sampling import SamplingParams
-except ImportError:  # the sampler has not landed in this checkout yet
-    from ._greedy import SamplingParams
+from .sampling import SamplingParams
 
 DEFAULT_MAX_UNREAD = 100_000  # finished results kept until read; the oldest unread are dropped past it
 _FORGOTTEN = 10_000  # ids of results read or dropped, remembered to say so (not "unknown")

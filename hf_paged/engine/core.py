@@ -19,10 +19,7 @@ from .outputs import RequestStatus, RequestTooLargeError
 from .request import Request
 from .scheduler import Batch, Chunk, Scheduler
 
-try:
-    from .sampling import Sampler
-except ImportError:  # the sampler has not landed in this checkout yet
-    from ._greedy import Sampler
+from .sampling import Sampler
 
 RECENT = 2048  # recent TTFT / inter-token figures kept for stats()
 

@@ -65,7 +65,7 @@ def from_continuous_batching_config(config) -> dict:
     for f in dataclasses.fields(config):
         value, default = getattr(config, f.name), getattr(defaults, f.name)
         if f.name in CB_MAPPED:
-            if f.name == "block_size" and value is None:
+            if value is None or (f.name == "return_logprobs" and not value):
                 continue
             if f.name == "page_size" and value == default and config.block_size is None:
                 continue  # transformers' default page of 256 tokens is far too coarse here: keep the pool's 16
@@ -79,11 +79,12 @@ def from_continuous_batching_config(config) -> dict:
     if refused:
         raise ValueError("continuous_batching_config sets what this engine cannot honour: " + "; ".join(refused)
                          + ". Leave these at their defaults.")
-    if out.get("max_queue_size") == 0:
-        out["max_queue_size"] = None
+    if out.get("max_queue_size") == 0:  # transformers' "unlimited"
+        del out["max_queue_size"]
     if out.get("memory_fraction") is not None and not 0 < out["memory_fraction"] <= 1:
         raise ValueError(f"max_memory_percent must be in (0, 1], got {out['memory_fraction']}.")
-    out["logprobs"] = 0 if out.get("logprobs") else None
+    if out.get("logprobs"):
+        out["logprobs"] = 0
     if out.get("prefix_caching", True) is True:
         out.pop("prefix_caching", None)  # allowed, not forced: the default (on where the model allows it) stands
     return out
