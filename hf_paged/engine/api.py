@@ -553,3 +553,168 @@ def _engine_loop(manager_ref, core: EngineCore, lock, cond, signals) -> None:
             cond.notify_all()
         raise
     _call_back(deliveries)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Entry points
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def init_continuous_batching(model, generation_config=None, *, pool=None, max_batch_tokens: int | None = None,
+                             max_queue_size: int | None = None, continuous_batching_config=None,
+                             max_num_seqs: int | None = None, max_unread_results: int = DEFAULT_MAX_UNREAD,
+                             watermark: float | None = None, backend: str = "auto") -> ContinuousBatchingManager:
+    """A continuous-batching manager serving ``model`` from a shared block pool (start it, or use ``with``).
+
+    Args:
+        model: a causal LM of a family ``python -m hf_paged models`` lists; :func:`hf_paged.enable_paged_attention`
+            is applied if it was not.
+        generation_config: the requests' default settings (default ``model.generation_config``).
+        pool: a :class:`~hf_paged.BlockPool` (its block size, cap, ``prefix_caching`` and ``kv_dtype`` apply).
+            Default: a fixed pool with prefix caching, sized from the memory free on the model's device (CUDA: 80%
+            of free memory; CPU: 20% of available RAM, at most 2 GiB).
+        max_batch_tokens: tokens per forward, decode tokens and prefill chunks together (default 512 on CPU,
+            2048 on CUDA).
+        max_queue_size: waiting requests past which ``add_request`` raises ``QueueFullError`` (default: no limit).
+        continuous_batching_config: transformers' ``ContinuousBatchingConfig``; ``page_size``, ``num_blocks``,
+            ``max_batch_tokens``, ``max_memory_percent``, ``max_requests_per_batch``, ``allow_block_sharing``,
+            ``max_queue_size``, ``safety_margin`` and ``return_logprobs`` are honoured, other fields refused by name
+            when set. Explicit arguments win over it.
+        max_num_seqs: the most requests running at once (default ``max_batch_tokens``).
+        max_unread_results: finished results kept until read; past it the oldest unread are dropped.
+        watermark: share of the pool kept free when admitting new requests (default 1%).
+        backend: ``"auto"`` (Triton on CUDA, torch on CPU), ``"torch"`` or ``"triton"``.
+
+    Requires transformers >= 5.24 (the attention plumbing the packed forward needs); ``generate()`` with a
+    ``PagedCache`` works from 4.56.
+
+    Example::
+
+        manager = hf_paged.init_continuous_batching(model, max_batch_tokens=512)
+        manager.start()
+        rid = manager.add_request(tokenizer("Hello").input_ids, max_new_tokens=32)
+        print(tokenizer.decode(manager.get_result(rid).generated_tokens))
+        manager.stop()
+    """
+    from ..attention import enable_paged_attention, is_paged
+    from ..groups import LayerGroups
+    from ..patches import check_model, layer_windows
+    from .core import EngineCore
+    from .kv import RequestKV
+    from .options import context_limit, default_batch_tokens, default_pool, from_continuous_batching_config
+    from .runner import ModelRunner
+    from .sampling import Sampler
+    from .scheduler import Scheduler
+
+    from .. import compat
+
+    if not compat.STEP_IN_ATTENTION_KWARGS:
+        raise RuntimeError(f"the continuous-batching engine needs transformers >= 5.24 (this is "
+                           f"{compat.TRANSFORMERS_VERSION}); generate() with a PagedCache works from 4.56.")
+    options = from_continuous_batching_config(continuous_batching_config)
+    if max_batch_tokens is not None:
+        options["max_batch_tokens"] = max_batch_tokens
+    if max_queue_size is not None:
+        options["max_queue_size"] = max_queue_size
+    if max_num_seqs is not None:
+        options["max_num_seqs"] = max_num_seqs
+    if watermark is not None:
+        options["watermark"] = watermark
+    check_model(model)
+    if not is_paged(model):
+        enable_paged_attention(model, backend=backend)
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    device = model.device
+    groups = LayerGroups.from_windows(layer_windows(config))
+    num_layers = config.num_hidden_layers
+    pool_options = {k: options.pop(k) for k in ("block_size", "num_blocks", "memory_fraction", "prefix_caching")
+                    if k in options}
+    if pool is None:
+        pool = default_pool(device, **pool_options)
+    elif pool_options:
+        raise ValueError(f"continuous_batching_config sets {sorted(pool_options)} but pool= was given: size the "
+                         "BlockPool itself instead.")
+    _cap_pool(pool, config, model.dtype, groups)
+    batch_tokens = options.pop("max_batch_tokens", None) or default_batch_tokens(device)
+    kv = RequestKV(pool, groups, batch_tokens)
+    scheduler = Scheduler(kv, batch_tokens, max_num_seqs=options.pop("max_num_seqs", None),
+                          watermark=options.pop("watermark", None) or 0.01)
+    runner = ModelRunner(model, kv, model._hf_paged_state["decoder"]._hf_paged_backend, num_layers)
+    limit, reason = context_limit(config)
+    core = EngineCore(scheduler, runner, Sampler(device=device), max_context=limit, context_reason=reason)
+    defaults = {"logprobs": options.pop("logprobs")} if "logprobs" in options else {}
+    return ContinuousBatchingManager(core, generation_config if generation_config is not None
+                                     else model.generation_config, vocab_size=config.vocab_size,
+                                     max_queue_size=options.pop("max_queue_size", None),
+                                     max_unread_results=max_unread_results, default_options=defaults)
+
+
+def _cap_pool(pool, config, dtype, groups) -> None:
+    """A ``max_memory`` pool gets its block cap now, from the model's K/V shape (before any block is taken)."""
+    if pool.max_memory is None or pool.allocator.max_blocks is not None:
+        return
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    slots = groups.group_size if groups.layer_slot else config.num_hidden_layers
+    pool.apply_memory_cap(heads, head_dim, dtype, slots)
+
+
+def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool = True,
+                   max_new_tokens: int | None = None, **options) -> dict[str, GenerationOutput]:
+    """Generate for many prompts with continuous batching; returns ``{request_id: GenerationOutput}`` in input order.
+
+    A drop-in for transformers' ``model.generate_batch(inputs, generation_config)``: ``inputs`` is a list of prompts
+    (lists of token ids), ids are ``req_0``, ``req_1``, ... (forks of ``num_return_sequences`` follow their parent as
+    ``req_0__child#0``, ...). A prompt that can never fit (too long for the pool or the context) or has a bad setting
+    gets a ``FAILED`` result with the reason; the others run. ``progress_bar`` shows requests done and tokens/s.
+
+    ``options``: those of :func:`init_continuous_batching` (``pool``, ``max_batch_tokens``,
+    ``continuous_batching_config``, ...) and per-request settings for every prompt (``do_sample``, ``temperature``,
+    ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``, ``eos_token_id``, ``stop_token_ids``,
+    ``logprobs``, ``num_return_sequences``).
+
+    Example::
+
+        outputs = hf_paged.generate_batch(model, [tok(p).input_ids for p in prompts], max_new_tokens=64)
+        for out in outputs.values():
+            print(tok.decode(out.generated_tokens))
+    """
+    from tqdm.auto import tqdm
+
+    request_options = {k: options.pop(k) for k in _SAMPLING_KEYS if k in options}
+    for name in ("persistent_manager", "warmup", "record_timestamps"):  # transformers' options with no meaning here
+        options.pop(name, None)
+    if not inputs:
+        return {}
+    manager = init_continuous_batching(model, generation_config, **options)
+    results: dict[str, GenerationOutput] = {}
+    order: list[list[str]] = []
+    with manager:
+        for i, prompt in enumerate(inputs):
+            rid = f"req_{i}"
+            try:
+                manager.add_request(prompt, request_id=rid, max_new_tokens=max_new_tokens, **request_options)
+                n = request_options.get("num_return_sequences") or getattr(
+                    generation_config or model.generation_config, "num_return_sequences", None) or 1
+                order.append([rid, *(f"{rid}__child#{j}" for j in range(n - 1))])
+            except (ValueError, RuntimeError) as err:
+                prompt_ids = list(prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)
+                now = time.perf_counter()
+                results[rid] = GenerationOutput(rid, prompt_ids=prompt_ids, status=RequestStatus.FAILED,
+                                                error=f"{type(err).__name__}: {err}", created_time=now, end_time=now)
+                order.append([rid])
+        total = sum(len(ids) for ids in order)
+        start, tokens = time.perf_counter(), 0
+        with tqdm(total=total, desc="generate_batch", unit="req", disable=not progress_bar, leave=False) as bar:
+            bar.update(len(results))
+            while len(results) < total:
+                out = manager.get_result(timeout=1.0)
+                if out is None:
+                    if not manager.is_running():
+                        break
+                    continue
+                results[out.request_id] = out
+                tokens += len(out.generated_tokens)
+                bar.update(1)
+                bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.1f} tok/s")
+    return {rid: results[rid] for ids in order for rid in ids if rid in results}

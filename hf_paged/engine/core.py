@@ -51,11 +51,13 @@ class EngineCore:
         max_context: the model's context (prompt + generated tokens), for requests' ``max_length``.
     """
 
-    def __init__(self, scheduler: Scheduler, runner, sampler=None, max_context: int | None = None):
+    def __init__(self, scheduler: Scheduler, runner, sampler=None, max_context: int | None = None,
+                 context_reason: str = "max_position_embeddings"):
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = sampler if sampler is not None else Sampler()
         self.max_context = max_context
+        self.context_reason = context_reason
         self.times = StepTimes()
         self.steps = 0
         self.failed_steps = 0
@@ -76,7 +78,7 @@ class EngineCore:
         if self.max_context is not None and prompt_len >= self.max_context:
             raise RequestTooLargeError(
                 f"the prompt has {prompt_len} tokens but the model's context is {self.max_context} "
-                f"(max_position_embeddings): nothing can be generated. Shorten the prompt.")
+                f"({self.context_reason}): nothing can be generated. Shorten the prompt.")
         capacity = self.kv.capacity
         if capacity is not None:
             # The context caps what a request can hold: it ends ("length") when it reaches it.
