@@ -19,10 +19,17 @@ import pytest
 import torch
 
 from _engine_reference import TieCount, check_tokens, random_prompts, reference
+from _engine_shadow import one_thread
 from conftest import EOS, VOCAB, tiny_model
-from hf_paged import BlockPool, PagedCache, RequestStatus, enable_paged_attention, generate_batch, init_continuous_batching
+from hf_paged import BlockPool, RequestStatus, enable_paged_attention, generate_batch, init_continuous_batching
 from hf_paged.engine.sampling import SamplingParams
 from test_models import AVAILABLE, tiny_family_model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    yield from one_thread()
+
 
 BLOCK = 4
 TIES = TieCount()
