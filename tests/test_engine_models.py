@@ -23,6 +23,7 @@ from _engine_shadow import one_thread
 from conftest import EOS, VOCAB, tiny_model
 from hf_paged import BlockPool, RequestStatus, enable_paged_attention, generate_batch, init_continuous_batching
 from hf_paged.engine.sampling import SamplingParams
+from hf_paged.patches import layer_windows
 from test_models import AVAILABLE, tiny_family_model
 
 
@@ -112,18 +113,22 @@ def test_tokens_equal_generate_alone(scenario):
     print(f"\n{scenario}: ties accepted so far {len(TIES.ties)} of {TIES.requests} requests")
 
 
-@pytest.mark.parametrize("model_type", [m for m in ("mistral", "qwen2", "gemma2", "gemma3_text", "gpt_oss", "phi3",
-                                                    "cohere2", "olmo2") if m in AVAILABLE])
+@pytest.mark.parametrize("model_type", AVAILABLE)
 def test_families_equal_generate_alone(model_type):
-    """Families with windows (one or mixed), soft-capping and sinks, through a pool that forces preemption and a budget
-    that forces chunked prefill. Mixed-window models run through their layer groups without prefix caching."""
+    """Every family ``python -m hf_paged models`` lists (windows, one or mixed, soft-capping, sinks, MoE), through a
+    pool that forces preemption and a budget that forces chunked prefill. Mixed-window models run through their layer
+    groups without prefix caching."""
     model = enable_paged_attention(tiny_family_model(model_type, seed=2), backend="torch")
-    prompts = random_prompts(6, VOCAB, (2, 26), seed=11)
-    specs = [(f"{model_type}{i}", p, 4 + i % 6) for i, p in enumerate(prompts)]
-    pool = BlockPool(block_size=BLOCK, num_blocks=40, prefix_caching=True)
-    manager, core = engine(model, pool, max_batch_tokens=12)
-    reqs = drive(core, specs, seed=5)
+    prompts = random_prompts(8, VOCAB, (12, 30), seed=11)
+    specs = [(f"{model_type}{i}", p, 6 + i % 6) for i, p in enumerate(prompts)]
+    sliding_only = None not in layer_windows(model.config)  # its blocks leave the window: a smaller pool for pressure
+    pool = BlockPool(block_size=BLOCK, num_blocks=10 if sliding_only else 20, prefix_caching=True)
+    manager, core = engine(model, pool, max_batch_tokens=16)
+    chunks = []
+    reqs = drive(core, specs, seed=5, chunks=chunks, steps_between=0)
     assert_like_generate(model, reqs, specs, model_type)
+    assert core.scheduler.counters.preemptions > 0
+    assert any(start + n < prompt_len for _, start, n, prompt_len in chunks)  # a prompt prefilled in chunks
     assert pool.allocator.blocks_in_use == 0
 
 
