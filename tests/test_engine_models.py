@@ -367,3 +367,20 @@ def test_logprobs_of_greedy_tokens():
     assert len(out.logprobs) == len(out.top_logprobs) == len(out.generated_tokens) == 5
     for token, lp, top in zip(out.generated_tokens, out.logprobs, out.top_logprobs):
         assert len(top) == 2 and top[0][0] == token and top[0][1] == pytest.approx(lp) and lp <= 0
+
+
+def test_init_options_and_continuous_batching_config():
+    """transformers' ContinuousBatchingConfig sizes the default pool and the budget; explicit arguments win; sizing
+    it while passing pool= is refused; the default pool is fixed, with prefix caching; the context is the model's."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model = tiny_model("llama", seed=12)
+    cb = ContinuousBatchingConfig(page_size=8, num_blocks=64, max_batch_tokens=32, max_queue_size=3)
+    manager = init_continuous_batching(model, continuous_batching_config=cb, max_batch_tokens=24)
+    assert (manager.pool.block_size, manager.pool.allocator.max_blocks) == (8, 64)
+    assert manager._core.scheduler.max_batch_tokens == 24 and manager.max_queue_size == 3
+    assert manager.max_context == model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=r"sets \['block_size', 'num_blocks'\] but pool= was given"):
+        init_continuous_batching(model, continuous_batching_config=cb, pool=BlockPool())
+    default = init_continuous_batching(model).pool
+    assert default.fixed and default.prefix_caching and default.allocator.max_blocks > 0
