@@ -20,7 +20,7 @@ import torch
 
 from _engine_reference import TieCount, check_tokens, random_prompts, reference
 from _engine_shadow import one_thread
-from conftest import EOS, VOCAB, tiny_model
+from conftest import DEVICE, EOS, VOCAB, tiny_model
 from hf_paged import BlockPool, RequestStatus, enable_paged_attention, generate_batch, init_continuous_batching
 from hf_paged.engine.sampling import SamplingParams
 from hf_paged.patches import layer_windows
@@ -384,3 +384,18 @@ def test_init_options_and_continuous_batching_config():
         init_continuous_batching(model, continuous_batching_config=cb, pool=BlockPool())
     default = init_continuous_batching(model).pool
     assert default.fixed and default.prefix_caching and default.allocator.max_blocks > 0
+
+
+def test_triton_backend():
+    """The packed varlen forward through the Triton kernels (real ones on CUDA, the interpreter on CPU): requests
+    chunked and preempted equal generate() alone."""
+    model = enable_paged_attention(tiny_model("llama", seed=3, device=DEVICE), backend="triton")
+    prompts = random_prompts(3, VOCAB, (14, 24), seed=7)
+    specs = [(f"t{i}", p, 6) for i, p in enumerate(prompts)]
+    pool = BlockPool(block_size=BLOCK, num_blocks=10)
+    _, core = engine(model, pool, max_batch_tokens=16)
+    chunks = []
+    reqs = drive(core, specs, seed=1, chunks=chunks, steps_between=0)
+    assert core.scheduler.counters.preemptions > 0
+    assert any(start + n < prompt_len for _, start, n, prompt_len in chunks)
+    assert_like_generate(model, reqs, specs, "triton")
