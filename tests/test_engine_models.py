@@ -399,3 +399,22 @@ def test_triton_backend():
     assert core.scheduler.counters.preemptions > 0
     assert any(start + n < prompt_len for _, start, n, prompt_len in chunks)
     assert_like_generate(model, reqs, specs, "triton")
+
+
+def test_pool_shared_with_a_paged_cache():
+    """The engine and a generate() PagedCache on one pool: while the cache holds most blocks the engine's request
+    waits (it fits the empty pool, so it is accepted); once the cache lets go it runs and gives generate()'s tokens."""
+    from hf_paged import PagedCache
+
+    model = enable_paged_attention(tiny_model("llama", seed=13), backend="torch")
+    pool = BlockPool(block_size=BLOCK, num_blocks=20)
+    cache = PagedCache(model.config, pool=pool)
+    model.generate(torch.tensor([list(range(3, 63))]), cache=cache, max_new_tokens=2, do_sample=False)  # 16 blocks
+    prompt = list(range(10, 30))
+    with init_continuous_batching(model, pool=pool) as manager:
+        rid = manager.add_request(prompt, max_new_tokens=6)
+        assert manager.get_result(rid, timeout=0.3) is None  # waiting for blocks
+        cache.reset()
+        out = manager.get_result(rid, timeout=60)
+    check_tokens("shared-pool", out.generated_tokens, reference(model, prompt, 6), TIES)
+    assert pool.allocator.blocks_in_use == 0

@@ -25,6 +25,7 @@ from .request import Request
 from .sampling import SamplingParams
 
 DEFAULT_MAX_UNREAD = 100_000  # finished results kept until read; the oldest unread are dropped past it
+IDLE_WAIT = 0.005  # seconds the engine thread waits after a step that could run nothing
 _FORGOTTEN = 10_000  # ids of results read or dropped, remembered to say so (not "unknown")
 _SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
                   "eos_token_id", "stop_token_ids", "logprobs", "num_return_sequences")
@@ -533,6 +534,8 @@ def _engine_loop(manager_ref, core: EngineCore, lock, cond, signals) -> None:
                     manager = manager_ref()
                     deliveries = manager._deliver_locked(touched) if manager is not None else []
                     del manager
+                    if not core.last_batch_tokens and not deliveries:
+                        cond.wait(IDLE_WAIT)  # nothing could run (a shared pool held by others): do not spin
                 _call_back(deliveries)
                 core.times.output += time.perf_counter() - t0
     except BaseException as err:  # an engine bug: fail every request so nobody waits forever, keep the message

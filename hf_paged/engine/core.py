@@ -62,6 +62,7 @@ class EngineCore:
         self.steps = 0
         self.failed_steps = 0
         self.generated_tokens = 0
+        self.last_batch_tokens = 0  # tokens the last step ran (0: it could run nothing, e.g. a pool held by others)
         self.ttft: deque[float] = deque(maxlen=RECENT)
         self.inter_token: deque[float] = deque(maxlen=RECENT)
         self.started = time.perf_counter()
@@ -142,6 +143,7 @@ class EngineCore:
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
         self.times.schedule += t1 - t0
+        self.last_batch_tokens = batch.num_tokens
         if not batch.chunks:
             return []
         try:
