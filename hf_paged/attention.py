@@ -152,6 +152,7 @@ def _wrap_generate(model, generate, backend_of):
         cache = compat.cache_from_kwargs(kwargs)
         if not isinstance(cache, PagedCache):
             return generate(*args, **kwargs)
+        compat.rename_cache_kwarg(kwargs, stacklevel=2)
         per_step = bool(_generate_flag(model, kwargs, "return_dict_in_generate")) and any(
             _generate_flag(model, kwargs, n) for n in _PER_STEP_OUTPUTS)
         compile_config = _generate_flag(model, kwargs, "compile_config")
@@ -176,6 +177,7 @@ def _wrap_generate(model, generate, backend_of):
         if input_ids is not None and expand > 1:
             input_ids = input_ids.repeat_interleave(expand, dim=0)
             mask = mask.repeat_interleave(expand, dim=0) if mask is not None else None
+        cache.check_continues(input_ids, mask)
         cache.start_from_prefix(input_ids, mask)
         cache.begin_call(GenerateCall(backend=backend_of(), release=not per_step,
                                       compile=compat.STEP_IN_ATTENTION_KWARGS and wanted

@@ -8,6 +8,7 @@ pool through the step's block tables. Neither changes Python state, so the forwa
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 
 import torch
@@ -18,8 +19,9 @@ from .groups import LayerGroups
 from .pool import BlockPool
 from .stats import MemoryStats
 from .rows import Rows
-from .step import LayerStep, Step, build_layer_step, next_pow2, plan_padded, write_layer
+from .step import LayerStep, Step, StepBuffers, build_layer_step, next_pow2, plan_padded, write_layer
 
+_log = logging.getLogger(__name__)
 STEP_KWARG = "hf_paged_step"  # the attention kwarg through which update() hands a layer its LayerStep
 
 
@@ -90,6 +92,10 @@ class PagedCache(Cache):
         self.pool = pool if pool is not None else BlockPool(block_size, num_blocks, max_memory, prefix_caching,
                                                             kv_dtype)
         self.release_finished = release_finished
+        if self.pool.prefix_caching and self.groups.num_groups > 1:
+            _warn_once(f"prefix caching is off for {getattr(text_config, 'model_type', 'this model')}: its layers use "
+                       f"different attention windows ({sorted(set(self.groups.windows), key=str)}), and a cached "
+                       "prefix would need every window's blocks. Its rows still share blocks within a call.")
         self.rows = Rows(self.pool, self.groups)  # per batch row: its sequences, tokens, released or not
         self._columns = 0  # padded columns the forwards so far consumed
         self._pending_columns = 0  # columns of the planned forward, not yet run
@@ -503,12 +509,41 @@ class PagedCache(Cache):
         are fewer: the cap is then conservative)."""
         if self.pool.max_memory is None or self.pool.allocator.max_blocks is not None or self.config is None:
             return
+        from hf_paged.patches import kv_shape
+
         heads, head_dim = kv_shape(self.config)
         self.pool.apply_memory_cap(heads, head_dim, dtype, self._slots_per_block())
 
     def _invalidate_step(self) -> None:
         self.forward_done()
         self._step = None
+
+    def check_continues(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
+        """``ValueError`` when a ``generate()`` on a cache holding rows gets ``input_ids`` whose first columns are
+        not the tokens those rows hold (another conversation in a batch of the same size)."""
+        columns = self._columns + self._pending_columns
+        # generate() slices off the columns the cache holds only when the mask covers input_ids (else they are
+        # all new tokens): then the first columns must be the rows' tokens, and at least one must be new.
+        if input_ids is None or attention_mask is None or attention_mask.dim() != 2 or not columns or \
+                not len(self.rows) or input_ids.shape[0] != len(self.rows) or \
+                attention_mask.shape[1] != input_ids.shape[1]:
+            return
+        if input_ids.shape[1] <= columns:
+            raise ValueError(
+                f"this PagedCache holds {columns} columns but input_ids has {input_ids.shape[1]}: generate() continues "
+                "a cache only from its own sequence plus new tokens (e.g. torch.cat([out, new_ids], 1)). For other "
+                "prompts start over with cache.reset() or a new PagedCache.")
+        ids = input_ids[:, :columns].to("cpu")
+        real = attention_mask[:, :columns].to("cpu", torch.bool)
+        for r, row in enumerate(self.rows):
+            if row.released or row.tokens is None or len(row.tokens) != int(real[r].sum()):
+                continue
+            if ids[r][real[r]].tolist() != row.tokens:
+                raise ValueError(
+                    f"row {r} of this PagedCache holds other tokens than the first {columns} columns of input_ids, "
+                    "so generate() would continue another conversation. Pass the cache's own sequence with the new "
+                    "tokens appended (e.g. torch.cat([out, new_ids], 1)), or start over with cache.reset() or a new "
+                    "PagedCache.")
 
     def start_from_prefix(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> int:
         """Prefix caching, before the first forward of a ``generate()`` on an empty cache (with the batch the model
@@ -517,7 +552,11 @@ class PagedCache(Cache):
         Rows with the same prompt then share those blocks and one copy of the rest. Returns the prompt tokens
         skipped per row."""
         bs = self.pool.block_size
-        if len(self.rows) or self._columns or not self.rows.prefix_caching or input_ids is None:
+        if not self.pool.prefix_caching or len(self.rows) or self._columns:
+            return 0
+        if not self.rows.prefix_caching or input_ids is None:
+            _log.debug("prefix cache lookup skipped: %s", "the model's layers use different windows"
+                       if not self.rows.prefix_caching else "generate() got embeddings, not token ids")
             return 0
         batch, length = input_ids.shape
         limit = length - 1  # the last prompt token must run: its logits start the generation
@@ -525,6 +564,7 @@ class PagedCache(Cache):
             padded = ~attention_mask[:, :limit].to("cpu", torch.bool)
             if bool(padded.any()):
                 limit = int(padded.any(0).nonzero()[0])  # only columns every row holds a real token in
+                _log.debug("prefix cache lookup limited to the first %d columns: rows are left-padded", limit)
         tokens = input_ids[:, :limit].to("cpu").tolist()
         matches = [self.rows.match_prefix(row, limit) for row in tokens]
         common = min(len(m) for m in matches)
@@ -542,11 +582,13 @@ class PagedCache(Cache):
         return common * bs
 
 
-def kv_shape(config) -> tuple[int, int]:
-    """``(num_kv_heads, head_dim)`` of a decoder config's attention layers."""
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return heads, head_dim
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)
 
 
 class StepCache(Cache):
@@ -554,10 +596,10 @@ class StepCache(Cache):
     forward): ``update()`` writes each layer's K/V through the step's slot mapping and hands the layer its step in
     the attention kwargs, so every query reads the pool through the paged attention."""
 
-    def __init__(self, rows: Rows, step: Step, num_layers: int, buffers):
+    def __init__(self, rows: Rows, step: Step, num_layers: int, buffers: StepBuffers | None = None):
         compat.init_cache_base(self)
-        self.pool, self.groups, self.step, self.num_layers, self._buffers = rows.pool, rows.groups, step, \
-            num_layers, buffers
+        self.pool, self.groups, self.step, self.num_layers = rows.pool, rows.groups, step, num_layers
+        self._buffers = buffers if buffers is not None else StepBuffers()  # a compiled step's: lent by the pool
         self._columns = 0
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

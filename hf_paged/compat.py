@@ -65,6 +65,17 @@ def attention_kwargs(args: tuple, kwargs: dict) -> dict:
     return shared if isinstance(shared, dict) else {}
 
 
+def rename_cache_kwarg(kwargs: dict, stacklevel: int) -> None:
+    """A ``generate(past_key_values=...)`` call on 5.24+: warn at the caller's line (transformers' own warning would
+    point into this package's wrapper) and pass the cache under its new name."""
+    if CACHE_RENAMED and kwargs.get("past_key_values") is not None and kwargs.get("cache") is None:
+        import warnings
+
+        warnings.warn("`past_key_values` is deprecated for generate() (removed in transformers 6.0.0); pass the "
+                      "cache as `cache=` instead.", FutureWarning, stacklevel=stacklevel + 1)
+        kwargs["cache"] = kwargs.pop("past_key_values")
+
+
 def cache_from_kwargs(kwargs: dict):
     for name in CACHE_KWARGS:
         if kwargs.get(name) is not None:

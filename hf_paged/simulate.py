@@ -125,9 +125,9 @@ class ModelShape:
     @classmethod
     def from_config(cls, config, dtype_bytes: int = 2) -> "ModelShape":
         """The shape of a transformers config (``model.config``)."""
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        from hf_paged.patches import kv_shape
+
+        kv_heads, head_dim = kv_shape(config)
         return cls(getattr(config, "name_or_path", "") or type(config).__name__, config.num_hidden_layers,
                    kv_heads, head_dim, dtype_bytes)
 

@@ -75,11 +75,24 @@ def _check_kv_sharing(config) -> None:
         _refuse(f"KV sharing: {count} layers reuse another layer's K/V (kv_sharing_modes / num_kv_shared_layers)", DYNAMIC)
 
 
-def _check_head_sizes(config) -> None:
+def head_sizes(config) -> tuple[int | None, int | None]:
+    """``(key head size, value head size)`` of a decoder config's attention."""
     heads = getattr(config, "num_attention_heads", None)
     default = config.hidden_size // heads if heads and getattr(config, "hidden_size", None) else None
     key = getattr(config, "qk_head_dim", None) or getattr(config, "head_dim", None) or default
     value = getattr(config, "v_head_dim", None) or getattr(config, "value_head_dim", None) or key
+    return key, value
+
+
+def kv_shape(config) -> tuple[int, int]:
+    """``(num_kv_heads, head_dim)`` of one layer's K/V in a decoder config (the block pool's per-token shape)."""
+    config = text_config(config)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return heads, head_sizes(config)[0]
+
+
+def _check_head_sizes(config) -> None:
+    key, value = head_sizes(config)
     if key != value:
         _refuse(f"different key and value head sizes ({key} vs {value}); the block pool stores K and V with one "
                 "head_dim", DYNAMIC)
