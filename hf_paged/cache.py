@@ -522,19 +522,20 @@ class PagedCache(Cache):
         """``ValueError`` when a ``generate()`` on a cache holding rows gets ``input_ids`` whose first columns are
         not the tokens those rows hold (another conversation in a batch of the same size)."""
         columns = self._columns + self._pending_columns
-        # generate() slices off the columns the cache holds only when the mask covers input_ids (else they are
-        # all new tokens): then the first columns must be the rows' tokens, and at least one must be new.
-        if input_ids is None or attention_mask is None or attention_mask.dim() != 2 or not columns or \
-                not len(self.rows) or input_ids.shape[0] != len(self.rows) or \
-                attention_mask.shape[1] != input_ids.shape[1]:
+        # generate() slices off the columns the cache holds (its mask, built when none is given, covers input_ids):
+        # the first columns must be the rows' tokens, and at least one column must be new.
+        if input_ids is None or not columns or not len(self.rows) or input_ids.shape[0] != len(self.rows):
             return
+        if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[1] != input_ids.shape[1]):
+            return  # only the new tokens were passed, with the whole sequence's mask
         if input_ids.shape[1] <= columns:
             raise ValueError(
                 f"this PagedCache holds {columns} columns but input_ids has {input_ids.shape[1]}: generate() continues "
                 "a cache only from its own sequence plus new tokens (e.g. torch.cat([out, new_ids], 1)). For other "
                 "prompts start over with cache.reset() or a new PagedCache.")
         ids = input_ids[:, :columns].to("cpu")
-        real = attention_mask[:, :columns].to("cpu", torch.bool)
+        real = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else \
+            attention_mask[:, :columns].to("cpu", torch.bool)
         for r, row in enumerate(self.rows):
             if row.released or row.tokens is None or len(row.tokens) != int(real[r].sum()):
                 continue

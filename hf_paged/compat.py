@@ -16,6 +16,8 @@ What changed inside that range, and where this module absorbs it:
 
 from __future__ import annotations
 
+import contextvars
+
 import torch
 import transformers
 from packaging.version import Version
@@ -57,6 +59,27 @@ def query_length(arg) -> int:
 # then unpack into the attention function, so update() can hand the attention its step tensors. Before, update()
 # got a separate ``cache_kwargs`` dict, and the attention finds the running forward's cache another way.
 STEP_IN_ATTENTION_KWARGS = CACHE_RENAMED
+
+
+# Before 5.24 the attention function finds the cache of the running forward here: the decoder's hooks push it (or
+# None for another cache) before the forward and pop it after, in this thread/task.
+_FORWARDS = contextvars.ContextVar("hf_paged_forwards", default=())
+
+
+def forward_begins(cache) -> None:
+    if not STEP_IN_ATTENTION_KWARGS:
+        _FORWARDS.set(_FORWARDS.get() + (cache,))
+
+
+def forward_ends() -> None:
+    if not STEP_IN_ATTENTION_KWARGS and _FORWARDS.get():
+        _FORWARDS.set(_FORWARDS.get()[:-1])
+
+
+def running_cache():
+    """The cache of the forward running in this thread (transformers < 5.24 only; None otherwise)."""
+    forwards = _FORWARDS.get()
+    return forwards[-1] if forwards else None
 
 
 def attention_kwargs(args: tuple, kwargs: dict) -> dict:

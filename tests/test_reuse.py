@@ -57,7 +57,7 @@ def test_deepcopy_prompt_reuse_recipe_on_smollm():
     """transformers' documented recipe: prefill a prefix once, deepcopy the cache before each generate()."""
     require_smollm()
     model, tokenizer = smollm()
-    prefix = "You are a helpful assistant. "
+    prefix = "You are a helpful assistant.\n"  # tokenized alike alone and before a question (". " is not)
     questions = ["Help me to write a blogpost about travelling.", "What is the capital of France?"]
     prefix_ids = tokenizer(prefix, return_tensors="pt").input_ids
 
@@ -517,14 +517,21 @@ def test_load_into_a_model_with_other_kv_heads_is_refused(saved):
         PagedCache.load(saved, tiny_config(num_key_value_heads=1))
 
 
-def test_loaded_cache_refuses_a_model_of_another_dtype(saved):
+def test_loaded_cache_refuses_a_model_of_another_dtype(tmp_path):
     """A bf16 model whose config names no dtype: the loaded fp32 cache refuses its keys with a clear error."""
-    model = tiny_model("llama").to(torch.bfloat16)
+    model = tiny_model("llama")
     enable_paged_attention(model, backend="torch")
-    cache = PagedCache.load(saved, model.config)
-    ids = torch.cat([left_padded([5, 9])["input_ids"], torch.full((2, 4), 7)], 1)
+    inputs, cache = left_padded([5, 9]), PagedCache(model.config)
+    out = generate(model, inputs, cache, max_new_tokens=4)
+    cache.save(tmp_path / "cache.safetensors")
+    half = tiny_model("llama").to(torch.bfloat16)
+    enable_paged_attention(half, backend="torch")
+    loaded = PagedCache.load(tmp_path / "cache.safetensors", half.config)
+    ids = torch.cat([out, torch.full((2, 4), 7)], 1)  # the saved sequence, continued
+    mask = torch.cat([inputs["attention_mask"], torch.ones(2, ids.shape[1] - inputs["attention_mask"].shape[1],
+                                                           dtype=torch.long)], 1)
     with pytest.raises(ValueError, match="float32"):
-        generate(model, ones_mask(ids), cache, max_new_tokens=2)
+        generate(half, {"input_ids": ids, "attention_mask": mask}, loaded, max_new_tokens=2)
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.999], ids=["half", "last_bytes_missing"])

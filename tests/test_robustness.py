@@ -8,11 +8,11 @@ import threading
 
 import pytest
 import torch
-from conftest import dynamic, generate, left_padded, tiny_config, tiny_model
+from conftest import ones_mask, dynamic, generate, left_padded, tiny_config, tiny_model
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from hf_paged import BlockPool, OutOfBlocksError, PagedCache, compat, enable_paged_attention
-from hf_paged.attention import active_cache
+from hf_paged.compat import running_cache
 
 
 @pytest.fixture
@@ -50,7 +50,7 @@ def test_exhaustion_mid_generation_then_reset_and_reuse(model):
     message = str(err.value)
     assert "num_blocks" in message and "max_memory" in message and "free" in message
     assert err.value.needed > err.value.free
-    assert active_cache() is None  # the forward's hook state was unwound
+    assert running_cache() is None  # the forward's hook state was unwound (transformers < 5.24 uses it)
     # It failed while decoding: the prefill and several decoding steps completed first.
     assert len(snapshot.states) >= 2
     tables, lens, columns = snapshot.states[-1]
@@ -115,18 +115,20 @@ def test_max_memory_too_small_for_one_block(model):
 
 def test_cache_from_another_model_shape_is_rejected(model):
     cache = PagedCache(model.config, block_size=4)
-    generate(model, left_padded([4]), cache, max_new_tokens=2)
+    out = generate(model, left_padded([4]), cache, max_new_tokens=2)
     other = enable_paged_attention(tiny_model("llama", num_key_value_heads=4), backend="torch")
+    more = torch.cat([out, torch.randint(3, 90, (1, 3))], dim=1)  # the cache's own tokens, continued
     with pytest.raises(ValueError, match="different model, dtype or device"):
-        generate(other, left_padded([8]), cache, max_new_tokens=2)
+        generate(other, ones_mask(more), cache, max_new_tokens=2)
 
 
 def test_cache_in_another_dtype_is_rejected(model):
     cache = PagedCache(model.config, block_size=4)
-    generate(model, left_padded([4]), cache, max_new_tokens=2)
+    out = generate(model, left_padded([4]), cache, max_new_tokens=2)
     half = enable_paged_attention(tiny_model("llama", seed=4).to(torch.bfloat16), backend="torch")
+    more = torch.cat([out, torch.randint(3, 90, (1, 3))], dim=1)  # the cache's own tokens, continued
     with pytest.raises(ValueError, match=r"torch.float32.*torch.bfloat16"):
-        generate(half, left_padded([8]), cache, max_new_tokens=2)
+        generate(half, ones_mask(more), cache, max_new_tokens=2)
 
 
 def test_cache_config_with_fewer_layers_is_rejected(model):
