@@ -160,7 +160,7 @@ def test_checks_see_a_stripped_notebook_and_private_imports():
         "paged_attention\nprint(hf_paged.__version__, hf_paged.PagedCache)")])
     assert private_imports(public) == []
     for source in ["from hf_paged.compat import GENERATE_CACHE_KWARG", "from hf_paged import embedded",
-                   "import hf_paged.report", "import hf_paged\nhf_paged.simulate.sample_workload",
+                   "import hf_paged.report", "import hf_paged\nhf_paged.tools.simulate.sample_workload",
                    "%time x = 1\nimport importlib\nimportlib.import_module('hf_paged.compat')"]:
         assert private_imports(nbformat.v4.new_notebook(cells=[cell(source)])), source
 
