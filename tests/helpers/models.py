@@ -61,7 +61,9 @@ FAMILIES = {
     "starcoder2": dict(sliding_window=FAMILY_WINDOW),
     "mixtral": dict(sliding_window=FAMILY_WINDOW, **_MOE),
     "smollm3": dict(use_sliding_window=True, sliding_window=FAMILY_WINDOW, layer_types=SLIDING_THEN_FULL),
-    "gpt_oss": dict(sliding_window=FAMILY_WINDOW, layer_types=SLIDING_THEN_FULL, **_MOE),
+    # max_position_embeddings: YaRN's 32 x 4096 original positions (transformers warns at any other length)
+    "gpt_oss": dict(sliding_window=FAMILY_WINDOW, layer_types=SLIDING_THEN_FULL, max_position_embeddings=131072,
+                    **_MOE),
     "olmo": {},
     "stablelm": {},
     "cohere": {},
