@@ -66,8 +66,6 @@ class PagedCache(Cache):
         print(cache.memory_stats())
     """
 
-    supports_layer_windows = True  # one block table per group of layers sharing a window
-
     def __init__(
         self,
         config=None,
@@ -262,7 +260,7 @@ class PagedCache(Cache):
         layer = write_layer(self.pool, self.groups, self._step, self._buffers, layer_idx, self.num_layers,
                             key_states, value_states, "torch" if self._mode == "gathered" else None)
         if self._mode == "paged":
-            compat.attention_kwargs(args, kwargs)[STEP_KWARG] = layer
+            compat.attention_kwargs(kwargs)[STEP_KWARG] = layer
             return key_states, value_states
         return _gather(layer, layer.group.gather_slots), _gather(layer, layer.group.gather_slots, value=True)
 
@@ -606,7 +604,7 @@ class StepCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = write_layer(self.pool, self.groups, self.step, self._buffers, layer_idx, self.num_layers,
                             key_states, value_states, None)
-        compat.attention_kwargs(args, kwargs)[STEP_KWARG] = layer
+        compat.attention_kwargs(kwargs)[STEP_KWARG] = layer
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

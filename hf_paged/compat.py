@@ -82,7 +82,7 @@ def running_cache():
     return forwards[-1] if forwards else None
 
 
-def attention_kwargs(args: tuple, kwargs: dict) -> dict:
+def attention_kwargs(kwargs: dict) -> dict:
     """The dict ``update()`` can add entries to for the attention function (a throwaway dict where there is none)."""
     shared = kwargs.get("kwargs")
     return shared if isinstance(shared, dict) else {}

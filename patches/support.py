@@ -2,33 +2,20 @@
 
 from __future__ import annotations
 
-import inspect
-
 from torch import nn
 
 from .windows import ATTENTION_LAYER_TYPES, layer_types, layer_windows, text_config
 
-# Always there: the softmax scale the model passes, and one window per layer group.
-BASE_FEATURES = ("scaling", "sliding_window")
+# What this build's attention implements: the softmax scale the model passes, a window per layer group and one block
+# table per group of layers sharing a window, logit soft-capping and attention sinks (ops.paged_attention's options).
+FEATURES = frozenset({"scaling", "sliding_window", "layer_windows", "softcap", "sinks"})
 GATHERED = "use PagedCache without enable_paged_attention (gathered mode: the model's own attention runs)"
 DYNAMIC = "use transformers' DynamicCache for this model"
 
 
 def available_features() -> frozenset[str]:
-    """Attention features this build implements: ``hf_paged.ops.FEATURES`` when the ops declare it; otherwise
-    the base ones, plus ``softcap`` / ``sinks`` when :func:`hf_paged.ops.paged_attention` takes them, plus
-    ``layer_windows`` when ``PagedCache.supports_layer_windows`` is true (one block table per window group)."""
-    from hf_paged import ops
-    from hf_paged.cache import PagedCache
-
-    declared = getattr(ops, "FEATURES", None)
-    have = set(declared) if declared is not None else set(BASE_FEATURES)
-    if declared is None:
-        params = inspect.signature(ops.paged_attention).parameters
-        have |= {name for name in ("softcap", "sinks") if name in params}
-    if getattr(PagedCache, "supports_layer_windows", False):
-        have.add("layer_windows")
-    return frozenset(have)
+    """Attention features this build implements: what :func:`required_features` of a config may ask for."""
+    return FEATURES
 
 
 def required_features(config) -> tuple[str, ...]:

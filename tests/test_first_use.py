@@ -6,9 +6,9 @@ import warnings
 
 import pytest
 import torch
-from conftest import generate, left_padded, ones_mask, tiny_model
-from transformers import Gemma3TextConfig, Gemma3ForCausalLM
+from transformers import Gemma3TextConfig
 
+from helpers import generate, left_padded, ones_mask, tiny_model
 from hf_paged import BlockPool, PagedCache, enable_paged_attention
 
 

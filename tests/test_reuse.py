@@ -1,4 +1,4 @@
-"""Reusing KV across calls (#12): copies of a cache, automatic prefix caching, and a prompt cache on disk.
+"""Reusing KV across calls: copies of a cache, automatic prefix caching, and a prompt cache on disk.
 
 Token equality is always against the same recipe run with ``DynamicCache``. Prefix hits are measured by the tokens
 that reach the decoder (a forward pre-hook), not by a flag.
@@ -16,13 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, dynamic, generate, left_padded, ones_mask, tiny_config, tiny_model
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from transformers import DynamicCache
 
-from _features import chat_inputs, decoder_token_counter, forward, require_smollm, smollm
+from helpers import (
+    VOCAB, chat_inputs, decoder_token_counter, dynamic, forward, generate, left_padded, ones_mask, require_smollm,
+    smollm, tiny_config, tiny_model,
+)
 from hf_paged import BlockAllocator, BlockPool, PagedCache, compat, disable_paged_attention, enable_paged_attention
 from hf_paged.allocator import NULL_BLOCK, block_key
 from hf_paged.errors import OutOfBlocksError
@@ -453,7 +455,7 @@ def test_cropped_row_never_rewrites_a_cached_prefix_block():
 CHILD = """
 import sys, json, torch
 sys.path.insert(0, {tests!r})
-from conftest import generate, tiny_model
+from helpers import generate, tiny_model
 from hf_paged import PagedCache, enable_paged_attention
 model = tiny_model("llama")
 model.generation_config.eos_token_id = None

@@ -8,9 +8,9 @@ import threading
 
 import pytest
 import torch
-from conftest import ones_mask, dynamic, generate, left_padded, tiny_config, tiny_model
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from helpers import dynamic, generate, left_padded, ones_mask, tiny_config, tiny_model
 from hf_paged import BlockPool, OutOfBlocksError, PagedCache, compat, enable_paged_attention
 from hf_paged.compat import running_cache
 
