@@ -250,11 +250,13 @@ def test_released_rows_round_trip(model, tmp_path):
     tiny_config(dtype=torch.bfloat16),
 ], ids=["layers", "hidden_size", "dtype"])
 def test_load_into_another_model_shape_or_dtype_is_refused(saved, config):
+    """A file from a model of other layers, width or dtype is refused with what to load it with."""
     with pytest.raises(CacheFileError, match="Load it|Load the model"):
         PagedCache.load(saved.path, config)
 
 
 def test_load_into_a_model_with_other_kv_heads_is_refused(saved):
+    """The error names the field that differs, with both values."""
     with pytest.raises(CacheFileError, match="num_key_value_heads 2 in the file vs 1"):
         PagedCache.load(saved.path, tiny_config(num_key_value_heads=1))
 
@@ -364,6 +366,7 @@ def test_stale_digest_catches_changed_tensor_bytes(model, saved, tmp_path):
     (_set(**{"v_scale.0": lambda t: t[:1]}), "v_scale.0"),
 ], ids=["zero_scale", "nan_scale", "nan_fp8_bits", "scale_shape"])
 def test_edited_fp8_file_is_refused(model, saved_fp8, tmp_path, edit, field):
+    """fp8 scales must be finite, > 0 and one per KV head; K/V bits must not encode NaN."""
     metadata, tensors = dict(saved_fp8.metadata), dict(saved_fp8.tensors)
     edit(metadata, tensors)
     path = write_parts(tmp_path / "edited.safetensors", metadata, tensors)
@@ -374,6 +377,7 @@ def test_edited_fp8_file_is_refused(model, saved_fp8, tmp_path, edit, field):
 
 @pytest.mark.parametrize("cut", ["header_length_a_terabyte", "half", "last_bytes_missing", "eight_bytes"])
 def test_damaged_bytes_are_refused(saved, tmp_path, cut):
+    """A header claiming more bytes than the file has, or a cut file, is refused before safetensors maps it."""
     data = saved.path.read_bytes()
     damaged = {"header_length_a_terabyte": struct.pack("<Q", 1 << 40) + data[8:], "half": data[: len(data) // 2],
                "last_bytes_missing": data[: int(len(data) * 0.999)], "eight_bytes": data[:8]}[cut]
@@ -422,8 +426,8 @@ def test_trusted_file_serves_later_requests_from_its_blocks(model, saved):
     """trusted=True on an honest file: its blocks are published; a later request on row 1's tokens hits all 16
     tokens of its full blocks and still gives DynamicCache's tokens."""
     pool = shared_pool()
-    del_me = saved.load(model, pool=pool, trusted=True)
-    del del_me
+    loaded = saved.load(model, pool=pool, trusted=True)
+    del loaded
     gc.collect()
     assert saved.victim_unaffected(model, pool)
     assert prefix_hits(pool) == 16
@@ -447,6 +451,7 @@ def test_untrusted_rows_key_nothing_even_after_they_grow(model, saved):
 
 
 def test_trusted_must_be_a_bool(model, saved):
+    """A truthy string does not opt a file into the prefix cache."""
     with pytest.raises(TypeError, match="trusted"):
         saved.load(model, trusted="yes")
 
@@ -486,7 +491,8 @@ def _mutations(metadata: dict, tensors: dict):
         st.tuples(st.just("rows"), st.sampled_from(names), st.integers(-3, 3)),
         st.tuples(st.just("flatten"), st.sampled_from(names)),
         st.tuples(st.just("dtype"), st.sampled_from(names), st.sampled_from(TENSOR_DTYPES)),
-        st.tuples(st.just("value"), st.sampled_from(names), st.sampled_from([math.nan, math.inf, 0.0, -1.0, 1e30, 127])),
+        st.tuples(st.just("value"), st.sampled_from(names),
+                  st.sampled_from([math.nan, math.inf, 0.0, -1.0, 1e30, 127])),
         st.tuples(st.just("drop_tensor"), st.sampled_from(names)),
         st.tuples(st.just("truncate"), st.floats(0, 1)),
         st.tuples(st.just("flip_header"), st.integers(0, 10**6), st.integers(1, 255)),
