@@ -10,7 +10,7 @@ from .allocator import BlockAllocator
 from .attention import disable_paged_attention, enable_paged_attention, is_paged
 from .cache import PagedCache
 from .embedded import local_model_dir as embedded_model_dir
-from .errors import OutOfBlocksError
+from .errors import CacheFileError, OutOfBlocksError
 from .pool import BlockPool, parse_memory
 from .stats import MemoryStats
 
@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockAllocator",
     "BlockPool",
+    "CacheFileError",
     "MemoryStats",
     "OutOfBlocksError",
     "PagedCache",

@@ -364,11 +364,18 @@ class PagedCache(Cache):
         save_cache(self, path)
 
     @classmethod
-    def load(cls, path, config, pool: BlockPool | None = None, **kwargs) -> "PagedCache":
-        """A cache holding the rows saved by :meth:`save`; ``ValueError`` if they do not fit ``config``'s model."""
+    def load(cls, path, config, pool: BlockPool | None = None, trusted: bool = False, **kwargs) -> "PagedCache":
+        """A cache holding the rows saved by :meth:`save`.
+
+        The file is untrusted input: every field is checked against the file itself, the model and the pool before
+        the pool is touched; a file that fails raises :class:`~hf_paged.CacheFileError` (a ``ValueError``) naming
+        the file and the field. Its blocks serve the loaded rows only. ``trusted=True`` also publishes them to a
+        prefix-caching pool (later prompts that start with the same tokens reuse them) and lets an fp8 file set a
+        shared pool's scales: use it only for files you wrote.
+        """
         from .persist import load_cache
 
-        return load_cache(cls, path, config, pool, **kwargs)
+        return load_cache(cls, path, config, pool, trusted=trusted, **kwargs)
 
     @property
     def columns(self) -> int:

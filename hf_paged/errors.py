@@ -19,3 +19,15 @@ class OutOfBlocksError(RuntimeError):
             "(None grows on demand), shorten max_new_tokens, use a smaller batch, or free other sequences "
             "sharing this pool."
         )
+
+
+class CacheFileError(ValueError):
+    """A cache file given to :meth:`~hf_paged.PagedCache.load` is malformed, corrupt, or does not fit the model or
+    the pool. ``path`` and ``field`` (a metadata field or tensor name) say where; nothing was bound, sized or
+    allocated in the pool."""
+
+    def __init__(self, path, field: str, problem: str, hint: str | None = None):
+        self.path, self.field = str(path), field
+        hint = hint or ("Save it again with cache.save(path); a file that passed through other hands may have been "
+                        "altered.")
+        super().__init__(f"cache file {self.path}: {field}: {problem}. {hint}")

@@ -180,6 +180,15 @@ class Rows:
         self.release(row)
         self.rows = [r for r in self.rows if r is not row]
 
+    def discard(self) -> None:
+        """Like :meth:`clear`, but no block is published to the prefix cache (rows whose K/V were not all written)."""
+        a = self.pool.allocator
+        with self.pool.lock:
+            for row in self.live:
+                for seq in row.seqs:
+                    a.crop(seq, 0)
+        self.clear()
+
     def clear(self) -> None:
         """Give back every row's blocks; no rows remain."""
         for row in self.rows:
