@@ -46,11 +46,10 @@ def parse_memory(value: int | str) -> int:
 
 
 def format_memory(n: int) -> str:
-    """Bytes as a ``max_memory`` string, rounded up: ``"512KiB"``, ``"96MiB"``, ``"1.5GiB"``."""
+    """Bytes as a ``max_memory`` string, rounded up to a tenth of its unit: ``"512KiB"``, ``"1.5MiB"``, ``"8GiB"``."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
-            value = -(-n * 10 // size) / 10 if unit == "GiB" else -(-n // size)
-            return f"{value:g}{unit}"
+            return f"{-(-n * 10 // size) / 10:g}{unit}"
     return f"{n}B"
 
 
@@ -202,6 +201,8 @@ class BlockPool:
             return
         shape = LayerShape(key.shape[1], key.shape[3], key.dtype, key.device)
         with self.lock:
+            # the cap first: a max_memory too small for this shape is refused before anything is recorded
+            self.apply_memory_cap(shape.num_kv_heads, shape.head_dim, shape.dtype, slots_per_block or num_layers)
             if self.num_layers is None:
                 self.num_layers = num_layers
             self.layer_shapes[layer_idx] = shape
@@ -210,7 +211,6 @@ class BlockPool:
             if owner is not None and self.layer_shapes[owner] != shape:
                 slot = ("layer", layer_idx)  # a shape/device differing from its slot partner: own tensors
             self.layer_slot[layer_idx] = slot
-            self.apply_memory_cap(shape.num_kv_heads, shape.head_dim, shape.dtype, slots_per_block or num_layers)
 
     def apply_memory_cap(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, slots_per_block: int) -> None:
         """Turn ``max_memory`` into a block cap, once, from the model's K/V shape: before the first blocks are taken,
