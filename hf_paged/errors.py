@@ -25,6 +25,7 @@ class OutOfBlocksError(RuntimeError):
 
     Example::
 
+        cache = PagedCache(model.config, num_blocks=2)
         try:
             model.generate(**inputs, cache=cache, max_new_tokens=256)
         except OutOfBlocksError as err:

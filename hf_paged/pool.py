@@ -90,9 +90,9 @@ class BlockPool:
     Example::
 
         pool = BlockPool(num_blocks=256)                      # at most 256 blocks of 16 tokens
-        a = model.generate(**inputs, cache=PagedCache(model.config, pool=pool))
-        b = model.generate(**other, cache=PagedCache(model.config, pool=pool))   # same budget
-        pool.memory_stats().bytes_reserved                    # grown to what the calls needed, <= the cap
+        first = model.generate(**inputs, cache=PagedCache(model.config, pool=pool), max_new_tokens=8)
+        second = model.generate(**inputs, cache=PagedCache(model.config, pool=pool), max_new_tokens=8)
+        print(pool.memory_stats().bytes_reserved)             # what the calls needed, never past the cap
     """
 
     def __init__(self, block_size: int = 16, num_blocks: int | None = None, max_memory: int | str | None = None,

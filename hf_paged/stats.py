@@ -34,6 +34,8 @@ class MemoryStats:
 
     Example::
 
+        cache = PagedCache(model.config)
+        model.generate(**inputs, cache=cache, max_new_tokens=8)
         stats = cache.memory_stats()
         print(stats.blocks_in_use, stats.tokens_stored, f"{stats.utilization:.0%}")
         for group in stats.groups:          # mixed-window models only

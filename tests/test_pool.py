@@ -237,3 +237,27 @@ def test_mixed_window_cache_stats_after_generate():
     assert stats.blocks_in_use == full.blocks_in_use + sliding.blocks_in_use
     assert sliding.peak_blocks_in_use < full.peak_blocks_in_use <= stats.peak_blocks_in_use
     assert stats.peak_blocks_in_use == cache.pool.memory_stats().peak_blocks_in_use
+
+
+@pytest.mark.xfail(strict=True, reason="needs PagedCache.update to write into the current tensors of any pool not "
+                                       "preallocated (`if not self.pool.preallocated:` in cache.py)")
+def test_capped_pool_growing_between_a_plan_and_its_forward_keeps_the_write(model, paged_model):
+    """Another cache on the pool (another thread, in a server) grows it after this cache's step was planned and
+    before its forward ran: the step's K/V must land in the grown tensors, so the next steps still see them."""
+    from _features import forward
+
+    pool = BlockPool(block_size=4, num_blocks=64)
+    cache, reference = PagedCache(paged_model.config, pool=pool), dynamic(model)
+    ids = left_padded([6], seed=8)["input_ids"]
+    steps = []
+    for step in range(4):
+        if step == 1:  # plan this step, let another cache grow the pool, then run the planned forward
+            cache.plan(ids[:, -1:], None, 1, 1, "torch", torch.float32)
+            generate(paged_model, left_padded([40], seed=9), PagedCache(paged_model.config, pool=pool),
+                     max_new_tokens=2)
+        new = ids if step == 0 else ids[:, -1:]
+        logits = forward(paged_model, new, cache).logits[:, -1]
+        expected = forward(model, new, reference).logits[:, -1]
+        steps.append(torch.allclose(logits, expected, atol=1e-5))
+        ids = torch.cat([ids, expected.argmax(-1, keepdim=True)], 1)
+    assert steps == [True] * 4
