@@ -115,7 +115,7 @@ class MemoryStats:
         per_group = []
         for g, window in enumerate(windows):
             seqs = [row[g] for row in rows]
-            peak = a.peak_by_group.get(a.group_of(seqs[0]), 0) if seqs else 0
+            peak = a.peak_by_group.get(a.group_of(seqs[0]) if seqs else g, 0)
             per_group.append(cls.from_tables(tables=[a.block_table(s) for s in seqs], lens=[a.seq_len(s) for s in seqs],
                                              peak_blocks_in_use=peak, window=window, **common))
         if len(per_group) == 1:
