@@ -164,7 +164,7 @@ class BlockPool:
         ``ValueError`` for a pool without a cap. Example::
 
             pool = BlockPool(max_memory="1GiB")
-            pool.preallocate()      # from now on bytes_reserved is the cap's, and no tensor moves
+            pool.preallocate()      # the K/V tensors take the whole 1 GiB at their first write and never move
         """
         if not self.fixed:
             raise ValueError("a pool without a cap cannot be preallocated: build it with num_blocks=N or "
