@@ -48,6 +48,8 @@ class GenerateCall:
     backend: str
     release: bool  # give back finished rows' blocks (off when per-step outputs are requested)
     compile: bool  # the decoding forward may be compiled (the pool has a fixed size)
+    max_new_tokens: int | None = None  # what the call may generate per row (for out-of-blocks advice)
+    prompt_end: int | None = None  # the cache's columns once the call's prompt forward has run
 
 
 def _paged_forward(module, query, scaling, kwargs, layer) -> torch.Tensor:
@@ -173,7 +175,10 @@ def _wrap_generate(model, generate, backend_of):
         cache.start_from_prefix(input_ids, mask)
         cache.begin_call(GenerateCall(backend=backend_of(), release=not per_step,
                                       compile=compat.STEP_IN_ATTENTION_KWARGS and wanted
-                                      and not _generate_flag(model, kwargs, "disable_compile")))
+                                      and not _generate_flag(model, kwargs, "disable_compile"),
+                                      max_new_tokens=_generate_flag(model, kwargs, "max_new_tokens")))
+        if cache.is_compileable:
+            cache.pool.preallocate()  # the compiled steps read the pool at fixed addresses
         token = _GENERATE_CACHE.set(cache)
         try:
             return generate(*args, **kwargs)

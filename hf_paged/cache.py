@@ -16,6 +16,7 @@ from transformers.cache_utils import Cache
 
 from . import compat
 from .groups import LayerGroups
+from .errors import OutOfBlocksError
 from .pool import BlockPool
 from .stats import MemoryStats
 from .rows import Rows
@@ -43,7 +44,8 @@ class PagedCache(Cache):
     Args:
         config: the model's config (``model.config``); gives the layer count and each layer's window.
         block_size: tokens per block (default 16).
-        num_blocks: cap on blocks in the pool (allocated on first use). Default: grow as needed.
+        num_blocks: cap on blocks in the pool (its tensors grow on demand up to the cap; a compiled call takes the
+            cap's full size). Default: grow as needed.
         max_memory: cap in bytes, or a string like ``"2GiB"``; converted to blocks from the model's shape.
         pool: a :class:`BlockPool` to share with other caches (then sizing, prefix caching and kv_dtype come from it).
         release_finished: give back a row's blocks as soon as it finishes while other rows continue (default). Rows
@@ -89,6 +91,11 @@ class PagedCache(Cache):
         self.groups = LayerGroups.from_windows(_layer_windows(text_config))
         self.pool = pool if pool is not None else BlockPool(block_size, num_blocks, max_memory, prefix_caching,
                                                             kv_dtype)
+        self._own_pool = pool is None  # out-of-blocks advice names the constructor that sized the pool
+        if text_config is not None and self.num_layers:
+            from hf_paged.patches import kv_shape
+
+            self.pool.check_memory_fits(*kv_shape(text_config), self._slots_per_block())
         self.release_finished = release_finished
         if self.pool.prefix_caching and self.groups.num_groups > 1:
             _warn_once(f"prefix caching is off for {getattr(text_config, 'model_type', 'this model')}: its layers use "
@@ -218,6 +225,8 @@ class PagedCache(Cache):
         self._check_call_start(batch)
         self.forward_done()
         self._step = self._plan_rows(input_ids, attention_mask, batch, query_len, gathered=False)
+        if self._call is not None and self._call.prompt_end is None:
+            self._call.prompt_end = self._columns + query_len  # the columns once the call's prompt has run
         self._pending_columns = query_len  # counted once the forward has run (get_seq_length is read inside it)
         self._mode = "paged"
         self._planned = True
@@ -237,11 +246,39 @@ class PagedCache(Cache):
                                backend=self._resolved_backend(input_ids), num_layers=self.num_layers or 0,
                                static=query_len == 1 and self.is_compileable,
                                release_windows=not gathered and not self._recording, gathered=gathered)
-        except Exception:
+        except OutOfBlocksError as err:
+            advice = self._out_of_blocks_advice(err, query_len)
             if first:  # leave the cache as it was: empty
                 self.rows.clear()
                 self._columns, self._mode = 0, None
+            raise advice from None
+        except Exception:
+            if first:
+                self.rows.clear()
+                self._columns, self._mode = 0, None
             raise
+
+    def _out_of_blocks_advice(self, err: OutOfBlocksError, query_len: int) -> OutOfBlocksError:
+        """``err`` with what the whole request would hold at the call's ``max_new_tokens`` and the one call (as
+        this cache's pool was built) that fits it next to what other caches on the pool hold."""
+        a, bs = self.pool.allocator, self.pool.block_size
+        new = self._call.max_new_tokens if self._call is not None else None
+        if new is None:
+            return err
+        # Tokens the rows still take: this step's, then one per new token but the last (never fed back); the
+        # first new token came from the prompt's forward, each decode step written since made one more.
+        written_steps = 0 if self._call.prompt_end is None else self._columns - self._call.prompt_end
+        still = query_len + max(0, new - 1 - written_steps)
+        with self.pool.lock:
+            mine = {b for row in self.rows.live for seq in row.seqs for b in a.block_table(seq) if b >= 0}
+            others = a.blocks_in_use - len(mine)
+            need = 0
+            for row in self.rows.live:
+                length = self.rows.length(row) + still
+                for window in self.groups.windows:
+                    need += -(-(length if window is None else min(length, window + bs)) // bs)
+        return OutOfBlocksError(err.needed, err.free, err.block_size, err.capacity, request_needed=need,
+                                max_new_tokens=new, fix=self.pool.sizing_call(need + others, cache=self._own_pool))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store the new K/V ``[B, num_kv_heads, S, head_dim]`` of layer ``layer_idx``.
@@ -432,27 +469,8 @@ class PagedCache(Cache):
             from .distributed import sum_over_ranks
 
             return sum_over_ranks(self.memory_stats())
-        pool = self.pool
-        with pool.lock:
-            a = pool.allocator
-            live = [row.seqs for row in self.rows.live]
-            per_group = []
-            for g, window in enumerate(self.groups.windows):
-                per_group.append(self._stats([s[g] for s in live], pool.bytes_per_block_id(), window=window))
-            total = self._stats([s for seqs in live for s in seqs], pool.bytes_per_block_id(),
-                                groups=tuple(per_group) if self.groups.num_groups > 1 else ())
-            if total.num_sequences != len(live):
-                total = dataclasses.replace(total, num_sequences=len(live),
-                                            logical_tokens=sum(a.seq_len(s[0]) for s in live))
-            return total
-
-    def _stats(self, seqs, bytes_per_block, **extra) -> MemoryStats:
-        pool, a = self.pool, self.pool.allocator
-        return MemoryStats.from_tables(
-            block_size=a.block_size, num_blocks=pool.rows - 1, max_blocks=a.max_blocks,
-            tables=[a.block_table(s) for s in seqs], lens=[a.seq_len(s) for s in seqs],
-            peak_blocks_in_use=a.peak_blocks_in_use, bytes_per_block=bytes_per_block,
-            bytes_reserved=pool.bytes_reserved(), allocator=a, **extra)
+        with self.pool.lock:
+            return MemoryStats.for_rows(self.pool, [row.seqs for row in self.rows.live], self.groups.windows)
 
     # ------------------------------------------------------------- internals
     def _resolved_backend(self, input_ids) -> str:

@@ -338,7 +338,7 @@ def write_layer(pool, groups, step: Step, buffers: StepBuffers, layer_idx: int, 
             custom_ops.write_kv(k, v, layer.key_cache, layer.value_cache, layer.group.slot_mapping, layer.k_scale,
                                 layer.v_scale, backend or layer.backend)
 
-    if not pool.fixed:
+    if not pool.preallocated:
         # A growing pool shared with other threads may have grown (new tensors) since this step was planned:
         # write under the pool's lock into the current tensors, which the growth copies under the same lock.
         with pool.lock:

@@ -94,7 +94,7 @@ print(f"tokens identical to DynamicCache: True ({out.shape[0]} rows x {out.shape
 # * `tokens_stored` vs `logical_tokens`: KV slots holding a token vs tokens summed over rows (they differ when rows
 #   share blocks, see `03_sharing.ipynb`);
 # * `utilization`: `tokens_stored / (blocks_in_use * block_size)`: only the last block of each row is partly empty;
-# * `bytes_reserved`: the pool's K/V tensors, which grow on demand unless `num_blocks=` or `max_memory=` caps them.
+# * `bytes_reserved`: the pool's K/V tensors, which grow on demand (up to the cap `num_blocks=` or `max_memory=` sets).
 #
 # Rows that reach their end-of-sequence token give their blocks back while the others keep generating, so the figures
 # at the end cover only the rows still running then.

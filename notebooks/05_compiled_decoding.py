@@ -7,7 +7,7 @@
 #
 # ```python
 # enable_paged_attention(model)
-# cache = PagedCache(model.config, num_blocks=N)          # a fixed pool: N blocks, allocated on first use
+# cache = PagedCache(model.config, num_blocks=N)          # a fixed pool: N blocks, all taken before the compiled call
 # cc = CompileConfig(fullgraph=True)                       # fullgraph: a graph break is an error, not a slowdown
 # cc._compile_all_devices = True                           # CPU needs it; on CUDA transformers compiles by itself
 # model.generate(**inputs, cache=cache, compile_config=cc)

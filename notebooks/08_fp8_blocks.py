@@ -123,9 +123,9 @@ for budget in BUDGETS:
 budget_cache = PagedCache(model.config, max_memory=BUDGETS[0], kv_dtype=FP8)
 model.generate(**inputs, cache=budget_cache, max_new_tokens=1, do_sample=False)
 stats = budget_cache.memory_stats()
-print(f"\nPagedCache(max_memory={BUDGETS[0]!r}, kv_dtype=float8_e4m3fn): {stats.max_blocks} blocks of "
-      f"{stats.block_size} = {stats.max_blocks * stats.block_size:,} tokens, {stats.bytes_reserved / 2**20:.1f} MiB "
-      "reserved")
+print(f"\nPagedCache(max_memory={BUDGETS[0]!r}, kv_dtype=float8_e4m3fn): a cap of {stats.max_blocks} blocks of "
+      f"{stats.block_size} = {stats.max_blocks * stats.block_size:,} tokens; after one prompt its tensors hold "
+      f"{stats.bytes_reserved / 2**20:.1f} MiB (they grow on demand up to the cap)")
 
 # %%
 fig, ax = plt.subplots(figsize=(6, 2.2))

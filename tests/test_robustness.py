@@ -48,8 +48,12 @@ def test_exhaustion_mid_generation_then_reset_and_reuse(model):
         generate(model, inputs, cache, max_new_tokens=40, min_new_tokens=40,
                  stopping_criteria=StoppingCriteriaList([snapshot]))
     message = str(err.value)
-    assert "num_blocks" in message and "max_memory" in message and "free" in message
+    assert "free" in message and "max_new_tokens=40" in message and err.value.fix in message
     assert err.value.needed > err.value.free
+    # The advice is the shared pool's constructor (the cache was built with pool=), sized for the whole request
+    # (2 rows x ceil((6 + 40 - 1) / 4) blocks) beside what the neighbour holds.
+    assert err.value.request_needed == 2 * 12
+    assert err.value.fix == "BlockPool(block_size=4, num_blocks=26)"
     assert running_cache() is None  # the forward's hook state was unwound (transformers < 5.24 uses it)
     # It failed while decoding: the prefill and several decoding steps completed first.
     assert len(snapshot.states) >= 2
@@ -72,6 +76,9 @@ def test_exhaustion_mid_generation_then_reset_and_reuse(model):
     ref_cache = dynamic(model)
     ref = generate(model, neighbour_inputs, ref_cache, max_new_tokens=3)
     turn2 = torch.cat([ref, torch.tensor([[9, 10]])], 1)
+    # The advised pool fits the request that failed.
+    roomy = PagedCache(model.config, pool=eval(err.value.fix, {"BlockPool": BlockPool}))
+    generate(model, inputs, roomy, max_new_tokens=40, min_new_tokens=40)
     turn2 = {"input_ids": turn2, "attention_mask": torch.ones_like(turn2)}
     assert torch.equal(generate(model, turn2, neighbour, max_new_tokens=4),
                        generate(model, turn2, ref_cache, max_new_tokens=4))
@@ -108,9 +115,11 @@ def test_invalid_sizing_is_rejected(kwargs, match):
 
 
 def test_max_memory_too_small_for_one_block(model):
-    cache = PagedCache(model.config, max_memory=100)
+    """A cap below one block of the model's shape is refused when the cache is built, with the minimum."""
     with pytest.raises(ValueError, match="holds no block"):
-        generate(model, left_padded([3]), cache, max_new_tokens=1)
+        PagedCache(model.config, max_memory=100)
+    with pytest.raises(ValueError, match="holds no block"):
+        PagedCache(model.config, max_memory=2 * 16 * 2 * 16 * 2)  # one fp16 block of one layer: not all layers
 
 
 def test_cache_from_another_model_shape_is_rejected(model):
