@@ -33,6 +33,17 @@ NULL_BLOCK = -1
 _ROOT_KEY = b""
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative ints: e.g. the blocks ``a`` tokens fill."""
+    return -(-a // b)
+
+
+def slot_of(block, position, block_size: int):
+    """The pool slot of token ``position`` held in physical block ``block`` (the row's block table at
+    ``position // block_size``): ``block * block_size + offset``. Ints or tensors."""
+    return block * block_size + position % block_size
+
+
 def block_key(parent: bytes, tokens) -> bytes:
     """The key of a full block: a digest of its parent's key and its token ids (collisions: 2**-128)."""
     h = hashlib.blake2b(parent, digest_size=16)
@@ -56,7 +67,7 @@ class AppendPlan:
         """Slot ids (``block * block_size + offset``) per request, token by token (for tests and small tools;
         the cache computes them vectorised from ``starts``, ``counts`` and the block tables)."""
         bs = self.block_size
-        return [[table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        return [[slot_of(table[p // bs], p, bs) for p in range(start, start + n)]
                 for start, n, table in zip(self.starts, self.counts, self.tables)]
 
 
@@ -156,7 +167,7 @@ class BlockAllocator:
             if n <= 0:
                 continue
             length = self._lens[seq]
-            new += -(-(length + n) // bs) - -(-length // bs)
+            new += cdiv(length + n, bs) - cdiv(length, bs)
             if length % bs:
                 last = self._tables[seq][length // bs]
                 writers[last] = writers.get(last, 0) + 1
@@ -273,7 +284,7 @@ class BlockAllocator:
             if not 0 <= new_len <= length:
                 raise ValueError(f"cannot crop a sequence of {length} tokens to {new_len}.")
             table = self._tables[seq]
-            keep = -(-new_len // self.block_size)
+            keep = cdiv(new_len, self.block_size)
             if keep and table[keep - 1] == NULL_BLOCK:
                 raise ValueError(
                     f"cannot crop to {new_len} tokens: the block holding token {new_len - 1} already slid out of the "
@@ -352,7 +363,7 @@ class BlockAllocator:
                 self._refcount[last] -= 1
                 table[-1] = fresh
                 copies.append((last, fresh))
-        for _ in range(-(-(length + n) // bs) - len(table)):
+        for _ in range(cdiv(length + n, bs) - len(table)):
             table.append(self._take(group))
         self._lens[seq] = length + n
 
@@ -464,7 +475,7 @@ class BlockAllocator:
         counts = [0] * self.capacity
         for seq, table in self._tables.items():
             length = self._lens[seq]
-            assert len(table) == -(-length // self.block_size), (seq, len(table), length)
+            assert len(table) == cdiv(length, self.block_size), (seq, len(table), length)
             for b in table:
                 if b != NULL_BLOCK:
                     counts[b] += 1

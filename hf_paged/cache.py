@@ -15,6 +15,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from . import compat
+from .allocator import cdiv
 from .groups import LayerGroups
 from .errors import OutOfBlocksError
 from .pool import BlockPool
@@ -135,7 +136,7 @@ class PagedCache(Cache):
             # A compiled decode step: generate() builds a 4D mask outside the graph (the paged attention never reads
             # it); its width follows the block tables' bucket so the graph's input shapes stay fixed between buckets.
             bs = self.pool.block_size
-            kv_length = next_pow2(-(-kv_length // bs)) * bs
+            kv_length = next_pow2(cdiv(kv_length, bs)) * bs
         return kv_length, 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
@@ -276,7 +277,7 @@ class PagedCache(Cache):
             for row in self.rows.live:
                 length = self.rows.length(row) + still
                 for window in self.groups.windows:
-                    need += -(-(length if window is None else min(length, window + bs)) // bs)
+                    need += cdiv(length if window is None else min(length, window + bs), bs)
         return OutOfBlocksError(err.needed, err.free, err.block_size, err.capacity, request_needed=need,
                                 max_new_tokens=new, fix=self.pool.sizing_call(need + others, cache=self._own_pool))
 

@@ -31,7 +31,7 @@ import struct
 import torch
 
 from . import compat
-from .allocator import NULL_BLOCK
+from .allocator import NULL_BLOCK, cdiv, slot_of
 from .errors import CacheFileError
 from .rows import Rows
 
@@ -57,7 +57,7 @@ def _fingerprint(config) -> dict:
 
 def _row_slots(table: list[int], block_size: int, length: int) -> torch.Tensor:
     pos = torch.arange(length)
-    return torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size  # [length]
+    return slot_of(torch.tensor(table, dtype=torch.long)[pos // block_size], pos, block_size)  # [length]
 
 
 def _slots(exports, group: int, block_size: int) -> torch.Tensor:
@@ -440,7 +440,7 @@ def _check_room(cf: CacheFile, cache) -> None:
     from .pool import LayerShape
 
     pool, a, groups = cache.pool, cache.pool.allocator, cache.groups
-    needed = sum(-(-n // a.block_size) for n in cf.lens) * groups.num_groups
+    needed = sum(cdiv(n, a.block_size) for n in cf.lens) * groups.num_groups
     if a.max_blocks is not None:
         free = a.num_free
     elif pool.max_memory is not None and cf.layers:
