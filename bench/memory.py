@@ -2,7 +2,7 @@
 
 A simulation (no model runs): each workload is replayed step by step through the real ``hf_paged.BlockAllocator``
 for reservation at the context length (StaticCache-style), padded static batches (DynamicCache in a batched
-generate()), and PagedCache at several block sizes. Definitions and scheduling policies: ``hf_paged/simulate.py``.
+generate()), and PagedCache at several block sizes. Definitions and scheduling policies: ``hf_paged/tools/simulate.py``.
 
 Workloads (lengths: lognormal, clipped so prompt + output <= 2048, means calibrated to the vLLM paper's figures):
   ShareGPT-like  prompt 161.31 / output 337.99 mean tokens, sigma 1.0 / 0.9; 1000 requests in 3 GiB
@@ -29,9 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_paged import parse_memory  # noqa: E402
 from hf_paged.report import cpu_name  # noqa: E402
-from hf_paged.simulate import (  # noqa: E402
+from hf_paged.tools.plots import plot_block_map, plot_memory_over_steps, plot_waste_vs_block_size  # noqa: E402
+from hf_paged.tools.simulate import (  # noqa: E402
     ALPACA, SHAREGPT, SMOLLM2_135M, batch_memory_trace, block_map_snapshot, format_bytes, format_table,
-    plot_block_map, plot_memory_over_steps, plot_waste_vs_block_size, sample_workload, simulate_workload,
+    sample_workload, simulate_workload,
 )
 
 WORKLOADS = [(SHAREGPT, 1000, "3GiB"), (ALPACA, 2000, "512MiB")]  # (lengths, default requests, default budget)

@@ -12,7 +12,7 @@ from .cache import PagedCache
 from .embedded import local_model_dir as embedded_model_dir
 from .engine import EngineStats, GenerationOutput, QueueFullError, RequestStatus, RequestTooLargeError
 from .engine.api import ContinuousBatchingManager, generate_batch, init_continuous_batching
-from .errors import OutOfBlocksError
+from .errors import CacheFileError, OutOfBlocksError
 from .pool import BlockPool, parse_memory
 from .stats import MemoryStats
 
@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockAllocator",
     "BlockPool",
+    "CacheFileError",
     "ContinuousBatchingManager",
     "EngineStats",
     "GenerationOutput",

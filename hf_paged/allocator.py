@@ -8,6 +8,11 @@ caller, who owns the tensors, as a ``(src, dst)`` pair.
 
 Entries equal to ``NULL_BLOCK`` mark blocks that slid out of a sliding window and were given back.
 
+A capped allocator (``set_limit``) that starts smaller than its cap grows into it before it evicts cached blocks.
+
+Each sequence belongs to a *group* (an int, 0 by default; a cache gives each of its layer groups one), and so does
+each block it takes: the allocator counts blocks in use, and their peak, per group as well as in total.
+
 Prefix caching (``prefix_caching=True``): a full block whose tokens are known gets a key, a digest of its tokens
 chained with its parent block's key, so a key names the whole prefix up to the block's end. When its last holder lets
 go, a keyed block is not freed but *cached*: reference count zero, still valid, kept in least-recently-used order and
@@ -26,6 +31,17 @@ from .errors import OutOfBlocksError
 
 NULL_BLOCK = -1
 _ROOT_KEY = b""
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative ints: e.g. the blocks ``a`` tokens fill."""
+    return -(-a // b)
+
+
+def slot_of(block, position, block_size: int):
+    """The pool slot of token ``position`` held in physical block ``block`` (the row's block table at
+    ``position // block_size``): ``block * block_size + offset``. Ints or tensors."""
+    return block * block_size + position % block_size
 
 
 def block_key(parent: bytes, tokens) -> bytes:
@@ -51,7 +67,7 @@ class AppendPlan:
         """Slot ids (``block * block_size + offset``) per request, token by token (for tests and small tools;
         the cache computes them vectorised from ``starts``, ``counts`` and the block tables)."""
         bs = self.block_size
-        return [[table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        return [[slot_of(table[p // bs], p, bs) for p in range(start, start + n)]
                 for start, n, table in zip(self.starts, self.counts, self.tables)]
 
 
@@ -77,6 +93,10 @@ class BlockAllocator:
         self.max_blocks = num_blocks
         self.capacity = 0
         self.peak_blocks_in_use = 0
+        self.peak_by_group: dict[int, int] = {}  # group -> the most blocks its sequences held at once
+        self._in_use_by_group: dict[int, int] = {}
+        self._seq_group: dict[int, int] = {}
+        self._block_group: list[int] = []  # per block, the group of the sequence that took it
         self.lock = threading.RLock()
         self._free: deque[int] = deque()
         self._refcount: list[int] = []
@@ -126,6 +146,13 @@ class BlockAllocator:
     def refcount(self, block: int) -> int:
         return self._refcount[block]
 
+    def group_of(self, seq: int) -> int:
+        return self._seq_group[self._check_seq(seq)]
+
+    def blocks_in_use_by_group(self) -> dict[int, int]:
+        """Blocks in use per group (groups that never took a block are absent)."""
+        return {g: n for g, n in self._in_use_by_group.items()}
+
     def blocks_needed(self, seq: int, num_tokens: int) -> int:
         """Blocks an append of ``num_tokens`` to ``seq`` would take from the free list."""
         return self.blocks_needed_for([(self._check_seq(seq), num_tokens)])
@@ -140,7 +167,7 @@ class BlockAllocator:
             if n <= 0:
                 continue
             length = self._lens[seq]
-            new += -(-(length + n) // bs) - -(-length // bs)
+            new += cdiv(length + n, bs) - cdiv(length, bs)
             if length % bs:
                 last = self._tables[seq][length // bs]
                 writers[last] = writers.get(last, 0) + 1
@@ -155,17 +182,19 @@ class BlockAllocator:
                 raise ValueError(f"cannot cap the pool at {num_blocks} blocks: {self.capacity} already exist.")
             self.max_blocks = num_blocks
 
-    def new_sequence(self, prefix_blocks: list[int] = ()) -> int:
-        """A new sequence; ``prefix_blocks`` (from :meth:`match_prefix`) become its first, full, shared blocks."""
+    def new_sequence(self, prefix_blocks: list[int] = (), group: int = 0) -> int:
+        """A new sequence of ``group``; ``prefix_blocks`` (from :meth:`match_prefix`) become its first, full, shared
+        blocks."""
         with self.lock:
             seq = self._next_seq
             self._next_seq += 1
+            self._seq_group[seq] = group
             self._tables[seq] = list(prefix_blocks)
             self._lens[seq] = len(prefix_blocks) * self.block_size
             self._seq_keys[seq] = [self._key_of[b] for b in prefix_blocks]
             self._seq_tail[seq] = []
             self._published[seq] = len(prefix_blocks)
-            self._incref(prefix_blocks)
+            self._incref(prefix_blocks, group)
             return seq
 
     def match_prefix(self, tokens: list[int], max_tokens: int | None = None) -> list[int]:
@@ -195,7 +224,7 @@ class BlockAllocator:
         """A new sequence sharing every block of ``seq`` (no copy)."""
         with self.lock:
             table = self._tables[self._check_seq(seq)]
-            child = self.new_sequence()
+            child = self.new_sequence(group=self._seq_group[seq])
             self._tables[child] = list(table)
             self._lens[child] = self._lens[seq]
             self._copy_keys(seq, child)
@@ -207,7 +236,7 @@ class BlockAllocator:
             self._check_seq(seq)
             self._publish(seq)
             self._decref(self._tables.pop(seq))
-            del self._lens[seq], self._seq_keys[seq], self._seq_tail[seq], self._published[seq]
+            del self._lens[seq], self._seq_keys[seq], self._seq_tail[seq], self._published[seq], self._seq_group[seq]
 
     def append(self, requests: list[tuple[int, int]], tokens: list[list[int] | None] | None = None) -> AppendPlan:
         """Reserve slots for ``n`` new tokens on each ``(seq, n)``, all or nothing.
@@ -229,7 +258,9 @@ class BlockAllocator:
             if self.max_blocks is not None and needed > self.num_free:
                 raise OutOfBlocksError(needed=needed, free=self.num_free, block_size=self.block_size,
                                        capacity=self.max_blocks if self.max_blocks is not None else self.capacity)
-            short = needed - len(self._free) - len(self._cached)
+            # Capped: grow into the cap before evicting cached blocks. Uncapped: evict before growing (else the
+            # pool would grow with every distinct request).
+            short = needed - len(self._free) - (len(self._cached) if self.max_blocks is None else 0)
             if short > 0:
                 self._grow(max(short, self.capacity))
             plan = AppendPlan(self.block_size)
@@ -241,6 +272,9 @@ class BlockAllocator:
                     self._key_new_blocks(seq, tokens[i] if tokens is not None else None)
                 plan.tables.append(list(self._tables[seq]))
             self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use)
+            for group, count in self._in_use_by_group.items():
+                if count > self.peak_by_group.get(group, 0):
+                    self.peak_by_group[group] = count
             return plan
 
     def crop(self, seq: int, new_len: int) -> None:
@@ -250,7 +284,7 @@ class BlockAllocator:
             if not 0 <= new_len <= length:
                 raise ValueError(f"cannot crop a sequence of {length} tokens to {new_len}.")
             table = self._tables[seq]
-            keep = -(-new_len // self.block_size)
+            keep = cdiv(new_len, self.block_size)
             if keep and table[keep - 1] == NULL_BLOCK:
                 raise ValueError(
                     f"cannot crop to {new_len} tokens: the block holding token {new_len - 1} already slid out of the "
@@ -271,6 +305,8 @@ class BlockAllocator:
                 raise ValueError(f"reorder indices must lie in [0, {len(seqs)}), got {order}.")
             for seq in seqs:
                 self._check_seq(seq)
+            if len({self._seq_group[seq] for seq in seqs}) > 1:
+                raise ValueError("reorder got sequences of different groups; reorder each group's on its own.")
             new_tables = [list(self._tables[seqs[i]]) for i in order]
             new_lens = [self._lens[seqs[i]] for i in order]
             new_keys = [self._seq_keys[seqs[i]] for i in order]
@@ -317,25 +353,28 @@ class BlockAllocator:
         if n <= 0:
             return
         table, length, bs = self._tables[seq], self._lens[seq], self.block_size
+        group = self._seq_group[seq]
         if length % bs:
             last = table[-1]
             if last in self._key_of and self._refcount[last] == 1:  # (cropped) keyed block written in place: unkey
                 del self._block_of[self._key_of.pop(last)]
             if self._refcount[last] > 1:
-                fresh = self._take()
-                self._refcount[fresh] = 1
+                fresh = self._take(group)
                 self._refcount[last] -= 1
                 table[-1] = fresh
                 copies.append((last, fresh))
-        for _ in range(-(-(length + n) // bs) - len(table)):
-            fresh = self._take()
-            self._refcount[fresh] = 1
-            table.append(fresh)
+        for _ in range(cdiv(length + n, bs) - len(table)):
+            table.append(self._take(group))
         self._lens[seq] = length + n
 
-    def _take(self) -> int:
-        """A block for writing: from the free list, else the least recently used cached block."""
-        return self._free.popleft() if self._free else self._evict()
+    def _take(self, group: int) -> int:
+        """A block for writing, held once by ``group``: from the free list, else the least recently used cached
+        block."""
+        block = self._free.popleft() if self._free else self._evict()
+        self._refcount[block] = 1
+        self._block_group[block] = group
+        self._in_use_by_group[group] = self._in_use_by_group.get(group, 0) + 1
+        return block
 
     def _evict(self) -> int:
         block, _ = self._cached.popitem(last=False)
@@ -397,13 +436,19 @@ class BlockAllocator:
             count = min(count, self.max_blocks - self.capacity)
         self._free.extend(range(self.capacity, self.capacity + count))
         self._refcount.extend([0] * count)
+        self._block_group.extend([0] * count)
         self.capacity += count
 
-    def _incref(self, blocks: list[int]) -> None:
+    def _incref(self, blocks: list[int], group: int | None = None) -> None:
+        """One more holder for each block; a cached block taken back becomes ``group``'s."""
         for b in blocks:
             if b != NULL_BLOCK:
                 if self._refcount[b] == 0:
                     self._cached.pop(b, None)
+                    if group is not None:
+                        self._block_group[b] = group
+                    g = self._block_group[b]
+                    self._in_use_by_group[g] = self._in_use_by_group.get(g, 0) + 1
                 self._refcount[b] += 1
 
     def _decref(self, blocks: list[int]) -> None:
@@ -414,6 +459,7 @@ class BlockAllocator:
                 raise RuntimeError(f"block {b} freed twice (allocator bookkeeping is corrupt).")
             self._refcount[b] -= 1
             if self._refcount[b] == 0:
+                self._in_use_by_group[self._block_group[b]] -= 1
                 if b in self._key_of:
                     self._cached[b] = None
                 else:
@@ -429,7 +475,7 @@ class BlockAllocator:
         counts = [0] * self.capacity
         for seq, table in self._tables.items():
             length = self._lens[seq]
-            assert len(table) == -(-length // self.block_size), (seq, len(table), length)
+            assert len(table) == cdiv(length, self.block_size), (seq, len(table), length)
             for b in table:
                 if b != NULL_BLOCK:
                     counts[b] += 1
@@ -444,3 +490,10 @@ class BlockAllocator:
         assert {self._block_of[k]: k for k in self._block_of} == self._key_of, "key maps disagree"
         assert len(free) + len(cached) + sum(1 for c in counts if c > 0) == self.capacity, (
             "a block is neither free, cached nor referenced")
+        by_group: dict[int, set[int]] = {}
+        for seq, table in self._tables.items():
+            by_group.setdefault(self._seq_group[seq], set()).update(b for b in table if b != NULL_BLOCK)
+        assert all(self._block_group[b] == g for g, blocks in by_group.items() for b in blocks), (
+            "a block is held by a sequence of another group than the one counting it")
+        assert {g: len(b) for g, b in by_group.items() if b} == {
+            g: n for g, n in self._in_use_by_group.items() if n}, "blocks in use per group differ from the tables"

@@ -12,7 +12,9 @@ Where state lives, one place each:
   on the decoder (a no-op while compiling).
 * A layer's step tensors reach the attention function in the kwargs transformers hands it (``PagedCache.update``
   adds them); transformers releases without that path (before 5.24) read the cache of the running forward from a
-  context variable the decoder hooks set and clear around each forward.
+  context variable the decoder hooks set and clear around each forward (``compat.running_cache``).
+* The columns a forward consumed are counted once it has run (``PagedCache.forward_done``: by the decoder's
+  post-hook, or by the next plan when a compiled forward ran no hooks).
 * What a ``generate()`` call decided (release finished rows or not, compile or not) lives on the cache for the length
   of the call (``GenerateCall``). Nothing refers to a cache after its forward or call ends.
 """
@@ -33,8 +35,6 @@ from .cache import STEP_KWARG, PagedCache
 from .ops import custom_ops
 
 _PREFIX = "hf_paged_"
-# The caches of the forwards running in this thread/task, innermost last (only read on transformers < 5.24).
-_FORWARDS: contextvars.ContextVar[tuple] = contextvars.ContextVar("hf_paged_forwards", default=())
 # The PagedCache of the generate() call running in this thread/task (for the stopping criteria it builds).
 _GENERATE_CACHE: contextvars.ContextVar = contextvars.ContextVar("hf_paged_generate_cache", default=None)
 # Per-step outputs generate() returns for every row: finished rows must keep their history to match DynamicCache.
@@ -48,12 +48,8 @@ class GenerateCall:
     backend: str
     release: bool  # give back finished rows' blocks (off when per-step outputs are requested)
     compile: bool  # the decoding forward may be compiled (the pool has a fixed size)
-
-
-def active_cache() -> PagedCache | None:
-    """The PagedCache of the forward running in this thread (None outside one, or with another cache)."""
-    forwards = _FORWARDS.get()
-    return forwards[-1] if forwards else None
+    max_new_tokens: int | None = None  # what the call may generate per row (for out-of-blocks advice)
+    prompt_end: int | None = None  # the cache's columns once the call's prompt forward has run
 
 
 def _paged_forward(module, query, scaling, kwargs, layer) -> torch.Tensor:
@@ -75,8 +71,7 @@ def _paged_forward(module, query, scaling, kwargs, layer) -> torch.Tensor:
 def _layer_step(module, kwargs):
     layer = kwargs.pop(STEP_KWARG, None)
     if layer is None and not compat.STEP_IN_ATTENTION_KWARGS:
-        forwards = _FORWARDS.get()
-        cache = forwards[-1] if forwards else None
+        cache = compat.running_cache()
         if cache is not None:
             layer = cache.layer_step(module.layer_idx)
     return layer
@@ -100,7 +95,7 @@ def _pre_hook(module, args, kwargs):
         return
     cache = compat.cache_from_kwargs(kwargs)
     if not isinstance(cache, PagedCache):
-        _FORWARDS.set(_FORWARDS.get() + (None,))
+        compat.forward_begins(None)
         return
     if not cache.planned:  # a forward called directly (not through generate()): plan it here
         input_ids = kwargs.get("input_ids", args[0] if args else None)
@@ -108,7 +103,7 @@ def _pre_hook(module, args, kwargs):
         batch, query_len = (input_ids if input_ids is not None else embeds).shape[:2]
         attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         cache.plan(input_ids, attention_mask, batch, query_len, module._hf_paged_backend, _dtype(module))
-    _FORWARDS.set(_FORWARDS.get() + (cache,))
+    compat.forward_begins(cache)
 
 
 def _dtype(module) -> torch.dtype | None:
@@ -119,11 +114,10 @@ def _dtype(module) -> torch.dtype | None:
 def _post_hook(module, args, kwargs, output):
     if torch.compiler.is_compiling():
         return
-    forwards = _FORWARDS.get()
-    if forwards:
-        if forwards[-1] is not None:
-            forwards[-1].forward_done()
-        _FORWARDS.set(forwards[:-1])
+    compat.forward_ends()
+    cache = compat.cache_from_kwargs(kwargs)
+    if isinstance(cache, PagedCache):
+        cache.forward_done()
 
 
 class _ReleaseFinishedRows(StoppingCriteriaList):
@@ -152,6 +146,7 @@ def _wrap_generate(model, generate, backend_of):
         cache = compat.cache_from_kwargs(kwargs)
         if not isinstance(cache, PagedCache):
             return generate(*args, **kwargs)
+        compat.rename_cache_kwarg(kwargs, stacklevel=2)
         per_step = bool(_generate_flag(model, kwargs, "return_dict_in_generate")) and any(
             _generate_flag(model, kwargs, n) for n in _PER_STEP_OUTPUTS)
         compile_config = _generate_flag(model, kwargs, "compile_config")
@@ -176,10 +171,14 @@ def _wrap_generate(model, generate, backend_of):
         if input_ids is not None and expand > 1:
             input_ids = input_ids.repeat_interleave(expand, dim=0)
             mask = mask.repeat_interleave(expand, dim=0) if mask is not None else None
+        cache.check_continues(input_ids, mask)
         cache.start_from_prefix(input_ids, mask)
         cache.begin_call(GenerateCall(backend=backend_of(), release=not per_step,
                                       compile=compat.STEP_IN_ATTENTION_KWARGS and wanted
-                                      and not _generate_flag(model, kwargs, "disable_compile")))
+                                      and not _generate_flag(model, kwargs, "disable_compile"),
+                                      max_new_tokens=_generate_flag(model, kwargs, "max_new_tokens")))
+        if cache.is_compileable:
+            cache.pool.preallocate()  # the compiled steps read the pool at fixed addresses
         token = _GENERATE_CACHE.set(cache)
         try:
             return generate(*args, **kwargs)

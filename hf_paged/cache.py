@@ -8,18 +8,22 @@ pool through the step's block tables. Neither changes Python state, so the forwa
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 
 import torch
 from transformers.cache_utils import Cache
 
 from . import compat
+from .allocator import cdiv
 from .groups import LayerGroups
+from .errors import OutOfBlocksError
 from .pool import BlockPool
 from .stats import MemoryStats
 from .rows import Rows
-from .step import LayerStep, Step, build_layer_step, next_pow2, plan_padded, write_layer
+from .step import LayerStep, Step, StepBuffers, build_layer_step, next_pow2, plan_padded, write_layer
 
+_log = logging.getLogger(__name__)
 STEP_KWARG = "hf_paged_step"  # the attention kwarg through which update() hands a layer its LayerStep
 
 
@@ -41,7 +45,8 @@ class PagedCache(Cache):
     Args:
         config: the model's config (``model.config``); gives the layer count and each layer's window.
         block_size: tokens per block (default 16).
-        num_blocks: cap on blocks in the pool (allocated on first use). Default: grow as needed.
+        num_blocks: cap on blocks in the pool (its tensors grow on demand up to the cap; a compiled call takes the
+            cap's full size). Default: grow as needed.
         max_memory: cap in bytes, or a string like ``"2GiB"``; converted to blocks from the model's shape.
         pool: a :class:`BlockPool` to share with other caches (then sizing, prefix caching and kv_dtype come from it).
         release_finished: give back a row's blocks as soon as it finishes while other rows continue (default). Rows
@@ -63,8 +68,6 @@ class PagedCache(Cache):
         out = model.generate(**inputs, cache=cache, max_new_tokens=64)
         print(cache.memory_stats())
     """
-
-    supports_layer_windows = True  # one block table per group of layers sharing a window
 
     def __init__(
         self,
@@ -89,7 +92,16 @@ class PagedCache(Cache):
         self.groups = LayerGroups.from_windows(_layer_windows(text_config))
         self.pool = pool if pool is not None else BlockPool(block_size, num_blocks, max_memory, prefix_caching,
                                                             kv_dtype)
+        self._own_pool = pool is None  # out-of-blocks advice names the constructor that sized the pool
+        if text_config is not None and self.num_layers:
+            from hf_paged.patches import kv_shape
+
+            self.pool.check_memory_fits(*kv_shape(text_config), self._slots_per_block())
         self.release_finished = release_finished
+        if self.pool.prefix_caching and self.groups.num_groups > 1:
+            _warn_once(f"prefix caching is off for {getattr(text_config, 'model_type', 'this model')}: its layers use "
+                       f"different attention windows ({sorted(set(self.groups.windows), key=str)}), and a cached "
+                       "prefix would need every window's blocks. Its rows still share blocks within a call.")
         self.rows = Rows(self.pool, self.groups)  # per batch row: its sequences, tokens, released or not
         self._columns = 0  # padded columns the forwards so far consumed
         self._pending_columns = 0  # columns of the planned forward, not yet run
@@ -124,7 +136,7 @@ class PagedCache(Cache):
             # A compiled decode step: generate() builds a 4D mask outside the graph (the paged attention never reads
             # it); its width follows the block tables' bucket so the graph's input shapes stay fixed between buckets.
             bs = self.pool.block_size
-            kv_length = next_pow2(-(-kv_length // bs)) * bs
+            kv_length = next_pow2(cdiv(kv_length, bs)) * bs
         return kv_length, 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
@@ -214,6 +226,8 @@ class PagedCache(Cache):
         self._check_call_start(batch)
         self.forward_done()
         self._step = self._plan_rows(input_ids, attention_mask, batch, query_len, gathered=False)
+        if self._call is not None and self._call.prompt_end is None:
+            self._call.prompt_end = self._columns + query_len  # the columns once the call's prompt has run
         self._pending_columns = query_len  # counted once the forward has run (get_seq_length is read inside it)
         self._mode = "paged"
         self._planned = True
@@ -233,11 +247,39 @@ class PagedCache(Cache):
                                backend=self._resolved_backend(input_ids), num_layers=self.num_layers or 0,
                                static=query_len == 1 and self.is_compileable,
                                release_windows=not gathered and not self._recording, gathered=gathered)
-        except Exception:
+        except OutOfBlocksError as err:
+            advice = self._out_of_blocks_advice(err, query_len)
             if first:  # leave the cache as it was: empty
                 self.rows.clear()
                 self._columns, self._mode = 0, None
+            raise advice from None
+        except Exception:
+            if first:
+                self.rows.clear()
+                self._columns, self._mode = 0, None
             raise
+
+    def _out_of_blocks_advice(self, err: OutOfBlocksError, query_len: int) -> OutOfBlocksError:
+        """``err`` with what the whole request would hold at the call's ``max_new_tokens`` and the one call (as
+        this cache's pool was built) that fits it next to what other caches on the pool hold."""
+        a, bs = self.pool.allocator, self.pool.block_size
+        new = self._call.max_new_tokens if self._call is not None else None
+        if new is None:
+            return err
+        # Tokens the rows still take: this step's, then one per new token but the last (never fed back); the
+        # first new token came from the prompt's forward, each decode step written since made one more.
+        written_steps = 0 if self._call.prompt_end is None else self._columns - self._call.prompt_end
+        still = query_len + max(0, new - 1 - written_steps)
+        with self.pool.lock:
+            mine = {b for row in self.rows.live for seq in row.seqs for b in a.block_table(seq) if b >= 0}
+            others = a.blocks_in_use - len(mine)
+            need = 0
+            for row in self.rows.live:
+                length = self.rows.length(row) + still
+                for window in self.groups.windows:
+                    need += cdiv(length if window is None else min(length, window + bs), bs)
+        return OutOfBlocksError(err.needed, err.free, err.block_size, err.capacity, request_needed=need,
+                                max_new_tokens=new, fix=self.pool.sizing_call(need + others, cache=self._own_pool))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store the new K/V ``[B, num_kv_heads, S, head_dim]`` of layer ``layer_idx``.
@@ -256,7 +298,7 @@ class PagedCache(Cache):
         layer = write_layer(self.pool, self.groups, self._step, self._buffers, layer_idx, self.num_layers,
                             key_states, value_states, "torch" if self._mode == "gathered" else None)
         if self._mode == "paged":
-            compat.attention_kwargs(args, kwargs)[STEP_KWARG] = layer
+            compat.attention_kwargs(kwargs)[STEP_KWARG] = layer
             return key_states, value_states
         return _gather(layer, layer.group.gather_slots), _gather(layer, layer.group.gather_slots, value=True)
 
@@ -360,11 +402,18 @@ class PagedCache(Cache):
         save_cache(self, path)
 
     @classmethod
-    def load(cls, path, config, pool: BlockPool | None = None, **kwargs) -> "PagedCache":
-        """A cache holding the rows saved by :meth:`save`; ``ValueError`` if they do not fit ``config``'s model."""
+    def load(cls, path, config, pool: BlockPool | None = None, trusted: bool = False, **kwargs) -> "PagedCache":
+        """A cache holding the rows saved by :meth:`save`.
+
+        The file is untrusted input: every field is checked against the file itself, the model and the pool before
+        the pool is touched; a file that fails raises :class:`~hf_paged.CacheFileError` (a ``ValueError``) naming
+        the file and the field. Its blocks serve the loaded rows only. ``trusted=True`` also publishes them to a
+        prefix-caching pool (later prompts that start with the same tokens reuse them) and lets an fp8 file set a
+        shared pool's scales: use it only for files you wrote.
+        """
         from .persist import load_cache
 
-        return load_cache(cls, path, config, pool, **kwargs)
+        return load_cache(cls, path, config, pool, trusted=trusted, **kwargs)
 
     @property
     def columns(self) -> int:
@@ -421,27 +470,8 @@ class PagedCache(Cache):
             from .distributed import sum_over_ranks
 
             return sum_over_ranks(self.memory_stats())
-        pool = self.pool
-        with pool.lock:
-            a = pool.allocator
-            live = [row.seqs for row in self.rows.live]
-            per_group = []
-            for g, window in enumerate(self.groups.windows):
-                per_group.append(self._stats([s[g] for s in live], pool.bytes_per_block_id(), window=window))
-            total = self._stats([s for seqs in live for s in seqs], pool.bytes_per_block_id(),
-                                groups=tuple(per_group) if self.groups.num_groups > 1 else ())
-            if total.num_sequences != len(live):
-                total = dataclasses.replace(total, num_sequences=len(live),
-                                            logical_tokens=sum(a.seq_len(s[0]) for s in live))
-            return total
-
-    def _stats(self, seqs, bytes_per_block, **extra) -> MemoryStats:
-        pool, a = self.pool, self.pool.allocator
-        return MemoryStats.from_tables(
-            block_size=a.block_size, num_blocks=pool.rows - 1, max_blocks=a.max_blocks,
-            tables=[a.block_table(s) for s in seqs], lens=[a.seq_len(s) for s in seqs],
-            peak_blocks_in_use=a.peak_blocks_in_use, bytes_per_block=bytes_per_block,
-            bytes_reserved=pool.bytes_reserved(), allocator=a, **extra)
+        with self.pool.lock:
+            return MemoryStats.for_rows(self.pool, [row.seqs for row in self.rows.live], self.groups.windows)
 
     # ------------------------------------------------------------- internals
     def _resolved_backend(self, input_ids) -> str:
@@ -503,12 +533,42 @@ class PagedCache(Cache):
         are fewer: the cap is then conservative)."""
         if self.pool.max_memory is None or self.pool.allocator.max_blocks is not None or self.config is None:
             return
+        from hf_paged.patches import kv_shape
+
         heads, head_dim = kv_shape(self.config)
         self.pool.apply_memory_cap(heads, head_dim, dtype, self._slots_per_block())
 
     def _invalidate_step(self) -> None:
         self.forward_done()
         self._step = None
+
+    def check_continues(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
+        """``ValueError`` when a ``generate()`` on a cache holding rows gets ``input_ids`` whose first columns are
+        not the tokens those rows hold (another conversation in a batch of the same size)."""
+        columns = self._columns + self._pending_columns
+        # generate() slices off the columns the cache holds (its mask, built when none is given, covers input_ids):
+        # the first columns must be the rows' tokens, and at least one column must be new.
+        if input_ids is None or not columns or not len(self.rows) or input_ids.shape[0] != len(self.rows):
+            return
+        if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[1] != input_ids.shape[1]):
+            return  # only the new tokens were passed, with the whole sequence's mask
+        if input_ids.shape[1] <= columns:
+            raise ValueError(
+                f"this PagedCache holds {columns} columns but input_ids has {input_ids.shape[1]}: generate() continues "
+                "a cache only from its own sequence plus new tokens (e.g. torch.cat([out, new_ids], 1)). For other "
+                "prompts start over with cache.reset() or a new PagedCache.")
+        ids = input_ids[:, :columns].to("cpu")
+        real = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else \
+            attention_mask[:, :columns].to("cpu", torch.bool)
+        for r, row in enumerate(self.rows):
+            if row.released or row.tokens is None or len(row.tokens) != int(real[r].sum()):
+                continue
+            if ids[r][real[r]].tolist() != row.tokens:
+                raise ValueError(
+                    f"row {r} of this PagedCache holds other tokens than the first {columns} columns of input_ids, "
+                    "so generate() would continue another conversation. Pass the cache's own sequence with the new "
+                    "tokens appended (e.g. torch.cat([out, new_ids], 1)), or start over with cache.reset() or a new "
+                    "PagedCache.")
 
     def start_from_prefix(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> int:
         """Prefix caching, before the first forward of a ``generate()`` on an empty cache (with the batch the model
@@ -517,7 +577,11 @@ class PagedCache(Cache):
         Rows with the same prompt then share those blocks and one copy of the rest. Returns the prompt tokens
         skipped per row."""
         bs = self.pool.block_size
-        if len(self.rows) or self._columns or not self.rows.prefix_caching or input_ids is None:
+        if not self.pool.prefix_caching or len(self.rows) or self._columns:
+            return 0
+        if not self.rows.prefix_caching or input_ids is None:
+            _log.debug("prefix cache lookup skipped: %s", "the model's layers use different windows"
+                       if not self.rows.prefix_caching else "generate() got embeddings, not token ids")
             return 0
         batch, length = input_ids.shape
         limit = length - 1  # the last prompt token must run: its logits start the generation
@@ -525,6 +589,7 @@ class PagedCache(Cache):
             padded = ~attention_mask[:, :limit].to("cpu", torch.bool)
             if bool(padded.any()):
                 limit = int(padded.any(0).nonzero()[0])  # only columns every row holds a real token in
+                _log.debug("prefix cache lookup limited to the first %d columns: rows are left-padded", limit)
         tokens = input_ids[:, :limit].to("cpu").tolist()
         matches = [self.rows.match_prefix(row, limit) for row in tokens]
         common = min(len(m) for m in matches)
@@ -542,11 +607,13 @@ class PagedCache(Cache):
         return common * bs
 
 
-def kv_shape(config) -> tuple[int, int]:
-    """``(num_kv_heads, head_dim)`` of a decoder config's attention layers."""
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return heads, head_dim
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)
 
 
 class StepCache(Cache):
@@ -554,16 +621,16 @@ class StepCache(Cache):
     forward): ``update()`` writes each layer's K/V through the step's slot mapping and hands the layer its step in
     the attention kwargs, so every query reads the pool through the paged attention."""
 
-    def __init__(self, rows: Rows, step: Step, num_layers: int, buffers):
+    def __init__(self, rows: Rows, step: Step, num_layers: int, buffers: StepBuffers | None = None):
         compat.init_cache_base(self)
-        self.pool, self.groups, self.step, self.num_layers, self._buffers = rows.pool, rows.groups, step, \
-            num_layers, buffers
+        self.pool, self.groups, self.step, self.num_layers = rows.pool, rows.groups, step, num_layers
+        self._buffers = buffers if buffers is not None else StepBuffers()  # a compiled step's: lent by the pool
         self._columns = 0
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = write_layer(self.pool, self.groups, self.step, self._buffers, layer_idx, self.num_layers,
                             key_states, value_states, None)
-        compat.attention_kwargs(args, kwargs)[STEP_KWARG] = layer
+        compat.attention_kwargs(kwargs)[STEP_KWARG] = layer
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -16,6 +16,8 @@ What changed inside that range, and where this module absorbs it:
 
 from __future__ import annotations
 
+import contextvars
+
 import torch
 import transformers
 from packaging.version import Version
@@ -59,10 +61,42 @@ def query_length(arg) -> int:
 STEP_IN_ATTENTION_KWARGS = CACHE_RENAMED
 
 
-def attention_kwargs(args: tuple, kwargs: dict) -> dict:
+# Before 5.24 the attention function finds the cache of the running forward here: the decoder's hooks push it (or
+# None for another cache) before the forward and pop it after, in this thread/task.
+_FORWARDS = contextvars.ContextVar("hf_paged_forwards", default=())
+
+
+def forward_begins(cache) -> None:
+    if not STEP_IN_ATTENTION_KWARGS:
+        _FORWARDS.set(_FORWARDS.get() + (cache,))
+
+
+def forward_ends() -> None:
+    if not STEP_IN_ATTENTION_KWARGS and _FORWARDS.get():
+        _FORWARDS.set(_FORWARDS.get()[:-1])
+
+
+def running_cache():
+    """The cache of the forward running in this thread (transformers < 5.24 only; None otherwise)."""
+    forwards = _FORWARDS.get()
+    return forwards[-1] if forwards else None
+
+
+def attention_kwargs(kwargs: dict) -> dict:
     """The dict ``update()`` can add entries to for the attention function (a throwaway dict where there is none)."""
     shared = kwargs.get("kwargs")
     return shared if isinstance(shared, dict) else {}
+
+
+def rename_cache_kwarg(kwargs: dict, stacklevel: int) -> None:
+    """A ``generate(past_key_values=...)`` call on 5.24+: warn at the caller's line (transformers' own warning would
+    point into this package's wrapper) and pass the cache under its new name."""
+    if CACHE_RENAMED and kwargs.get("past_key_values") is not None and kwargs.get("cache") is None:
+        import warnings
+
+        warnings.warn("`past_key_values` is deprecated for generate() (removed in transformers 6.0.0); pass the "
+                      "cache as `cache=` instead.", FutureWarning, stacklevel=stacklevel + 1)
+        kwargs["cache"] = kwargs.pop("past_key_values")
 
 
 def cache_from_kwargs(kwargs: dict):

@@ -55,9 +55,5 @@ class LayerGroups:
         """Layers per group (= K/V tensor slots per block id)."""
         return max(self.layer_slot, default=0) + 1
 
-    @property
-    def hybrid(self) -> bool:
-        return len(set(self.windows)) > 1
-
     def window_of(self, layer_idx: int) -> int | None:
         return self.windows[self.layer_group[layer_idx]]

@@ -2,48 +2,84 @@
 
 The file holds, per layer, the K/V of every row's tokens back to back (``k.{layer}``/``v.{layer}``
 ``[total_tokens, num_kv_heads, head_dim]`` in the pool's storage dtype, plus ``k_scale.{layer}``/``v_scale.{layer}``
-for fp8 pools), the rows' token ids and lengths, and metadata describing the model it fits (model type, layer
-count, each layer's KV heads, head size and dtype). Loading writes the rows into any pool serving that shape.
+``[num_kv_heads]`` for fp8 pools), the rows' token ids and lengths, and metadata describing the model it fits (model
+type, layer count, each layer's KV heads, head size and dtype) and, from format 2 on, a digest of all of it.
+
+A cache file is untrusted input: loading runs in two parts.
+
+(a) :func:`read_cache_file` parses and checks everything the file says (every metadata field's type and range, every
+    tensor's dtype and shape against the metadata and each other) into a :class:`CacheFile`, reading only the header
+    and the small index tensors; :func:`check_fits` checks it against the model and the pool; :meth:`CacheFile.verify`
+    reads the K/V once, layer by layer, for the digest and for NaN / inf. Any failure is a :class:`CacheFileError`
+    with nothing bound, sized or allocated in the pool.
+(b) :func:`_build` then writes the rows into the pool. Unless the caller says the file is trusted, the loaded blocks
+    are never keyed for prefix caching: they serve the loaded rows only (and the rows' later blocks are unkeyed too,
+    since a key names the whole prefix before it).
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import hashlib
 import json
+import math
 import os
+import re
+import struct
 
 import torch
 
 from . import compat
-from .allocator import NULL_BLOCK
+from .allocator import NULL_BLOCK, cdiv, slot_of
+from .errors import CacheFileError
 from .rows import Rows
 
-FORMAT = "hf_paged.cache/1"
+FORMAT = "hf_paged.cache/2"
+FORMATS = ("hf_paged.cache/1", FORMAT)  # 1: no digest
+MAX_HEADER_BYTES = 4 << 20  # a real header takes ~200 bytes a layer
+MAX_HEADS_OR_DIM = 1 << 16
+
+LAYER_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float64": torch.float64}
+KV_DTYPES = {"": None, "float8_e4m3fn": torch.float8_e4m3fn}
+_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+          torch.uint8: "U8", torch.int64: "I64"}  # safetensors' dtype names
+FINGERPRINT_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads",
+                    "num_key_value_heads", "head_dim")
+METADATA_KEYS = {"format", "model", "layers", "kv_dtype", "columns", "rows", "release_finished"}
+_INT = re.compile(r"0|[1-9][0-9]{0,17}")
 
 
 def _fingerprint(config) -> dict:
-    return {
-        "model_type": getattr(config, "model_type", None),
-        "num_hidden_layers": getattr(config, "num_hidden_layers", None),
-        "hidden_size": getattr(config, "hidden_size", None),
-        "vocab_size": getattr(config, "vocab_size", None),
-        "num_attention_heads": getattr(config, "num_attention_heads", None),
-        "num_key_value_heads": getattr(config, "num_key_value_heads", None),
-        "head_dim": getattr(config, "head_dim", None),
-    }
+    return {key: getattr(config, key, None) for key in FINGERPRINT_KEYS}
 
 
 def _row_slots(table: list[int], block_size: int, length: int) -> torch.Tensor:
     pos = torch.arange(length)
-    return torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size  # [length]
+    return slot_of(torch.tensor(table, dtype=torch.long)[pos // block_size], pos, block_size)  # [length]
 
 
 def _slots(exports, group: int, block_size: int) -> torch.Tensor:
+    """The slots of every live row's tokens in layer group ``group``, rows back to back."""
     live = [e for e in exports if not e.released]
     if not live:
         return torch.zeros(0, dtype=torch.long)
     return torch.cat([_row_slots(e.tables[group], block_size, e.length) for e in live])
 
 
+def _digest(metadata: dict, named_tensors) -> str:
+    """blake2b over the metadata (but the digest) and every tensor's name, dtype, shape and bytes, by name."""
+    h = hashlib.blake2b(digest_size=32)
+    h.update(json.dumps(sorted((k, v) for k, v in metadata.items() if k != "digest")).encode())
+    for name, t in named_tensors:
+        h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
+        if t.numel():
+            h.update(t.contiguous().view(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------------------- save
 def save_cache(cache, path) -> None:
     from safetensors.torch import save_file
 
@@ -82,90 +118,392 @@ def save_cache(cache, path) -> None:
         "rows": str(len(exports)),
         "release_finished": str(cache.release_finished),
     }
+    metadata["digest"] = _digest(metadata, sorted(tensors.items()))
     tmp = f"{os.fspath(path)}.tmp"
     save_file(tensors, tmp, metadata=metadata)
     os.replace(tmp, path)
 
 
-def _read(path):
+# ------------------------------------------------------------------------------------- (a) read and check the file
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # the model's dtype for this layer (fp8 pools store uint8 bits, see CacheFile.kv_dtype)
+
+
+@dataclasses.dataclass
+class CacheFile:
+    """A cache file whose header and index tensors passed every check; K/V are read on demand.
+
+    ``lens``: tokens per live row (``[num_live]``); ``released``: sorted released row indices; ``tokens``: the live
+    rows' token ids back to back (``[sum(lens)]``), or ``None`` (the rows were fed embeddings).
+    """
+
+    path: str
+    format: str
+    model: dict
+    layers: dict[int, LayerSpec]
+    kv_dtype: torch.dtype | None
+    rows: int
+    columns: int
+    release_finished: bool
+    lens: list[int]
+    released: list[int]
+    tokens: torch.Tensor | None
+    digest: str | None
+    _file: object = dataclasses.field(repr=False)
+    _metadata: dict = dataclasses.field(repr=False)
+
+    @property
+    def live(self) -> list[int]:
+        released = set(self.released)
+        return [r for r in range(self.rows) if r not in released]
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.lens)
+
+    def row_tokens(self) -> list[list[int]] | None:
+        if self.tokens is None:
+            return None
+        return [chunk.tolist() for chunk in torch.split(self.tokens, self.lens)] if self.lens else []
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V ``[total_tokens, num_kv_heads, head_dim]`` (uint8 bits on fp8 pools)."""
+        return self._file.get_tensor(f"k.{layer}"), self._file.get_tensor(f"v.{layer}")
+
+    def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp8 files: layer ``layer``'s ``(k_scale, v_scale)`` ``[num_kv_heads]`` float32."""
+        return self._file.get_tensor(f"k_scale.{layer}"), self._file.get_tensor(f"v_scale.{layer}")
+
+    def verify(self) -> None:
+        """Read every tensor once (one at a time): K/V and scales finite, fp8 scales > 0, the digest (format 2)."""
+        names = sorted(self._file.keys())
+        if self.digest is not None:
+            digest = _digest(self._metadata, ((name, self._read_checked(name)) for name in names))
+            if digest != self.digest:
+                raise CacheFileError(self.path, "digest", "the tensors or metadata do not match the file's digest "
+                                     "(the file was corrupted or edited after it was saved)")
+        else:
+            for name in names:
+                self._read_checked(name)
+
+    def _read_checked(self, name: str) -> torch.Tensor:
+        t = self._file.get_tensor(name)
+        if name.startswith(("k.", "v.")) and t.numel():
+            if self.kv_dtype is not None:
+                finite = int((t & 0x7F).max()) != 0x7F  # e4m3fn's only non-finite values: NaN, bits S.1111.111
+            else:
+                finite = all(math.isfinite(x) for x in torch.aminmax(t))  # NaN and inf reach the min or max
+            if not finite:
+                raise CacheFileError(self.path, name, "holds NaN or infinite values")
+        elif name.startswith(("k_scale.", "v_scale.")):
+            if not bool((torch.isfinite(t) & (t > 0)).all()):
+                raise CacheFileError(self.path, name, f"fp8 scales must be finite and > 0, got {t.tolist()}")
+        return t
+
+
+def read_cache_file(path, opened) -> CacheFile:
+    """Check ``path``'s header, metadata and index tensors (``opened``: its ``safe_open`` handle) into a CacheFile."""
+    path = os.fspath(path)
+    metadata = opened.metadata() or {}
+    fmt = metadata.get("format")
+    if fmt not in FORMATS:
+        raise CacheFileError(path, "format", f"{fmt!r} is not one of {FORMATS}; write the file with cache.save(path)")
+    expected = METADATA_KEYS | ({"digest"} if fmt == FORMAT else set())
+    if set(metadata) != expected:
+        raise CacheFileError(path, "metadata", f"fields {sorted(metadata)}, expected {sorted(expected)}")
+    if fmt == FORMAT and not re.fullmatch(r"[0-9a-f]{64}", metadata["digest"]):
+        raise CacheFileError(path, "digest", f"{metadata['digest'][:80]!r} is not a 64-digit hex digest")
+
+    model = _json(path, metadata, "model")
+    if not isinstance(model, dict) or set(model) != set(FINGERPRINT_KEYS):
+        raise CacheFileError(path, "model", f"expected a mapping with keys {list(FINGERPRINT_KEYS)}")
+    for key, value in model.items():
+        if not (value is None or isinstance(value, str) and len(value) < 256
+                or type(value) is int and 0 < value < 1 << 40):
+            raise CacheFileError(path, "model", f"{key} = {value!r} is not a name or a positive int")
+    layers = _parse_layers(path, _json(path, metadata, "layers"))
+    if metadata["kv_dtype"] not in KV_DTYPES:
+        raise CacheFileError(path, "kv_dtype", f"{metadata['kv_dtype'][:80]!r} is not one of {list(KV_DTYPES)}")
+    kv_dtype = KV_DTYPES[metadata["kv_dtype"]]
+    rows, columns = _int(path, metadata, "rows"), _int(path, metadata, "columns")
+    if metadata["release_finished"] not in ("True", "False"):
+        raise CacheFileError(path, "release_finished", f"{metadata['release_finished'][:80]!r} is not True or False")
+
+    index = {"lens", "released"}
+    names = set(opened.keys())
+    wanted = index | {f"{kv}.{layer}" for layer in layers for kv in ("k", "v")}
+    if kv_dtype is not None:
+        wanted |= {f"{kv}_scale.{layer}" for layer in layers for kv in ("k", "v")}
+    if names - wanted - {"tokens"} or wanted - names:
+        raise CacheFileError(path, "tensors", f"missing {sorted(wanted - names)}, unexpected "
+                             f"{sorted(names - wanted - {'tokens'})} (for the layers and kv_dtype of the metadata)")
+    for name in sorted(index | ({"tokens"} & names)):
+        _check_header(path, opened, name, "I64", [None])
+    num_live = opened.get_slice("lens").get_shape()[0]
+    num_released = opened.get_slice("released").get_shape()[0]
+    if rows != num_live + num_released:
+        raise CacheFileError(path, "rows", f"{rows} rows, but the file holds {num_live} live and {num_released} "
+                             "released ones")
+    lens_t = opened.get_tensor("lens")  # [num_live], at most the file's size
+    released_t = opened.get_tensor("released")  # [num_released]
+    lens = lens_t.tolist()
+    if any(n < 0 for n in lens):
+        raise CacheFileError(path, "lens", f"a row has {min(lens)} tokens")
+    total_tokens = sum(lens)
+    if total_tokens and not layers:
+        raise CacheFileError(path, "layers", f"no layer holds the {total_tokens} tokens of the rows")
+    held = {}  # tokens each K/V tensor holds
+    for layer, spec in layers.items():
+        code = "U8" if kv_dtype is not None else _CODES[spec.dtype]
+        for kv in ("k", "v"):
+            held[f"{kv}.{layer}"] = _check_header(path, opened, f"{kv}.{layer}", code,
+                                                  [None, spec.num_kv_heads, spec.head_dim])[0]
+            if kv_dtype is not None:
+                _check_header(path, opened, f"{kv}_scale.{layer}", "F32", [spec.num_kv_heads])
+    if held:
+        count = collections.Counter(held.values()).most_common(1)[0][0]
+        for name, n in held.items():
+            if n != count:
+                raise CacheFileError(path, name, f"holds {n} tokens but the other K/V tensors hold {count}")
+        if count != total_tokens:
+            raise CacheFileError(path, "lens", f"the rows' lengths add up to {total_tokens} tokens but the K/V "
+                                 f"hold {count}")
+    if columns < max(lens, default=0):
+        raise CacheFileError(path, "columns", f"{columns} columns, fewer than the longest row ({max(lens)} tokens)")
+    released = released_t.tolist()
+    if released != sorted(set(released)) or any(not 0 <= r < rows for r in released):
+        raise CacheFileError(path, "released", f"{released[:20]} are not distinct, sorted rows in [0, {rows})")
+    tokens = None
+    if "tokens" in names:
+        _check_header(path, opened, "tokens", "I64", [total_tokens])
+        tokens = opened.get_tensor("tokens")  # [sum(lens)]
+        if total_tokens and int(tokens.min()) < 0:
+            raise CacheFileError(path, "tokens", f"token id {int(tokens.min())} is negative")
+    return CacheFile(path, fmt, model, layers, kv_dtype, rows, columns, metadata["release_finished"] == "True", lens,
+                     released, tokens, metadata.get("digest"), opened, metadata)
+
+
+def _json(path: str, metadata: dict, field: str):
+    try:
+        return json.loads(metadata[field])
+    except (ValueError, RecursionError):
+        raise CacheFileError(path, field, f"{metadata[field][:80]!r}... is not valid JSON") from None
+
+
+def _int(path: str, metadata: dict, field: str) -> int:
+    value = metadata[field]
+    if not _INT.fullmatch(value):
+        raise CacheFileError(path, field, f"{value[:80]!r} is not a non-negative integer")
+    return int(value)
+
+
+def _parse_layers(path: str, layers) -> dict[int, LayerSpec]:
+    if not isinstance(layers, dict):
+        raise CacheFileError(path, "layers", "expected a mapping of layer index to [num_kv_heads, head_dim, dtype]")
+    specs = {}
+    for key, value in layers.items():
+        if not _INT.fullmatch(key) or int(key) >= 1 << 20:
+            raise CacheFileError(path, "layers", f"layer {key[:80]!r} is not a layer index")
+        if not (isinstance(value, list) and len(value) == 3
+                and all(type(v) is int and 0 < v <= MAX_HEADS_OR_DIM for v in value[:2])
+                and isinstance(value[2], str) and value[2] in LAYER_DTYPES):
+            raise CacheFileError(path, "layers", f"layer {key}: {str(value)[:80]} is not [num_kv_heads, head_dim, "
+                                 f"dtype] with positive sizes up to {MAX_HEADS_OR_DIM} and a dtype in "
+                                 f"{list(LAYER_DTYPES)}")
+        specs[int(key)] = LayerSpec(value[0], value[1], LAYER_DTYPES[value[2]])
+    return dict(sorted(specs.items()))
+
+
+def _check_header(path: str, opened, name: str, dtype: str, shape: list) -> list[int]:
+    """``name``'s dtype and shape from the header, without reading the tensor (``None`` in ``shape``: any size)."""
+    view = opened.get_slice(name)
+    got_dtype, got_shape = view.get_dtype(), list(view.get_shape())
+    if got_dtype != dtype or len(got_shape) != len(shape) or any(
+            want is not None and got != want for got, want in zip(got_shape, shape)):
+        want = "[" + ", ".join("n" if d is None else str(d) for d in shape) + "]"
+        raise CacheFileError(path, name, f"{got_dtype} {got_shape}, expected {dtype} {want}")
+    return got_shape
+
+
+def open_cache_file(path):
+    """``safe_open`` of ``path`` after checking its header size; ``CacheFileError`` if safetensors refuses it."""
     from safetensors import safe_open
 
+    path = os.fspath(path)
+    size = os.path.getsize(path)  # FileNotFoundError as it is
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if len(head) < 8:
+        raise CacheFileError(path, "header", f"the file has {size} bytes: it was truncated, or is not a cache file")
+    (header_bytes,) = struct.unpack("<Q", head)
+    if header_bytes > min(MAX_HEADER_BYTES, size - 8):
+        raise CacheFileError(path, "header", f"declares {header_bytes} header bytes in a file of {size} (at most "
+                             f"{MAX_HEADER_BYTES}): it was truncated, or is not a cache file")
     try:
-        with safe_open(os.fspath(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except FileNotFoundError:
-        raise
+        return safe_open(path, framework="pt")
     except Exception as err:
-        raise ValueError(f"{path} is not a complete hf_paged cache file ({err}). Was it truncated or written by "
-                         "something else? Save it again with cache.save(path).") from None
-    if metadata.get("format") != FORMAT:
-        raise ValueError(f"{path} is not an hf_paged cache file (format {metadata.get('format')!r}, expected "
-                         f"{FORMAT!r}); write one with cache.save(path).")
-    return metadata, tensors
+        raise CacheFileError(path, "header", f"safetensors cannot read it ({err}): the file was truncated, or "
+                             "written by something else") from None
 
 
-def load_cache(cls, path, config, pool=None, device=None, **kwargs):
-    metadata, tensors = _read(path)
-    cache = cls(config, pool=pool, **kwargs) if pool is not None else cls(config, **kwargs)
-    saved_model = json.loads(metadata["model"])
-    mine = _fingerprint(cache.config)
-    wrong = {k: (v, mine[k]) for k, v in saved_model.items() if v is not None and mine[k] is not None and v != mine[k]}
+# ------------------------------------------------------------------------------------- the file against model, pool
+def check_fits(cf: CacheFile, cache, device, trusted: bool, own_pool: bool) -> None:
+    """``CacheFileError`` unless ``cf``'s rows fit ``cache``'s model and pool; reads nothing, changes nothing."""
+    path, config, pool = cf.path, cache.config, cache.pool
+    mine = _fingerprint(config)
+    wrong = {k: (v, mine[k]) for k, v in cf.model.items() if v is not None and mine[k] is not None and v != mine[k]}
     if wrong:
         detail = ", ".join(f"{k} {v[0]} in the file vs {v[1]}" for k, v in wrong.items())
-        raise ValueError(f"{path} holds a cache of another model ({detail}); load it with that model's config.")
-    pool = cache.pool
-    kv_dtype = metadata["kv_dtype"] or None
-    if kv_dtype != (str(pool.kv_dtype).removeprefix("torch.") if pool.kv_dtype is not None else None):
-        raise ValueError(f"{path} holds KV blocks of dtype {kv_dtype or 'model dtype'} but the pool stores "
-                         f"{pool.kv_dtype or 'the model dtype'}; load it into a pool with kv_dtype="
-                         f"{'torch.' + kv_dtype if kv_dtype else None}.")
-    shapes = {int(k): v for k, v in json.loads(metadata["layers"]).items()}
-    model_dtype = compat.config_dtype(cache.config)
-    for layer, (heads, head_dim, dtype) in shapes.items():
-        dtype = getattr(torch, dtype)
-        if isinstance(model_dtype, torch.dtype) and model_dtype != dtype:
-            raise ValueError(f"{path} holds K/V in {dtype} but the model's config says {model_dtype}; load the model "
-                             f"in {dtype} or save the cache again from a model in {model_dtype}.")
+        raise CacheFileError(path, "model", f"a cache of another model ({detail})",
+                             "Load it with that model's config.")
+    pool_kv = str(pool.kv_dtype).removeprefix("torch.") if pool.kv_dtype is not None else None
+    if cf.kv_dtype != pool.kv_dtype:
+        raise CacheFileError(path, "kv_dtype", f"KV blocks of dtype {cf.kv_dtype or 'model dtype'} but the pool "
+                             f"stores {pool_kv or 'the model dtype'}",
+                             f"Load it into a pool with kv_dtype={cf.kv_dtype}.")
+    num_layers = cache.num_layers
+    if num_layers is not None:
+        if any(layer >= num_layers for layer in cf.layers):
+            raise CacheFileError(path, "layers", f"layer {max(cf.layers)} in a model of {num_layers} layers")
+        if cf.total_tokens and sorted(cf.layers) != list(range(num_layers)):
+            raise CacheFileError(path, "layers", f"K/V for layers {sorted(cf.layers)} of a model of {num_layers}")
+    heads, head_dim = _model_kv_shape(config)
+    model_dtype = compat.config_dtype(config)
+    for layer, spec in cf.layers.items():
+        if (heads, head_dim) != (None, None) and (spec.num_kv_heads, spec.head_dim) != (heads, head_dim):
+            raise CacheFileError(path, "layers", f"layer {layer} holds {spec.num_kv_heads} KV heads x "
+                                 f"{spec.head_dim} but the model has {heads} x {head_dim}",
+                                 "Load it with that model's config.")
+        if model_dtype is not None and model_dtype != spec.dtype:
+            raise CacheFileError(path, "layers", f"K/V in {spec.dtype} but the model's config says {model_dtype}",
+                                 f"Load the model in {spec.dtype} or save the cache again from a model in "
+                                 f"{model_dtype}.")
         known = pool.layer_shapes.get(layer)
-        dev = torch.device(device) if device is not None else (known.device if known is not None else torch.device("cpu"))
-        probe = torch.empty(1, heads, 1, head_dim, dtype=dtype, device=dev)
-        pool.bind_layer(layer, cache.num_layers or len(shapes), probe, cache.groups.layer_slot[layer],
-                        cache.groups.group_size)
-    lens = tensors["lens"].tolist()
-    released = set(tensors["released"].tolist())
-    num_rows = int(metadata["rows"])
-    tokens = tensors.get("tokens")
-    live = [r for r in range(num_rows) if r not in released]
-    offsets = [0]
-    for n in lens:
-        offsets.append(offsets[-1] + n)
-    live_tokens = [tokens[offsets[i]: offsets[i + 1]].tolist() if tokens is not None else None
-                   for i in range(len(live))]
-    row_lens, row_tokens = [0] * num_rows, [[] for _ in range(num_rows)]
-    for i, r in enumerate(live):
-        row_lens[r], row_tokens[r] = lens[i], live_tokens[i]
-    rows = Rows(pool, cache.groups)
-    rows.import_rows(row_lens, row_tokens, [r in released for r in range(num_rows)], publish=True)
-    with pool.lock:
-        pool.ensure_capacity()
-        exports = rows.export()
-        for layer in sorted(shapes):
-            slots = _slots(exports, cache.groups.layer_group[layer], pool.block_size)
-            key_cache, value_cache = pool.layer_kv(layer)
-            if kv_dtype is not None:
-                _restore_scales(pool, layer, tensors, key_cache.device)
-            for name, t in (("k", key_cache), ("v", value_cache)):
-                t.view(-1, *t.shape[2:]).index_copy_(0, slots.to(t.device), tensors[f"{name}.{layer}"].to(t.device))
-    cache.restore(rows, int(metadata["columns"]), cache.release_finished)
+        if known is not None:
+            if (known.num_kv_heads, known.head_dim, known.dtype) != (spec.num_kv_heads, spec.head_dim, spec.dtype):
+                raise CacheFileError(path, "layers", f"layer {layer} holds {spec.num_kv_heads} KV heads x "
+                                     f"{spec.head_dim} ({spec.dtype}) but the pool's holds {known.num_kv_heads} x "
+                                     f"{known.head_dim} ({known.dtype})", "Load it into a pool of its own.")
+            if device is not None and not _same_device(torch.device(device), known.device):
+                raise CacheFileError(path, "layers", f"device={device} but the pool keeps layer {layer} on "
+                                     f"{known.device}", "Leave device= out to load onto the pool's devices.")
+        if cf.kv_dtype is not None:
+            _check_scales(cf, layer, pool, trusted, own_pool)
+    vocab = getattr(config, "vocab_size", None)
+    if cf.tokens is not None and cf.total_tokens and isinstance(vocab, int) and int(cf.tokens.max()) >= vocab:
+        raise CacheFileError(path, "tokens", f"token id {int(cf.tokens.max())} is past the vocabulary of {vocab}")
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(max_positions, int) and cf.columns > max_positions:
+        raise CacheFileError(path, "columns", f"{cf.columns} columns, past the model's max_position_embeddings "
+                             f"({max_positions})")
+    _check_room(cf, cache)
+
+
+def _model_kv_shape(config) -> tuple[int | None, int | None]:
+    """The KV heads (this rank's share under tensor parallelism) and head size a layer of ``config`` writes."""
+    from hf_paged.patches import kv_shape
+
+    try:
+        heads, head_dim = kv_shape(config)
+    except (AttributeError, TypeError):
+        return None, None
+    if not (isinstance(heads, int) and isinstance(head_dim, int)):
+        return None, None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size()
+        heads = heads // world if heads % world == 0 else heads
+    return heads, head_dim
+
+
+def _same_device(asked: torch.device, known: torch.device) -> bool:
+    return asked.type == known.type and (asked.index is None or asked.index == (known.index or 0))
+
+
+def _check_scales(cf: CacheFile, layer: int, pool, trusted: bool, own_pool: bool) -> None:
+    """The file's fp8 scales may not replace a shared pool's, nor (untrusted) become a shared pool's first ones."""
+    if layer in pool.k_scales:
+        k_scale, v_scale = cf.scales(layer)
+        if not (torch.equal(pool.k_scales[layer].cpu(), k_scale) and torch.equal(pool.v_scales[layer].cpu(), v_scale)):
+            raise CacheFileError(cf.path, f"k_scale.{layer}", "this fp8 pool already uses other scales for the layer",
+                                 "Load the file into a pool of its own (PagedCache.load(path, config)).")
+    elif not trusted and not own_pool:
+        raise CacheFileError(cf.path, f"k_scale.{layer}", "the file's fp8 scales would become the scales of every "
+                             "later cache on this shared pool", "Load it with trusted=True if you trust the file, "
+                             "or into a pool of its own (leave pool= out).")
+
+
+def _check_room(cf: CacheFile, cache) -> None:
+    """Blocks the rows need against what a capped pool has free (sized from ``max_memory`` if not yet)."""
+    from .pool import LayerShape
+
+    pool, a, groups = cache.pool, cache.pool.allocator, cache.groups
+    needed = sum(cdiv(n, a.block_size) for n in cf.lens) * groups.num_groups
+    if a.max_blocks is not None:
+        free = a.num_free
+    elif pool.max_memory is not None and cf.layers:
+        spec = next(iter(cf.layers.values()))  # the first layer bound sizes the pool, as on a forward
+        slots = groups.group_size if groups.layer_slot else (cache.num_layers or len(cf.layers))
+        per_block = pool._block_bytes(LayerShape(spec.num_kv_heads, spec.head_dim, spec.dtype, torch.device("cpu")))
+        free = max(0, pool.max_memory // (per_block * slots) - 1)
+    else:
+        return  # a growing pool: the rows hold what the file's tensors hold
+    if needed > free:
+        raise CacheFileError(cf.path, "lens", f"the rows need {needed} blocks of {a.block_size} tokens but the pool "
+                             f"has {free} free", "Load it into a larger pool (num_blocks=, max_memory=) or one with "
+                             "fewer blocks in use.")
+
+
+# ---------------------------------------------------------------------------------------------------------- load
+def load_cache(cls, path, config, pool=None, device=None, trusted: bool = False, **kwargs):
+    """See :meth:`PagedCache.load`. Checks the whole file before the pool is touched; ``trusted=False`` (default)
+    keeps the loaded blocks out of the pool's prefix cache."""
+    if not isinstance(trusted, bool):
+        raise TypeError(f"trusted must be True or False, got {trusted!r}.")
+    with open_cache_file(path) as opened:
+        cf = read_cache_file(path, opened)
+        if "release_finished" not in kwargs:
+            kwargs["release_finished"] = cf.release_finished
+        cache = cls(config, pool=pool, **kwargs) if pool is not None else cls(config, **kwargs)
+        check_fits(cf, cache, device, trusted, own_pool=pool is None)
+        cf.verify()
+        _build(cache, cf, device, trusted)
     return cache
 
 
-def _restore_scales(pool, layer: int, tensors: dict, device) -> None:
-    k_scale, v_scale = tensors[f"k_scale.{layer}"].to(device), tensors[f"v_scale.{layer}"].to(device)
-    mine = pool.k_scales.get(layer)
-    if mine is None:
-        pool.k_scales[layer], pool.v_scales[layer] = k_scale, v_scale
-    elif not (torch.equal(mine, k_scale) and torch.equal(pool.v_scales[layer], v_scale)):
-        raise ValueError(f"layer {layer} of this fp8 pool already uses other scales than the saved cache; load it "
-                         "into a pool of its own (PagedCache.load(path, config)).")
+# ------------------------------------------------------------------------------------------- (b) build the cache
+def _build(cache, cf: CacheFile, device, trusted: bool) -> None:
+    """Write ``cf``'s rows into ``cache``'s pool; blocks are keyed for prefix caching only when ``trusted``."""
+    pool, groups = cache.pool, cache.groups
+    for layer, spec in cf.layers.items():
+        known = pool.layer_shapes.get(layer)
+        dev = known.device if known is not None else torch.device(device) if device is not None else torch.device("cpu")
+        probe = torch.empty(1, spec.num_kv_heads, 1, spec.head_dim, dtype=spec.dtype, device=dev)  # [B, H, S, D]
+        pool.bind_layer(layer, cache.num_layers or len(cf.layers), probe, groups.layer_slot[layer], groups.group_size)
+    live, row_tokens = cf.live, cf.row_tokens()
+    lengths, tokens = [0] * cf.rows, [None if row_tokens is None else [] for _ in range(cf.rows)]
+    for i, r in enumerate(live):
+        lengths[r] = cf.lens[i]
+        if row_tokens is not None:
+            tokens[r] = row_tokens[i]
+    released = set(cf.released)
+    rows = Rows(pool, groups)
+    # Untrusted: the rows record their tokens but key no block, so no later prompt can start from them.
+    rows.import_rows(lengths, tokens, [r in released for r in range(cf.rows)], publish=trusted)
+    try:
+        with pool.lock:
+            pool.ensure_capacity()
+            exports = rows.export()
+            for layer in cf.layers:
+                slots = _slots(exports, groups.layer_group[layer], pool.block_size)
+                key_cache, value_cache = pool.layer_kv(layer)
+                if cf.kv_dtype is not None and layer not in pool.k_scales:
+                    pool.k_scales[layer], pool.v_scales[layer] = (s.to(key_cache.device) for s in cf.scales(layer))
+                for t, saved in zip((key_cache, value_cache), cf.kv(layer)):
+                    t.view(-1, *t.shape[2:]).index_copy_(0, slots.to(t.device), saved.to(t.device))
+    except BaseException:
+        rows.discard()  # never publishes a block whose K/V were not all written
+        raise
+    cache.restore(rows, cf.columns, cache.release_finished)

@@ -2,8 +2,12 @@
 
 Physical layout per K/V tensor: ``[num_blocks + 1, block_size, num_kv_heads, head_dim]``. The last block is a scratch
 block no sequence owns: rows that finished write their (discarded) token there, so every decode step has the same
-shape. Layers are mapped to tensor *slots* by :class:`~hf_paged.groups.LayerGroups` (one slot per layer for most
-models; hybrid models share a slot between one layer of each group).
+shape. The tensors grow with the blocks in use (doubling), up to the cap when there is one; a pool takes its cap's
+full size at once only when asked (``preallocate=True`` or :meth:`BlockPool.preallocate`, which a compiled
+``generate()`` needs: its graphs read the pool at fixed addresses).
+
+Layers are mapped to tensor *slots* by :class:`~hf_paged.groups.LayerGroups` (one slot per layer for most models;
+hybrid models share a slot between one layer of each group).
 
 With ``kv_dtype=torch.float8_e4m3fn`` the tensors hold e4m3 bits as ``uint8`` (torch cannot index float8 tensors on
 CPU), and each layer has per-KV-head scales ``[num_kv_heads]`` fixed by its first write.
@@ -41,6 +45,23 @@ def parse_memory(value: int | str) -> int:
     return value
 
 
+def format_memory(n: int) -> str:
+    """Bytes as a ``max_memory`` string, rounded up to a tenth of its unit: ``"512KiB"``, ``"1.5MiB"``, ``"8GiB"``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{-(-n * 10 // size) / 10:g}{unit}"
+    return f"{n}B"
+
+
+def _smallest_block(block_size: int) -> int:
+    return 2 * block_size  # K and V, one layer, one KV head of one dim, one byte
+
+
+def _describe(num_kv_heads: int, head_dim: int, dtype: torch.dtype, layers: int) -> str:
+    name, plural = str(dtype).removeprefix("torch."), "s" if layers != 1 else ""
+    return f"this model (K and V of {layers} layer{plural} x {num_kv_heads} KV heads x {head_dim}, {name})"
+
+
 @dataclass(frozen=True)
 class LayerShape:
     num_kv_heads: int
@@ -54,28 +75,54 @@ class BlockPool:
 
     Args:
         block_size: tokens per block (default 16).
-        num_blocks: cap on the number of blocks; allocated up front on first use. ``None`` grows on demand.
-        max_memory: cap in bytes (or ``"2GiB"``), converted to blocks once the model's shape is seen.
+        num_blocks: cap on the number of blocks (the scratch block comes on top). ``None`` grows without a cap.
+        max_memory: cap in bytes (or ``"2GiB"``) on the K/V tensors, scratch block included, converted to blocks once
+            the model's shape is seen.
         prefix_caching: keep finished rows' full blocks, keyed by their tokens, so a later prompt that starts the
             same way starts from them (see :class:`~hf_paged.allocator.BlockAllocator`).
         kv_dtype: ``None`` (the model's dtype) or ``torch.float8_e4m3fn``: fp8 blocks, half the bytes of bf16.
+        preallocate: take the cap's full size at the first write instead of growing to it (needs a cap).
 
-    A pool with a cap (``num_blocks`` or ``max_memory``) never reallocates its tensors, which compiled decoding needs.
+    A cap bounds the memory; it is not reserved up front: the tensors grow on demand (doubling, each growth briefly
+    holding the old and the new tensors) and never past the cap. A compiled ``generate()`` preallocates the pool
+    (:meth:`preallocate`) before its first step, since its graphs read the pool at fixed addresses.
+
+    Example::
+
+        pool = BlockPool(num_blocks=256)                      # at most 256 blocks of 16 tokens
+        first = model.generate(**inputs, cache=PagedCache(model.config, pool=pool), max_new_tokens=8)
+        second = model.generate(**inputs, cache=PagedCache(model.config, pool=pool), max_new_tokens=8)
+        print(pool.memory_stats().bytes_reserved)             # what the calls needed, never past the cap
     """
 
     def __init__(self, block_size: int = 16, num_blocks: int | None = None, max_memory: int | str | None = None,
-                 prefix_caching: bool = False, kv_dtype: torch.dtype | None = None):
+                 prefix_caching: bool = False, kv_dtype: torch.dtype | None = None, preallocate: bool = False):
         if num_blocks is not None and max_memory is not None:
             raise ValueError("give num_blocks or max_memory, not both.")
+        if num_blocks is not None and (not isinstance(num_blocks, int) or isinstance(num_blocks, bool)
+                                       or num_blocks < 1):
+            raise ValueError(f"num_blocks must be a positive int or None (grow on demand), got {num_blocks!r}.")
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES} (None: the model's dtype), got {kv_dtype!r}.")
-        self.allocator = BlockAllocator(block_size, num_blocks, prefix_caching=prefix_caching)
+        if preallocate and num_blocks is None and max_memory is None:
+            raise ValueError("preallocate=True needs a cap to allocate: give num_blocks=N or max_memory='2GiB'.")
+        # The allocator starts empty and grows up to the cap; its block ids stay below its capacity, which the
+        # tensors follow (the scratch block is always their last row).
+        self.allocator = BlockAllocator(block_size, None, prefix_caching=prefix_caching)
+        if num_blocks is not None:
+            self.allocator.set_limit(num_blocks)
         self.max_memory = parse_memory(max_memory) if max_memory is not None else None
+        self._max_memory_arg = max_memory
         self.kv_dtype = kv_dtype
+        self._preallocate = preallocate
+        self._cap_block_bytes: int | None = None  # bytes per block id the max_memory cap was computed with
+        if self.max_memory is not None:
+            self._check_memory(_smallest_block(block_size), "any model (one layer, one KV head of one dim, one "
+                                                            "byte per value)")
         self.num_layers: int | None = None
         self.layer_shapes: dict[int, LayerShape] = {}
         self.layer_slot: dict[int, object] = {}  # layer -> key of its K/V tensors
-        self.key_caches: dict[object, torch.Tensor] = {}  # slot -> [num_blocks + 1, block_size, Hkv, D]
+        self.key_caches: dict[object, torch.Tensor] = {}  # slot -> [rows, block_size, Hkv, D]
         self.value_caches: dict[object, torch.Tensor] = {}
         self.k_scales: dict[int, torch.Tensor] = {}  # layer -> [Hkv] float32 (fp8 pools)
         self.v_scales: dict[int, torch.Tensor] = {}
@@ -101,8 +148,30 @@ class BlockPool:
 
     @property
     def fixed(self) -> bool:
-        """Whether the pool has a cap (its tensors are allocated once, at full size)."""
+        """Whether the pool has a cap (``num_blocks`` or ``max_memory``): its size is bounded, so it can be
+        preallocated for compiled decoding."""
         return self.allocator.max_blocks is not None or self.max_memory is not None
+
+    @property
+    def preallocated(self) -> bool:
+        """Whether the K/V tensors take the cap's full size when made and are never reallocated afterwards."""
+        return self._preallocate
+
+    def preallocate(self) -> None:
+        """Give every K/V tensor the cap's full size now, once; tensors of layers not seen yet get it when made.
+
+        Called before a compiled forward (its graphs read the pool at fixed addresses); later calls do nothing.
+        ``ValueError`` for a pool without a cap. Example::
+
+            pool = BlockPool(max_memory="1GiB")
+            pool.preallocate()      # the K/V tensors take the whole 1 GiB at their first write and never move
+        """
+        if not self.fixed:
+            raise ValueError("a pool without a cap cannot be preallocated: build it with num_blocks=N or "
+                             "max_memory='2GiB'.")
+        with self.lock:
+            self._preallocate = True
+            self.ensure_capacity()
 
     @property
     def storage_dtype(self):
@@ -132,6 +201,8 @@ class BlockPool:
             return
         shape = LayerShape(key.shape[1], key.shape[3], key.dtype, key.device)
         with self.lock:
+            # the cap first: a max_memory too small for this shape is refused before anything is recorded
+            self.apply_memory_cap(shape.num_kv_heads, shape.head_dim, shape.dtype, slots_per_block or num_layers)
             if self.num_layers is None:
                 self.num_layers = num_layers
             self.layer_shapes[layer_idx] = shape
@@ -140,23 +211,65 @@ class BlockPool:
             if owner is not None and self.layer_shapes[owner] != shape:
                 slot = ("layer", layer_idx)  # a shape/device differing from its slot partner: own tensors
             self.layer_slot[layer_idx] = slot
-            self.apply_memory_cap(shape.num_kv_heads, shape.head_dim, shape.dtype, slots_per_block or num_layers)
 
     def apply_memory_cap(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, slots_per_block: int) -> None:
         """Turn ``max_memory`` into a block cap, once, from the model's K/V shape: before the first blocks are taken,
-        so the pool never grows past it."""
+        so the pool never grows past it. ``ValueError`` (with the minimum) if it cannot hold one block."""
         if self.max_memory is None or self.allocator.max_blocks is not None:
             return
-        shape = LayerShape(num_kv_heads, head_dim, dtype, torch.device("cpu"))
-        per_block = self._block_bytes(shape) * slots_per_block
-        blocks = self.max_memory // per_block - 1  # the scratch block counts against the budget
-        if blocks < 1:
-            raise ValueError(
-                f"max_memory={self.max_memory} bytes holds no block: one block of {self.block_size} tokens "
-                f"takes {per_block} bytes over the model's layers. Raise max_memory."
-            )
+        per_block = self._block_bytes(LayerShape(num_kv_heads, head_dim, dtype, torch.device("cpu"))) * slots_per_block
+        self._check_memory(per_block, _describe(num_kv_heads, head_dim, self.kv_dtype or dtype, slots_per_block))
         with self.lock:
-            self.allocator.set_limit(blocks)
+            if self.allocator.max_blocks is None:
+                self.allocator.set_limit(self.max_memory // per_block - 1)  # the scratch block counts against it
+                self._cap_block_bytes = per_block
+            if self._preallocate:
+                self.ensure_capacity()
+
+    def check_memory_fits(self, num_kv_heads: int, head_dim: int, slots_per_block: int,
+                          dtype: torch.dtype | None = None) -> None:
+        """``ValueError`` now if ``max_memory`` cannot hold one block of this shape (plus the scratch block).
+
+        For a caller that knows the model's shape before its first forward (a cache built from its config);
+        ``dtype`` ``None`` checks against the smallest dtype the model could run in (2 bytes; fp8 pools 1 byte).
+        """
+        if self.max_memory is None:
+            return
+        dtype = dtype or torch.float16
+        per_block = self._block_bytes(LayerShape(num_kv_heads, head_dim, dtype, torch.device("cpu"))) * slots_per_block
+        self._check_memory(per_block, _describe(num_kv_heads, head_dim, self.kv_dtype or dtype, slots_per_block))
+
+    def _check_memory(self, per_block: int, what: str) -> None:
+        need = 2 * per_block  # one block, and the scratch block
+        if self.max_memory >= need:
+            return
+        given = repr(self._max_memory_arg) if isinstance(self._max_memory_arg, str) else str(self._max_memory_arg)
+        hint = ""
+        if isinstance(self._max_memory_arg, int) and self._max_memory_arg < 1024:
+            hint = f" (max_memory is in bytes: did you mean max_memory='{self._max_memory_arg}GiB'?)"
+        raise ValueError(
+            f"max_memory={given} ({self.max_memory:,} bytes) holds no block of {what}: a block of "
+            f"{self.block_size} tokens takes {per_block:,} bytes and the pool keeps one more as its scratch block, so "
+            f"max_memory must be at least {need:,} bytes ({format_memory(need)}){hint}. Raise max_memory."
+        )
+
+    def sizing_call(self, num_blocks: int, cache: bool = False) -> str:
+        """The constructor call that builds this pool again with room for ``num_blocks`` blocks (same block size,
+        prefix caching, kv_dtype; a pool capped by bytes gets ``max_memory=``, its scratch block included):
+        ``"BlockPool(num_blocks=64)"``, or with ``cache=True`` (a cache that made its own pool)
+        ``"PagedCache(model.config, num_blocks=64)"``. For :class:`~hf_paged.OutOfBlocksError`'s ``fix``."""
+        args = [] if self.block_size == 16 else [f"block_size={self.block_size}"]
+        if self.max_memory is not None and self._cap_block_bytes is not None:
+            args.append(f"max_memory={format_memory((num_blocks + 1) * self._cap_block_bytes)!r}")
+        else:
+            args.append(f"num_blocks={num_blocks}")
+        if self.prefix_caching:
+            args.append("prefix_caching=True")
+        if self.kv_dtype is not None:
+            args.append(f"kv_dtype={self.kv_dtype}")
+        if self._preallocate and not cache:
+            args.append("preallocate=True")
+        return f"PagedCache(model.config, {', '.join(args)})" if cache else f"BlockPool({', '.join(args)})"
 
     def check_layer(self, layer_idx: int, key: torch.Tensor) -> None:
         """``ValueError`` unless ``key`` ``[B, Hkv, S, D]`` fits the shape, dtype and device layer ``layer_idx`` holds."""
@@ -172,15 +285,19 @@ class BlockPool:
 
     @property
     def rows(self) -> int:
-        """Rows of every K/V tensor: the blocks that may exist, plus the scratch block."""
-        return (self.allocator.max_blocks or self.allocator.capacity) + 1
+        """Rows of every K/V tensor: the blocks that exist (all the cap allows, once preallocated), plus the scratch
+        block, always the last row."""
+        a = self.allocator
+        if self._preallocate and a.max_blocks is not None:
+            return a.max_blocks + 1
+        return a.capacity + 1
 
     @property
     def scratch_block(self) -> int:
         return self.rows - 1
 
     def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's K/V tensors, grown to the allocator's current capacity."""
+        """This layer's K/V tensors ``[rows, block_size, Hkv, D]``, grown to :attr:`rows`."""
         slot = self.layer_slot[layer_idx]
         k = self.key_caches.get(slot)
         if k is None or k.shape[0] < self.rows:
@@ -189,7 +306,7 @@ class BlockPool:
         return self.key_caches[slot], self.value_caches[slot]
 
     def ensure_capacity(self) -> None:
-        """Grow every existing tensor to the allocator's capacity (called before a forward, never inside one)."""
+        """Grow every existing tensor to :attr:`rows` (called before a forward, never inside one)."""
         rows = self.rows
         for layer, slot in self.layer_slot.items():
             k = self.key_caches.get(slot)
@@ -228,21 +345,29 @@ class BlockPool:
         return k_scale, self.v_scales[layer_idx]
 
     def bytes_reserved(self) -> int:
+        """Bytes of the K/V tensors as allocated now (a capped pool grows to its cap on demand)."""
         return sum(t.numel() * t.element_size() for t in (*self.key_caches.values(), *self.value_caches.values()))
 
     def memory_stats(self):
-        """Figures for the whole pool, over every cache drawing from it (see :class:`~hf_paged.MemoryStats`)."""
+        """Figures for the whole pool, over every cache drawing from it (see :class:`~hf_paged.MemoryStats`).
+
+        Caches of a mixed-window model hold one sequence per layer group and row: the top-level figures count each
+        row and token once and every group's blocks (the per-group detail is on each cache's ``memory_stats()``).
+        """
         from .stats import MemoryStats
 
         with self.lock:
             a = self.allocator
-            seqs = a.sequences
-            return MemoryStats.from_tables(
-                block_size=a.block_size, num_blocks=self.rows - 1, max_blocks=a.max_blocks,
-                tables=[a.block_table(s) for s in seqs], lens=[a.seq_len(s) for s in seqs],
-                peak_blocks_in_use=a.peak_blocks_in_use, bytes_per_block=self.bytes_per_block_id(),
-                bytes_reserved=self.bytes_reserved(), allocator=a,
-            )
+            by_group: dict[int, list[int]] = {}
+            for seq in a.sequences:
+                by_group.setdefault(a.group_of(seq), []).append(seq)
+            common = dict(block_size=a.block_size, num_blocks=self.rows - 1, max_blocks=a.max_blocks,
+                          peak_blocks_in_use=a.peak_blocks_in_use, bytes_per_block=self.bytes_per_block_id(),
+                          bytes_reserved=self.bytes_reserved(), allocator=a)
+            groups = [MemoryStats.from_tables(tables=[a.block_table(s) for s in seqs],
+                                              lens=[a.seq_len(s) for s in seqs], **common)
+                      for _, seqs in sorted(by_group.items() or {0: []}.items())]
+            return groups[0] if len(groups) == 1 else MemoryStats.combine(groups, a.peak_blocks_in_use, detail=False)
 
     def bytes_per_block_id(self) -> int:
         """Bytes one block id stands for: one block of every distinct K/V tensor slot."""

@@ -87,7 +87,7 @@ class Rows:
             raise ValueError("a row can start from cached prefix blocks only on models with one layer group.")
         a = self.pool.allocator
         with self.pool.lock:
-            seqs = [a.new_sequence(list(prefix_blocks)) if g == 0 else a.new_sequence()
+            seqs = [a.new_sequence(list(prefix_blocks) if g == 0 else (), group=g)
                     for g in range(self.groups.num_groups)]
         row = Row(seqs, list(prefix_tokens))
         self.rows.append(row)
@@ -180,6 +180,15 @@ class Rows:
         self.release(row)
         self.rows = [r for r in self.rows if r is not row]
 
+    def discard(self) -> None:
+        """Like :meth:`clear`, but no block is published to the prefix cache (rows whose K/V were not all written)."""
+        a = self.pool.allocator
+        with self.pool.lock:
+            for row in self.live:
+                for seq in row.seqs:
+                    a.crop(seq, 0)
+        self.clear()
+
     def clear(self) -> None:
         """Give back every row's blocks; no rows remain."""
         for row in self.rows:
@@ -205,8 +214,8 @@ class Rows:
         a = self.pool.allocator
         keyed = [self.pool.prefix_caching and publish and w is None for w in self.groups.windows]
         with self.pool.lock:
-            rows = [Row([a.new_sequence() for _ in self.groups.windows], None if t is None else list(t), False)
-                    for t in tokens]
+            rows = [Row([a.new_sequence(group=g) for g in range(self.groups.num_groups)],
+                        None if t is None else list(t), False) for t in tokens]
             live = [(row, n) for row, n, gone in zip(rows, lengths, released) if not gone]
             requests = [(row.seqs[g], n) for row, n in live for g in range(self.groups.num_groups)]
             request_tokens = [row.tokens if keyed[g] else None for row, _ in live for g in range(self.groups.num_groups)]

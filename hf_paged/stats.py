@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from .allocator import NULL_BLOCK
 
@@ -11,21 +11,35 @@ from .allocator import NULL_BLOCK
 class MemoryStats:
     """What a cache (or a pool) holds.
 
+    The top-level figures describe the whole cache: its rows' tokens and every block it holds. For models whose
+    layers use different windows, ``groups`` gives the same figures per layer group beside them.
+
     Attributes:
         block_size: tokens per block.
         num_blocks: blocks that exist (allocated tensors' rows); ``max_blocks`` is the cap (None: grows).
-        blocks_in_use: distinct physical blocks referenced by at least one sequence.
-        peak_blocks_in_use: the most blocks ever in use at once.
-        tokens_stored: distinct KV slots holding a token (a shared prompt counts once).
-        logical_tokens: tokens summed over sequences (a shared prompt counts once per sequence).
+        blocks_in_use: distinct physical blocks referenced by at least one sequence (all layer groups).
+        peak_blocks_in_use: the most blocks ever in use at once in the pool (all caches on it); in a group's
+            figures, the most that group's sequences held at once.
+        tokens_stored: distinct tokens whose K/V are held (a shared prompt counts once; with mixed windows a token
+            held by several layer groups counts once, so it is the figure of the group holding the most).
+        logical_tokens: tokens summed over the rows (a shared prompt counts once per row), whatever the windows.
         bytes_reserved: bytes of the K/V tensors, summed over layers.
         bytes_in_use: bytes of the blocks in use, summed over layers.
-        utilization: tokens_stored / (blocks_in_use * block_size), 1.0 when nothing is in use.
-        num_sequences: live sequences.
+        utilization: share of the token slots in the blocks in use that hold a token (1.0 when nothing is in use).
+        num_sequences: live rows.
         blocks_cached: prefix caching: full blocks nobody holds, kept for reuse (not in use: evicted on demand).
         prefix_query_tokens / prefix_hit_tokens: prompt tokens looked up in the prefix cache / found there.
         window: the sliding window of a group's layers (group figures only).
         groups: for models whose layers use different windows, the same figures per block-table group.
+
+    Example::
+
+        cache = PagedCache(model.config)
+        model.generate(**inputs, cache=cache, max_new_tokens=8)
+        stats = cache.memory_stats()
+        print(stats.blocks_in_use, stats.tokens_stored, f"{stats.utilization:.0%}")
+        for group in stats.groups:          # mixed-window models only
+            print(group.window, group.blocks_in_use, group.peak_blocks_in_use)
     """
 
     block_size: int
@@ -59,6 +73,7 @@ class MemoryStats:
     @classmethod
     def from_tables(cls, *, block_size, num_blocks, max_blocks, tables, lens, peak_blocks_in_use,
                     bytes_per_block, bytes_reserved, allocator=None, **extra) -> "MemoryStats":
+        """Figures for one group of sequences (``tables``/``lens`` per sequence)."""
         fill: dict[int, int] = {}
         for table, length in zip(tables, lens):
             for i, block in enumerate(table):
@@ -84,4 +99,42 @@ class MemoryStats:
             prefix_query_tokens=allocator.prefix_queries if allocator is not None else 0,
             prefix_hit_tokens=allocator.prefix_hits if allocator is not None else 0,
             **extra,
+        )
+
+    @classmethod
+    def for_rows(cls, pool, rows: list[list[int]], windows, detail: bool = True) -> "MemoryStats":
+        """Figures for ``rows`` of a cache on ``pool``: per row, its allocator sequence in each layer group (the
+        order of ``windows``, one window per group). Call under ``pool.lock``.
+
+        One group: that group's figures, with the pool's peak. Several: the whole cache at the top (blocks of
+        every group; tokens and rows counted once) and, with ``detail``, each group's own figures in ``groups``.
+        """
+        a = pool.allocator
+        common = dict(block_size=a.block_size, num_blocks=pool.rows - 1, max_blocks=a.max_blocks,
+                      bytes_per_block=pool.bytes_per_block_id(), bytes_reserved=pool.bytes_reserved(), allocator=a)
+        per_group = []
+        for g, window in enumerate(windows):
+            seqs = [row[g] for row in rows]
+            peak = a.peak_by_group.get(a.group_of(seqs[0]) if seqs else g, 0)
+            per_group.append(cls.from_tables(tables=[a.block_table(s) for s in seqs], lens=[a.seq_len(s) for s in seqs],
+                                             peak_blocks_in_use=peak, window=window, **common))
+        if len(per_group) == 1:
+            return replace(per_group[0], peak_blocks_in_use=a.peak_blocks_in_use, window=None)
+        return cls.combine(per_group, a.peak_blocks_in_use, detail)
+
+    @classmethod
+    def combine(cls, groups: list["MemoryStats"], peak_blocks_in_use: int, detail: bool = True) -> "MemoryStats":
+        """The whole-cache figures of the same rows' layer groups (a block belongs to one group at a time)."""
+        first, bs = groups[0], groups[0].block_size
+        in_use = sum(g.blocks_in_use for g in groups)
+        filled = sum(g.tokens_stored for g in groups)  # token slots holding a token, over every group's blocks
+        return replace(
+            first,
+            blocks_in_use=in_use,
+            peak_blocks_in_use=peak_blocks_in_use,
+            tokens_stored=max(g.tokens_stored for g in groups),
+            bytes_in_use=in_use * first.bytes_per_block,
+            utilization=filled / (in_use * bs) if in_use else 1.0,
+            window=None,
+            groups=tuple(groups) if detail else (),
         )

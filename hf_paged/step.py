@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .allocator import cdiv, slot_of
 from .ops import plan_torch_attention
 from .rows import Row, Rows
 
@@ -177,7 +178,7 @@ def group_tensors(tables, lens, counts, starts, written, scratch: int, block_siz
     token_row = torch.repeat_interleave(torch.arange(batch), n)
     first = torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
     pos = torch.repeat_interleave(torch.tensor(starts, dtype=torch.long), n) + (torch.arange(token_row.shape[0]) - first)
-    slot_mapping = block_tables[token_row, pos // block_size].long() * block_size + pos % block_size
+    slot_mapping = slot_of(block_tables[token_row, pos // block_size].long(), pos, block_size)
     released = torch.tensor([t is None for t in tables])[token_row]
     slot_mapping[released] = scratch * block_size
     return block_tables, seq_lens, query_start_loc, slot_mapping
@@ -255,11 +256,11 @@ def plan(rows: Rows, inputs: list[RowInput], *, backend: str, num_layers: int, d
         if gathered:
             length = max(1, int(g.seq_lens.max()))
             pos = torch.arange(length)
-            g.gather_slots = g.block_tables.long()[:, pos // bs] * bs + pos % bs  # [B, L]
+            g.gather_slots = slot_of(g.block_tables.long()[:, pos // bs], pos, bs)  # [B, L]
         elif backend == "torch":
             # Whole blocks: the plan's width tells its length. A compiled step always carries the mask; its width
             # changes block by block (dynamo compiles that dimension as dynamic after the first change).
-            context = -(-int(g.seq_lens.max()) // bs) * bs if len(inputs) else bs
+            context = cdiv(int(g.seq_lens.max()), bs) * bs if len(inputs) else bs
             g.plan = plan_torch_attention(g.block_tables, g.seq_lens, g.query_start_loc, bs, num_tokens, g.window,
                                           max_query_len, context, always_mask=always_mask or static)
     return Step(len(inputs), max_query_len, max_query_len, no_history, None, write_index, group_steps,
@@ -338,7 +339,7 @@ def write_layer(pool, groups, step: Step, buffers: StepBuffers, layer_idx: int, 
             custom_ops.write_kv(k, v, layer.key_cache, layer.value_cache, layer.group.slot_mapping, layer.k_scale,
                                 layer.v_scale, backend or layer.backend)
 
-    if not pool.fixed:
+    if not pool.preallocated:
         # A growing pool shared with other threads may have grown (new tensors) since this step was planned:
         # write under the pool's lock into the current tensors, which the growth copies under the same lock.
         with pool.lock:

@@ -22,7 +22,7 @@ from typing import Callable
 
 from torch import nn
 
-from .support import available_features, check_model, check_supported, required_features
+from .support import available_features, check_model, check_supported, kv_shape, required_features
 from .windows import WindowRule, layer_types_window, layer_windows, text_config
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "find_patch",
     "find_patch_for_config",
     "format_models_table",
+    "kv_shape",
     "layer_windows",
     "required_features",
     "supported_model_types",

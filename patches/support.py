@@ -2,33 +2,20 @@
 
 from __future__ import annotations
 
-import inspect
-
 from torch import nn
 
 from .windows import ATTENTION_LAYER_TYPES, layer_types, layer_windows, text_config
 
-# Always there: the softmax scale the model passes, and one window per layer group.
-BASE_FEATURES = ("scaling", "sliding_window")
+# What this build's attention implements: the softmax scale the model passes, a window per layer group and one block
+# table per group of layers sharing a window, logit soft-capping and attention sinks (ops.paged_attention's options).
+FEATURES = frozenset({"scaling", "sliding_window", "layer_windows", "softcap", "sinks"})
 GATHERED = "use PagedCache without enable_paged_attention (gathered mode: the model's own attention runs)"
 DYNAMIC = "use transformers' DynamicCache for this model"
 
 
 def available_features() -> frozenset[str]:
-    """Attention features this build implements: ``hf_paged.ops.FEATURES`` when the ops declare it; otherwise
-    the base ones, plus ``softcap`` / ``sinks`` when :func:`hf_paged.ops.paged_attention` takes them, plus
-    ``layer_windows`` when ``PagedCache.supports_layer_windows`` is true (one block table per window group)."""
-    from hf_paged import ops
-    from hf_paged.cache import PagedCache
-
-    declared = getattr(ops, "FEATURES", None)
-    have = set(declared) if declared is not None else set(BASE_FEATURES)
-    if declared is None:
-        params = inspect.signature(ops.paged_attention).parameters
-        have |= {name for name in ("softcap", "sinks") if name in params}
-    if getattr(PagedCache, "supports_layer_windows", False):
-        have.add("layer_windows")
-    return frozenset(have)
+    """Attention features this build implements: what :func:`required_features` of a config may ask for."""
+    return FEATURES
 
 
 def required_features(config) -> tuple[str, ...]:
@@ -75,11 +62,24 @@ def _check_kv_sharing(config) -> None:
         _refuse(f"KV sharing: {count} layers reuse another layer's K/V (kv_sharing_modes / num_kv_shared_layers)", DYNAMIC)
 
 
-def _check_head_sizes(config) -> None:
+def head_sizes(config) -> tuple[int | None, int | None]:
+    """``(key head size, value head size)`` of a decoder config's attention."""
     heads = getattr(config, "num_attention_heads", None)
     default = config.hidden_size // heads if heads and getattr(config, "hidden_size", None) else None
     key = getattr(config, "qk_head_dim", None) or getattr(config, "head_dim", None) or default
     value = getattr(config, "v_head_dim", None) or getattr(config, "value_head_dim", None) or key
+    return key, value
+
+
+def kv_shape(config) -> tuple[int, int]:
+    """``(num_kv_heads, head_dim)`` of one layer's K/V in a decoder config (the block pool's per-token shape)."""
+    config = text_config(config)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return heads, head_sizes(config)[0]
+
+
+def _check_head_sizes(config) -> None:
+    key, value = head_sizes(config)
     if key != value:
         _refuse(f"different key and value head sizes ({key} vs {value}); the block pool stores K and V with one "
                 "head_dim", DYNAMIC)

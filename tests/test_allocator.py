@@ -261,6 +261,16 @@ def test_reorder_bad_order_raises(order, match):
     assert snapshot(a) == before
 
 
+def test_reorder_across_groups_raises():
+    a = BlockAllocator(block_size=2)
+    seqs = [a.new_sequence(group=g) for g in (0, 1)]
+    a.append([(s, 3) for s in seqs])
+    before = snapshot(a)
+    with pytest.raises(ValueError, match=r"sequences of different groups"):
+        a.reorder(seqs, [1, 0])
+    assert snapshot(a) == before
+
+
 def test_unknown_or_freed_sequence_raises_key_error():
     a = BlockAllocator(block_size=2)
     s = a.new_sequence()
@@ -294,7 +304,7 @@ def test_set_limit_caps_an_unbounded_pool():
     a.set_limit(5)
     assert a.num_free == 2
     a.append([(s, 8)])
-    with pytest.raises(OutOfBlocksError, match=r"needed 1 blocks of 4 tokens, 0 of 5 free"):
+    with pytest.raises(OutOfBlocksError, match=r"needed 1 block of 4 tokens, 0 of 5 free"):
         a.append([(s, 1)])
     a.check_invariants()
 
@@ -338,14 +348,21 @@ def test_sharers_appending_together_fit_exactly():
 
 
 class AllocatorMachine(RuleBasedStateMachine):
-    """Random new_sequence / append / fork / reorder / crop / free / release_outside_window / reset."""
+    """Random new_sequence / append / fork / reorder / crop / free / release_outside_window / reset, over sequences of
+    two groups (as a cache's layer groups), with blocks in use and their peak checked per group."""
 
     NUM_BLOCKS: int | None = None
+    GROW_INTO_CAP = False  # start empty and grow up to the cap (set_limit), as a BlockPool's allocator does
 
     @initialize(block_size=st.integers(1, 5))
     def setup(self, block_size):
-        self.a = BlockAllocator(block_size=block_size, num_blocks=self.NUM_BLOCKS)
+        if self.GROW_INTO_CAP:
+            self.a = BlockAllocator(block_size=block_size)
+            self.a.set_limit(self.NUM_BLOCKS)
+        else:
+            self.a = BlockAllocator(block_size=block_size, num_blocks=self.NUM_BLOCKS)
         self.bs = block_size
+        self.peaks: dict[int, int] = {}  # group -> the most blocks its sequences held after an append
         self.tokens: dict[int, list[int]] = {}  # seq -> its token ids, position by position
         self.slid: dict[int, int] = {}  # seq -> leading logical blocks released by release_outside_window
         self.store: dict[int, int] = {}  # physical slot -> token id
@@ -373,11 +390,17 @@ class AllocatorMachine(RuleBasedStateMachine):
                     pending_copies[last] = pending_copies.get(last, 0) + 1
         return need
 
+    def in_use_by_group(self) -> dict[int, int]:
+        held: dict[int, set[int]] = {}
+        for seq in self.tokens:
+            held.setdefault(self.a.group_of(seq), set()).update(b for b in self.a.block_table(seq) if b != NULL_BLOCK)
+        return {g: len(b) for g, b in held.items() if b}
+
     # ------------------------------------------------------------------- rules
-    @rule()
-    def new_sequence(self):
-        seq = self.a.new_sequence()
-        assert seq not in self.tokens
+    @rule(group=st.integers(0, 1))
+    def new_sequence(self, group):
+        seq = self.a.new_sequence(group=group)
+        assert seq not in self.tokens and self.a.group_of(seq) == group
         self.tokens[seq], self.slid[seq] = [], 0
 
     @precondition(lambda self: self.tokens)
@@ -410,7 +433,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert self.NUM_BLOCKS is not None, "an unbounded pool ran out of blocks"
             assert snapshot(a) == before
             assert (err.needed, err.free) == (claimed, free_before) and claimed > free_before
-            assert f"needed {claimed} blocks of {bs} tokens, {free_before} of {self.NUM_BLOCKS} free" in str(err)
+            blocks = "1 block" if claimed == 1 else f"{claimed} blocks"
+            assert f"needed {blocks} of {bs} tokens, {free_before} of {self.NUM_BLOCKS} free" in str(err)
             return
         if self.NUM_BLOCKS is not None:
             assert need <= claimed <= free_before
@@ -442,20 +466,24 @@ class AllocatorMachine(RuleBasedStateMachine):
                 self.next_token += 1
         used_now = a.capacity - len(a._free)
         assert a.peak_blocks_in_use >= used_now
+        for group, count in self.in_use_by_group().items():
+            self.peaks[group] = max(self.peaks.get(group, 0), count)
+        assert {g: n for g, n in a.peak_by_group.items() if n} == self.peaks
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def fork(self, data):
         seq = self.pick(data)
         child = self.a.fork(seq)
-        assert child not in self.tokens
+        assert child not in self.tokens and self.a.group_of(child) == self.a.group_of(seq)
         self.tokens[child], self.slid[child] = list(self.tokens[seq]), self.slid[seq]
         assert all(self.a.refcount(b) >= 2 for b in self.a.block_table(child) if b != NULL_BLOCK)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def reorder(self, data):
-        live = sorted(self.tokens)
+        group = self.a.group_of(self.pick(data))  # a cache reorders each layer group's sequences on its own
+        live = sorted(s for s in self.tokens if self.a.group_of(s) == group)
         seqs = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=5, unique=True), label="seqs")
         seqs = data.draw(st.permutations(seqs), label="seq order")
         order = data.draw(st.lists(st.integers(0, len(seqs) - 1), min_size=len(seqs), max_size=len(seqs)),
@@ -530,8 +558,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         free = list(a._free)
         assert len(set(free)) == len(free) and all(counts[b] == 0 for b in free)
         if self.NUM_BLOCKS is not None:
-            assert a.capacity == self.NUM_BLOCKS and a.num_free == len(free)
+            assert a.capacity <= self.NUM_BLOCKS and a.num_free == len(free) + self.NUM_BLOCKS - a.capacity
+            assert a.capacity == self.NUM_BLOCKS or self.GROW_INTO_CAP
         assert sorted(a.sequences) == sorted(self.tokens)
+        assert {g: n for g, n in a.blocks_in_use_by_group().items() if n} == self.in_use_by_group()
 
     @invariant()
     def every_sequence_reads_back_its_tokens(self):
@@ -572,8 +602,15 @@ class UnboundedPool(AllocatorMachine):
     NUM_BLOCKS = None
 
 
+class GrowingBoundedPool(AllocatorMachine):
+    NUM_BLOCKS = 6
+    GROW_INTO_CAP = True
+
+
 TestBoundedPool = BoundedPool.TestCase
 TestBoundedPool.settings = MACHINE_SETTINGS
+TestGrowingBoundedPool = GrowingBoundedPool.TestCase
+TestGrowingBoundedPool.settings = settings(MACHINE_SETTINGS, max_examples=50)
 TestUnboundedPool = UnboundedPool.TestCase
 TestUnboundedPool.settings = MACHINE_SETTINGS
 
@@ -586,3 +623,55 @@ def test_set_limit_at_the_current_capacity_is_allowed_below_it_refused():
     assert a.max_blocks == a.capacity and a.num_free == a.capacity - a.blocks_in_use
     with pytest.raises(ValueError, match="already exist"):
         a.set_limit(a.capacity - 1)
+
+
+def test_blocks_in_use_and_peaks_are_counted_per_group():
+    """A sliding group that gives blocks back peaks lower than a full group growing beside it; the total peak is
+    the most blocks held at once over both."""
+    a = BlockAllocator(block_size=4)
+    full, sliding = a.new_sequence(group=0), a.new_sequence(group=1)
+    for _ in range(5):
+        a.append([(full, 4), (sliding, 4)])
+        a.release_outside_window(sliding, a.seq_len(sliding) - 4)  # keep the last block only
+    assert a.blocks_in_use_by_group() == {0: 5, 1: 1}
+    assert a.peak_by_group == {0: 5, 1: 2} and a.peak_blocks_in_use == 7
+    child = a.fork(sliding)
+    assert a.group_of(child) == 1 and a.blocks_in_use_by_group() == {0: 5, 1: 1}  # shared, not new
+    a.free(full)
+    assert a.blocks_in_use_by_group() == {0: 0, 1: 1} and a.peak_by_group == {0: 5, 1: 2}
+    a.check_invariants()
+
+
+def test_cached_block_taken_back_counts_for_its_new_holder_group():
+    a = BlockAllocator(block_size=2, prefix_caching=True)
+    seq = a.new_sequence(group=0)
+    a.append([(seq, 4)], [[5, 6, 7, 8]])
+    a.free(seq)
+    assert a.num_cached == 2 and a.blocks_in_use_by_group() == {0: 0}
+    again = a.new_sequence(a.match_prefix([5, 6, 7, 8, 9]), group=3)
+    assert a.blocks_in_use_by_group() == {0: 0, 3: 2}
+    a.check_invariants()
+    a.free(again)
+    assert a.blocks_in_use_by_group() == {0: 0, 3: 0}
+
+
+def test_capped_allocator_grows_into_its_cap_before_evicting_cached_blocks():
+    """A capped pool keeps prefix-cached blocks until the cap is reached; an uncapped one evicts before growing."""
+    evictions = {}
+    for cap in (8, None):
+        a = BlockAllocator(block_size=2, prefix_caching=True)
+        if cap is not None:
+            a.set_limit(cap)
+        first = a.new_sequence()
+        a.append([(first, 4)], [[5, 6, 7, 8]])
+        a.free(first)
+        second = a.new_sequence()
+        a.append([(second, 4)], [[9, 10, 11, 12]])
+        evictions[cap] = a.evictions
+        a.check_invariants()
+        if cap is not None:
+            assert a.capacity == 4 and a.num_cached == 2 and a.match_prefix([5, 6, 7, 8]) != []
+            third = a.new_sequence()
+            a.append([(third, 10)], [list(range(20, 30))])  # 5 blocks: 4 more fit under the cap, then 1 eviction
+            assert a.capacity == 8 and a.evictions == 1
+    assert evictions == {8: 0, None: 2}

@@ -1,4 +1,4 @@
-"""Compiled decoding (#10): ``generate(compile_config=...)`` with a fixed-size PagedCache.
+"""Compiled decoding: ``generate(compile_config=...)`` with a fixed-size PagedCache.
 
 Compilation is slow on the 2-core machine, so most cases use dynamo with the ``"eager"`` backend (it traces the
 whole forward, which is what graph breaks, guards and recompiles are about) and one small case runs inductor.
@@ -13,12 +13,11 @@ import weakref
 import pytest
 import torch
 import torch._dynamo
-from conftest import PAD, dynamic, early_eos_model, generate, left_padded, tiny_model
 from torch._dynamo.utils import counters
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation import CompileConfig
 
-from _features import forward
+from helpers import PAD, dynamic, early_eos_model, forward, generate, left_padded, tiny_model
 from hf_paged import BlockPool, PagedCache, enable_paged_attention
 
 # Measured: the first call compiles 2 graphs (the first decode step; again at the first shape change, after which

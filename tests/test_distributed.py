@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import dynamic, generate, left_padded, tiny_model
 from transformers import AutoModelForCausalLM
 
+from helpers import dynamic, generate, left_padded, tiny_model
 from hf_paged import PagedCache, enable_paged_attention
 from hf_paged.step import GroupStep, Step, StepBuffers
 from hf_paged.distributed import gather_stats, sum_over_ranks

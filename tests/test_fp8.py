@@ -1,4 +1,4 @@
-"""fp8 KV blocks (#14): ``kv_dtype=torch.float8_e4m3fn`` — accuracy on the embedded SmolLM2, bytes, bad input, and
+"""fp8 KV blocks: ``kv_dtype=torch.float8_e4m3fn`` — accuracy on the embedded SmolLM2, bytes, bad input, and
 the two backends agreeing on fp8 blocks."""
 
 from __future__ import annotations
@@ -7,9 +7,10 @@ import math
 
 import pytest
 import torch
-from conftest import dynamic, generate, left_padded, tiny_config, tiny_model
 
-from _features import chat_inputs, forward, require_smollm, smollm
+from helpers import (
+    chat_inputs, dynamic, forward, generate, left_padded, require_smollm, smollm, tiny_config, tiny_model,
+)
 from hf_paged import BlockPool, PagedCache, embedded, enable_paged_attention, disable_paged_attention, ops
 
 FP8 = torch.float8_e4m3fn

@@ -7,10 +7,10 @@ import warnings
 
 import pytest
 import torch
-from conftest import dynamic, early_eos_model, generate, left_padded, live_blocks_expected, tiny_model
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from helpers import dynamic, early_eos_model, generate, left_padded, live_blocks_expected, tiny_model
 from hf_paged import PagedCache, disable_paged_attention, enable_paged_attention
 
 LENGTHS = [3, 17, 9, 1]  # very different prompt lengths in one left-padded batch

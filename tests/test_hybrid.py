@@ -1,4 +1,4 @@
-"""Hybrid windows (#11 item 3): layers with different windows keep separate block tables in one pool, hold what
+"""Mixed windows: layers with different windows keep separate block tables in one pool, hold what
 DynamicCache holds, and the Triton backend (interpreter here) matches DynamicCache per attention feature."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import math
 
 import pytest
 import torch
-from conftest import BOS, EOS, PAD, VOCAB, dynamic, generate, left_padded
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
-from _features import dynamic_cache_bytes, forward
+from helpers import (
+    BOS, EOS, PAD, VOCAB, dynamic, dynamic_cache_bytes, forward, generate, left_padded, tiny_family_model,
+)
 from hf_paged import PagedCache, enable_paged_attention, ops
-from test_models import tiny_family_model
 
 WINDOW, BLOCK_SIZE = 128, 16
 SLIDING, FULL = "sliding_attention", "full_attention"

@@ -12,71 +12,17 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from conftest import BOS, EOS, PAD, VOCAB, generate, left_padded
+from helpers import FAMILIES, FAMILY_WINDOW, VOCAB, generate, left_padded, tiny_family_config, tiny_family_model
 from hf_paged import PagedCache, enable_paged_attention
 from hf_paged import patches
 from hf_paged.patches import check_model, check_supported, find_patch_for_config, layer_windows, required_features
 
-WINDOW = 8
 BLOCK_SIZE = 4
 LENGTHS = [3, 27, 11]  # with 12 new tokens the longest row spans ~5 windows of 8
-SLIDING_HALF = ["sliding_attention", "full_attention"]
-MOE = dict(num_local_experts=4, num_experts_per_tok=2)
-
-# model_type -> overrides on top of the shared tiny shape; sliding families get a window of 8 and, where the family
-# can mix windows, both kinds of layer.
-FAMILIES = {
-    "llama": {},
-    "mistral": dict(sliding_window=WINDOW),
-    "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
-    "qwen3": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
-    "qwen3_moe": dict(use_sliding_window=True, sliding_window=WINDOW, num_experts=4, num_experts_per_tok=2,
-                      moe_intermediate_size=32),
-    "phi3": dict(sliding_window=WINDOW),
-    "gemma": {},
-    # large enough weights and a small cap that soft-capping and the window both change the tokens
-    "gemma2": dict(sliding_window=WINDOW, layer_types=SLIDING_HALF, attn_logit_softcapping=1.0,
-                   query_pre_attn_scalar=1, initializer_range=0.06),
-    "gemma3_text": dict(sliding_window=WINDOW, layer_types=SLIDING_HALF),
-    "olmo2": {},
-    "granite": {},
-    "starcoder2": dict(sliding_window=WINDOW),
-    "mixtral": dict(sliding_window=WINDOW, **MOE),
-    "smollm3": dict(use_sliding_window=True, sliding_window=WINDOW, layer_types=SLIDING_HALF),
-    "gpt_oss": dict(sliding_window=WINDOW, layer_types=SLIDING_HALF, **MOE),
-    "olmo": {},
-    "stablelm": {},
-    "cohere": {},
-    "cohere2": dict(sliding_window=WINDOW, layer_types=SLIDING_HALF),
-    "glm": {},
-    "phi": {},
-    "exaone4": dict(sliding_window=WINDOW, layer_types=SLIDING_HALF),
-}
-
-
-def tiny_family_config(model_type: str, **overrides):
-    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                 pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS)
-    shape.update(FAMILIES.get(model_type, {}))
-    shape.update(overrides)
-    return AutoConfig.for_model(model_type, **shape)
-
+WINDOW = FAMILY_WINDOW  # every sliding family's window in FAMILIES
 
 # families the installed transformers has (4.56 lacks some, and routes StableLM's attention through its own classes)
 AVAILABLE = sorted(m for m in FAMILIES if patches._registry()[m].in_transformers())
-
-
-def tiny_family_model(model_type: str, seed: int = 0, **overrides):
-    """Random weights; SDPA, except eager for soft-cap and sinks (SDPA ignores soft-cap in older transformers)."""
-    config = tiny_family_config(model_type, **overrides)
-    features = patches.find_patch_for_config(config).features
-    attn = "eager" if {"softcap", "sinks"} & set(features) else "sdpa"
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
-    model.generation_config.pad_token_id = PAD
-    model.generation_config.eos_token_id = EOS
-    return model
 
 
 @pytest.mark.parametrize("model_type", AVAILABLE)

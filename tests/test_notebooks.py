@@ -1,7 +1,8 @@
 """The notebooks are stored executed, written as user code, and re-executing them gives what is stored.
 
-``notebooks/build.py`` writes and executes them (quick mode, ``HF_PAGED_NB_QUICK=1``, as here). The static checks
-read the stored files: cells equal to build.py's, every cell that prints or plots stored with its output, no private
+Each notebook's source is ``notebooks/NN_name.py`` (jupytext percent format); ``notebooks/run.py`` executes it and
+stores ``NN_name.ipynb`` with its outputs (quick mode, ``HF_PAGED_NB_QUICK=1``, as here). The static checks read the
+stored files: cells equal to their source's, every cell that prints or plots stored with its output, no private
 ``hf_paged`` module imported. The execution tests run each notebook in a fresh kernel on this Python and compare the
 outputs' kinds cell by cell with the stored ones (numbers vary, kinds must not), then check what each one claims.
 """
@@ -19,14 +20,15 @@ import pytest
 nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed: pip install -e '.[notebooks]'")
 pytest.importorskip("nbclient", reason="nbclient is not installed: pip install -e '.[notebooks]'")
 pytest.importorskip("ipykernel", reason="ipykernel is not installed: pip install -e '.[notebooks]'")
+pytest.importorskip("jupytext", reason="jupytext is not installed: pip install -e '.[notebooks]'")
 
 import hf_paged  # noqa: E402
 from hf_paged import embedded  # noqa: E402
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-_spec = importlib.util.spec_from_file_location("notebook_build", NOTEBOOKS / "build.py")
-build = sys.modules["notebook_build"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(build)
+_spec = importlib.util.spec_from_file_location("notebook_run", NOTEBOOKS / "run.py")
+run = sys.modules["notebook_run"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(run)
 
 PUBLIC_MODULES = {"hf_paged", "hf_paged.ops"}
 PUBLIC_NAMES = set(hf_paged.__all__) | {"__version__"}
@@ -117,36 +119,48 @@ def private_imports(nb) -> list[str]:
     return found
 
 
-def stored(spec) -> nbformat.NotebookNode:
-    return nbformat.read(spec.path, as_version=4)
+def stored(notebook) -> nbformat.NotebookNode:
+    return nbformat.read(notebook.path, as_version=4)
 
 
-SPECS = pytest.mark.parametrize("spec", build.SPECS, ids=[s.name.removesuffix(".ipynb") for s in build.SPECS])
+EACH = pytest.mark.parametrize("notebook", run.NOTEBOOKS, ids=[n.source.stem for n in run.NOTEBOOKS])
 
 
-def test_stored_cells_are_the_build_scripts(capsys):
-    assert build.main(["--check"]) == 0, capsys.readouterr().err
-    assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == sorted(s.name for s in build.SPECS)
+def test_stored_cells_are_their_sources(capsys):
+    assert len(run.NOTEBOOKS) >= 8
+    assert run.main(["--check"]) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == sorted(n.name for n in run.NOTEBOOKS)
 
 
-@SPECS
-def test_stored_with_outputs(spec):
-    nb = stored(spec)
+def test_check_sees_an_edited_source(tmp_path, monkeypatch, capsys):
+    """``run.py --check`` fails when a source no longer matches its stored notebook, naming the notebook."""
+    source = tmp_path / run.NOTEBOOKS[0].source.name
+    source.write_text(run.NOTEBOOKS[0].source.read_text(encoding="utf-8") + "\n# %%\nprint('a new cell')\n")
+    (tmp_path / run.NOTEBOOKS[0].name).write_bytes(run.NOTEBOOKS[0].path.read_bytes())
+    monkeypatch.setattr(run, "HERE", tmp_path)
+    monkeypatch.setattr(run, "NOTEBOOKS", [run.Notebook(source)])
+    assert run.main(["--check"]) == 1
+    assert run.NOTEBOOKS[0].name in capsys.readouterr().err
+
+
+@EACH
+def test_stored_with_outputs(notebook):
+    nb = stored(notebook)
     assert missing_outputs(nb) == []
-    assert build.problems_in_outputs(nb) == []
-    assert nb.metadata == build.METADATA, "run-specific notebook metadata stored: rebuild with notebooks/build.py"
+    assert run.problems_in_outputs(nb) == []
+    assert nb.metadata == run.METADATA, "run-specific notebook metadata stored: rerun notebooks/run.py"
     assert not any("execution" in cell.metadata for cell in nb.cells), "timing metadata stored"
     counts = [cell.execution_count for cell in nb.cells if cell.cell_type == "code"]
     assert counts == list(range(1, len(counts) + 1)), "not executed top to bottom in one go"
 
 
-@SPECS
-def test_only_public_api(spec):
-    assert private_imports(stored(spec)) == []
+@EACH
+def test_only_public_api(notebook):
+    assert private_imports(stored(notebook)) == []
 
 
 def test_checks_see_a_stripped_notebook_and_private_imports():
-    nb = stored(build.SPECS[1])  # 02: prints and plots
+    nb = stored(run.NOTEBOOKS[1])  # 02: prints and plots
     printing = [c for c in nb.cells if c.cell_type == "code" and expected_outputs(c)]
     assert any("image" in expected_outputs(c) for c in printing) and missing_outputs(nb) == []
     for cell in nb.cells:
@@ -160,7 +174,7 @@ def test_checks_see_a_stripped_notebook_and_private_imports():
         "paged_attention\nprint(hf_paged.__version__, hf_paged.PagedCache)")])
     assert private_imports(public) == []
     for source in ["from hf_paged.compat import GENERATE_CACHE_KWARG", "from hf_paged import embedded",
-                   "import hf_paged.report", "import hf_paged\nhf_paged.simulate.sample_workload",
+                   "import hf_paged.report", "import hf_paged\nhf_paged.tools.simulate.sample_workload",
                    "%time x = 1\nimport importlib\nimportlib.import_module('hf_paged.compat')"]:
         assert private_imports(nbformat.v4.new_notebook(cells=[cell(source)])), source
 
@@ -278,16 +292,16 @@ CLAIMS = {
 }
 
 
-@SPECS
-def test_rerun_gives_the_stored_outputs(spec):
-    if spec.needs_model and MODEL_MISSING:
+@EACH
+def test_rerun_gives_the_stored_outputs(notebook):
+    if notebook.needs_model and MODEL_MISSING:
         pytest.skip(MODEL_MISSING)
-    fresh = build.execute(build.build(spec))  # raises with the failing cell and its traceback
-    old = stored(spec)
-    assert build.cells_of(fresh) == build.cells_of(old)
+    fresh = run.execute(run.build(notebook))  # raises with the failing cell and its traceback
+    old = stored(notebook)
+    assert run.cells_of(fresh) == run.cells_of(old)
     for i, (new_cell, old_cell) in enumerate(zip(fresh.cells, old.cells)):
-        assert build.output_kinds(new_cell) == build.output_kinds(old_cell), (
-            f"cell {i} of {spec.name}: outputs differ in kind from the stored ones; rebuild with "
-            f"python notebooks/build.py {spec.name.removesuffix('.ipynb')}")
-    assert build.problems_in_outputs(fresh) == []
-    CLAIMS.get(spec.name, lambda nb: None)(fresh)
+        assert run.output_kinds(new_cell) == run.output_kinds(old_cell), (
+            f"cell {i} of {notebook.name}: outputs differ in kind from the stored ones; rerun "
+            f"python notebooks/run.py {notebook.source.stem}")
+    assert run.problems_in_outputs(fresh) == []
+    CLAIMS.get(notebook.name, lambda nb: None)(fresh)

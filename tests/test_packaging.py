@@ -29,6 +29,8 @@ def test_wheel_ships_patches_as_hf_paged_patches(tmp_path):
         assert f"hf_paged/patches/{module}.py" in names
     for module in ("triton_kernels", "custom_ops", "reference"):
         assert f"hf_paged/ops/{module}.py" in names
+    for module in ("simulate", "plots"):  # the tools bench/memory.py and the notebooks use
+        assert f"hf_paged/tools/{module}.py" in names
     assert not any(name.startswith("patches/") for name in names)
 
 

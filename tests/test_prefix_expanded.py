@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import dynamic, generate, tiny_model
 
+from helpers import dynamic, generate, tiny_model
 from hf_paged import BlockPool, PagedCache, enable_paged_attention
 
 BLOCK = 4

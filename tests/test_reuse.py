@@ -1,4 +1,4 @@
-"""Reusing KV across calls (#12): copies of a cache, automatic prefix caching, and a prompt cache on disk.
+"""Reusing KV across calls: copies of a cache and automatic prefix caching (a prompt cache on disk: test_persist.py).
 
 Token equality is always against the same recipe run with ``DynamicCache``. Prefix hits are measured by the tokens
 that reach the decoder (a forward pre-hook), not by a flag.
@@ -7,27 +7,23 @@ that reach the decoder (a forward pre-hook), not by a flag.
 from __future__ import annotations
 
 import copy
-import json
 import pickle
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, dynamic, generate, left_padded, ones_mask, tiny_config, tiny_model
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from transformers import DynamicCache
 
-from _features import chat_inputs, decoder_token_counter, forward, require_smollm, smollm
+from helpers import (
+    VOCAB, chat_inputs, decoder_token_counter, dynamic, forward, generate, left_padded, ones_mask, require_smollm,
+    smollm, tiny_config, tiny_model,
+)
 from hf_paged import BlockAllocator, BlockPool, PagedCache, compat, disable_paged_attention, enable_paged_attention
 from hf_paged.allocator import NULL_BLOCK, block_key
 from hf_paged.errors import OutOfBlocksError
-
-TESTS_DIR = Path(__file__).resolve().parent
 
 SYSTEM = (
     "You are Quill, the writing assistant of a small public library. Follow these house rules in every answer. "
@@ -57,7 +53,7 @@ def test_deepcopy_prompt_reuse_recipe_on_smollm():
     """transformers' documented recipe: prefill a prefix once, deepcopy the cache before each generate()."""
     require_smollm()
     model, tokenizer = smollm()
-    prefix = "You are a helpful assistant. "
+    prefix = "You are a helpful assistant.\n"  # tokenized alike alone and before a question (". " is not)
     questions = ["Help me to write a blogpost about travelling.", "What is the capital of France?"]
     prefix_ids = tokenizer(prefix, return_tensors="pt").input_ids
 
@@ -444,93 +440,3 @@ def test_cropped_row_never_rewrites_a_cached_prefix_block():
     generate(model, ones_mask(torch.cat([prompt[:, :6], torch.tensor([[90, 91]])], 1)), a, max_new_tokens=2)
     c = PagedCache(model.config, pool=pool)
     assert torch.equal(generate(model, ones_mask(c_ids), c, max_new_tokens=4), expected)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Save / load
-# ---------------------------------------------------------------------------------------------------------------------
-
-CHILD = """
-import sys, json, torch
-sys.path.insert(0, {tests!r})
-from conftest import generate, tiny_model
-from hf_paged import PagedCache, enable_paged_attention
-model = tiny_model("llama")
-model.generation_config.eos_token_id = None
-enable_paged_attention(model, backend="torch")
-outs = []
-for path, kv_dtype, inputs in json.loads(sys.argv[1]):
-    cache = PagedCache.load(path, model.config, kv_dtype=getattr(torch, kv_dtype) if kv_dtype else None)
-    inputs = {{k: torch.tensor(v) for k, v in inputs.items()}}
-    outs.append(generate(model, inputs, cache, max_new_tokens=5).tolist())
-print(json.dumps(outs))
-"""
-
-
-def test_save_and_load_in_a_fresh_process(tmp_path):
-    model = tiny_model("llama")
-    model.generation_config.eos_token_id = None
-    enable_paged_attention(model, backend="torch")
-    inputs = left_padded([5, 11], seed=2)
-    jobs, expected = [], []
-    for name, kv_dtype in (("model_dtype", None), ("fp8", torch.float8_e4m3fn)):
-        cache = PagedCache(model.config, block_size=4, kv_dtype=kv_dtype)
-        out = generate(model, inputs, cache, max_new_tokens=6)
-        path = tmp_path / f"{name}.safetensors"
-        cache.save(path)
-        more = {"input_ids": out, "attention_mask": torch.cat([inputs["attention_mask"],
-                                                                torch.ones(2, 6, dtype=torch.long)], 1)}
-        expected.append(generate(model, more, copy.deepcopy(cache), max_new_tokens=5))
-        jobs.append((str(path), kv_dtype and str(kv_dtype).removeprefix("torch."),
-                     {k: v.tolist() for k, v in more.items()}))
-    child = subprocess.run([sys.executable, "-c", CHILD.format(tests=str(TESTS_DIR)), json.dumps(jobs)],
-                           capture_output=True, text=True, timeout=300)
-    assert child.returncode == 0, child.stderr[-3000:]
-    got = json.loads(child.stdout.strip().splitlines()[-1])
-    for g, e in zip(got, expected):
-        assert torch.equal(torch.tensor(g), e)
-
-
-@pytest.fixture
-def saved(tmp_path):
-    model = tiny_model("llama")
-    enable_paged_attention(model, backend="torch")
-    cache = PagedCache(model.config)
-    generate(model, left_padded([5, 9]), cache, max_new_tokens=4)
-    path = tmp_path / "cache.safetensors"
-    cache.save(path)
-    return path
-
-
-@pytest.mark.parametrize("config", [
-    tiny_config(num_hidden_layers=3),
-    tiny_config(hidden_size=32, num_attention_heads=2, num_key_value_heads=1),
-    tiny_config(dtype=torch.bfloat16),
-], ids=["layers", "hidden_size", "dtype"])
-def test_load_into_another_model_shape_or_dtype_is_refused(saved, config):
-    with pytest.raises(ValueError, match="load it|load the model"):
-        PagedCache.load(saved, config)
-
-
-def test_load_into_a_model_with_other_kv_heads_is_refused(saved):
-    with pytest.raises(ValueError):
-        PagedCache.load(saved, tiny_config(num_key_value_heads=1))
-
-
-def test_loaded_cache_refuses_a_model_of_another_dtype(saved):
-    """A bf16 model whose config names no dtype: the loaded fp32 cache refuses its keys with a clear error."""
-    model = tiny_model("llama").to(torch.bfloat16)
-    enable_paged_attention(model, backend="torch")
-    cache = PagedCache.load(saved, model.config)
-    ids = torch.cat([left_padded([5, 9])["input_ids"], torch.full((2, 4), 7)], 1)
-    with pytest.raises(ValueError, match="float32"):
-        generate(model, ones_mask(ids), cache, max_new_tokens=2)
-
-
-@pytest.mark.parametrize("keep", [0.5, 0.999], ids=["half", "last_bytes_missing"])
-def test_truncated_file_is_refused(saved, tmp_path, keep):
-    data = saved.read_bytes()
-    cut = tmp_path / "cut.safetensors"
-    cut.write_bytes(data[: int(len(data) * keep)])
-    with pytest.raises(ValueError, match="truncated"):
-        PagedCache.load(cut, tiny_config())

@@ -8,11 +8,11 @@ import threading
 
 import pytest
 import torch
-from conftest import dynamic, generate, left_padded, tiny_config, tiny_model
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from helpers import dynamic, generate, left_padded, ones_mask, tiny_config, tiny_model
 from hf_paged import BlockPool, OutOfBlocksError, PagedCache, compat, enable_paged_attention
-from hf_paged.attention import active_cache
+from hf_paged.compat import running_cache
 
 
 @pytest.fixture
@@ -48,9 +48,13 @@ def test_exhaustion_mid_generation_then_reset_and_reuse(model):
         generate(model, inputs, cache, max_new_tokens=40, min_new_tokens=40,
                  stopping_criteria=StoppingCriteriaList([snapshot]))
     message = str(err.value)
-    assert "num_blocks" in message and "max_memory" in message and "free" in message
+    assert "free" in message and "max_new_tokens=40" in message and err.value.fix in message
     assert err.value.needed > err.value.free
-    assert active_cache() is None  # the forward's hook state was unwound
+    # The advice is the shared pool's constructor (the cache was built with pool=), sized for the whole request
+    # (2 rows x ceil((6 + 40 - 1) / 4) blocks) beside what the neighbour holds.
+    assert err.value.request_needed == 2 * 12
+    assert err.value.fix == "BlockPool(block_size=4, num_blocks=26)"
+    assert running_cache() is None  # the forward's hook state was unwound (transformers < 5.24 uses it)
     # It failed while decoding: the prefill and several decoding steps completed first.
     assert len(snapshot.states) >= 2
     tables, lens, columns = snapshot.states[-1]
@@ -72,6 +76,9 @@ def test_exhaustion_mid_generation_then_reset_and_reuse(model):
     ref_cache = dynamic(model)
     ref = generate(model, neighbour_inputs, ref_cache, max_new_tokens=3)
     turn2 = torch.cat([ref, torch.tensor([[9, 10]])], 1)
+    # The advised pool fits the request that failed.
+    roomy = PagedCache(model.config, pool=eval(err.value.fix, {"BlockPool": BlockPool}))
+    generate(model, inputs, roomy, max_new_tokens=40, min_new_tokens=40)
     turn2 = {"input_ids": turn2, "attention_mask": torch.ones_like(turn2)}
     assert torch.equal(generate(model, turn2, neighbour, max_new_tokens=4),
                        generate(model, turn2, ref_cache, max_new_tokens=4))
@@ -108,25 +115,29 @@ def test_invalid_sizing_is_rejected(kwargs, match):
 
 
 def test_max_memory_too_small_for_one_block(model):
-    cache = PagedCache(model.config, max_memory=100)
+    """A cap below one block of the model's shape is refused when the cache is built, with the minimum."""
     with pytest.raises(ValueError, match="holds no block"):
-        generate(model, left_padded([3]), cache, max_new_tokens=1)
+        PagedCache(model.config, max_memory=100)
+    with pytest.raises(ValueError, match="holds no block"):
+        PagedCache(model.config, max_memory=2 * 16 * 2 * 16 * 2)  # one fp16 block of one layer: not all layers
 
 
 def test_cache_from_another_model_shape_is_rejected(model):
     cache = PagedCache(model.config, block_size=4)
-    generate(model, left_padded([4]), cache, max_new_tokens=2)
+    out = generate(model, left_padded([4]), cache, max_new_tokens=2)
     other = enable_paged_attention(tiny_model("llama", num_key_value_heads=4), backend="torch")
+    more = torch.cat([out, torch.randint(3, 90, (1, 3))], dim=1)  # the cache's own tokens, continued
     with pytest.raises(ValueError, match="different model, dtype or device"):
-        generate(other, left_padded([8]), cache, max_new_tokens=2)
+        generate(other, ones_mask(more), cache, max_new_tokens=2)
 
 
 def test_cache_in_another_dtype_is_rejected(model):
     cache = PagedCache(model.config, block_size=4)
-    generate(model, left_padded([4]), cache, max_new_tokens=2)
+    out = generate(model, left_padded([4]), cache, max_new_tokens=2)
     half = enable_paged_attention(tiny_model("llama", seed=4).to(torch.bfloat16), backend="torch")
+    more = torch.cat([out, torch.randint(3, 90, (1, 3))], dim=1)  # the cache's own tokens, continued
     with pytest.raises(ValueError, match=r"torch.float32.*torch.bfloat16"):
-        generate(half, left_padded([8]), cache, max_new_tokens=2)
+        generate(half, ones_mask(more), cache, max_new_tokens=2)
 
 
 def test_cache_config_with_fewer_layers_is_rejected(model):

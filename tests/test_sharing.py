@@ -7,8 +7,8 @@ import threading
 
 import pytest
 import torch
-from conftest import dynamic, generate, left_padded, live_blocks_expected, ones_mask, tiny_model
 
+from helpers import dynamic, generate, left_padded, live_blocks_expected, ones_mask, tiny_model
 from hf_paged import BlockPool, OutOfBlocksError, PagedCache, compat, enable_paged_attention
 
 

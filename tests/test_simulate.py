@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hf_paged.simulate import (
+from hf_paged.tools.simulate import (
     ALPACA, SHAREGPT, PagedScheduler, batch_memory_trace, block_map_snapshot, sample_workload, simulate_padded,
     simulate_paged, simulate_reservation, simulate_workload,
 )
@@ -131,7 +131,8 @@ def test_batch_trace_orders_the_caches():
 
 def test_plots_write_pngs(tmp_path):
     pytest.importorskip("matplotlib")
-    from hf_paged.simulate import SMOLLM2_135M, plot_block_map, plot_memory_over_steps, plot_waste_vs_block_size
+    from hf_paged.tools.plots import plot_block_map, plot_memory_over_steps, plot_waste_vs_block_size
+    from hf_paged.tools.simulate import SMOLLM2_135M
 
     requests = sample_workload(ALPACA, 150, seed=0)
     res = simulate_workload(requests, 4096, block_sizes=(8, 16), batch_sizes=(8,), name="alpaca")

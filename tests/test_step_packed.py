@@ -4,8 +4,8 @@ lengths, some continuing with history, in one ``[1, T]`` forward."""
 from __future__ import annotations
 
 import torch
-from conftest import tiny_model
 
+from helpers import tiny_model
 from hf_paged import BlockPool, enable_paged_attention
 from hf_paged.cache import StepCache
 from hf_paged.groups import LayerGroups

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, dynamic, generate, left_padded, ones_mask, tiny_model
 
+from helpers import DEVICE, dynamic, generate, left_padded, ones_mask, tiny_model
 from hf_paged import PagedCache, enable_paged_attention, ops
 from hf_paged.ops import triton_kernels
 
