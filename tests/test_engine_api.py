@@ -1,4 +1,4 @@
-"""The manager's API over a shadow engine (no model, see tests/_engine_shadow.py): many threads adding, reading and
+"""The manager's API over a shadow engine (no model, see tests/helpers/engine_shadow.py): many threads adding, reading and
 cancelling; results going to whoever asks for their id; streams of new tokens only; the queue limit; refusals with
 sizes; stop() draining or cancelling; unread results kept up to a limit; transformers' ContinuousBatchingConfig mapped
 or refused by name; a dropped manager ends its thread and frees its pool."""
@@ -15,7 +15,7 @@ import pytest
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-from _engine_shadow import VOCAB, expected_tokens, one_thread, shadow_engine
+from helpers.engine_shadow import VOCAB, expected_tokens, one_thread, shadow_engine
 from hf_paged.engine.api import ContinuousBatchingManager
 from hf_paged.engine.options import from_continuous_batching_config
 from hf_paged.engine.outputs import GenerationOutput, QueueFullError, RequestStatus, RequestTooLargeError

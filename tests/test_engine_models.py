@@ -4,7 +4,7 @@ prefill, pools that force preemption, prefix-cache hits, model families and an f
 serving under pool pressure from many threads, past failing forwards, and over thousands of requests.
 
 Where a float tie flips a greedy token, a difference is accepted only if the reference's top-2 logits at that position
-differ by less than 1e-4 (see tests/_engine_reference.py); the tests print how often that happened.
+differ by less than 1e-4 (see tests/helpers/engine_oracle.py); the tests print how often that happened.
 """
 
 from __future__ import annotations
@@ -18,13 +18,12 @@ import weakref
 import pytest
 import torch
 
-from _engine_reference import TieCount, check_tokens, random_prompts, reference
-from _engine_shadow import one_thread
-from conftest import DEVICE, EOS, VOCAB, tiny_model
-from hf_paged import BlockPool, RequestStatus, enable_paged_attention, generate_batch, init_continuous_batching
+from helpers import DEVICE, EOS, FAMILIES, VOCAB, tiny_family_model, tiny_model
+from helpers.engine_oracle import TieCount, check_tokens, random_prompts, reference
+from helpers.engine_shadow import one_thread
+from hf_paged import BlockPool, RequestStatus, enable_paged_attention, generate_batch, init_continuous_batching, patches
 from hf_paged.engine.sampling import SamplingParams
 from hf_paged.patches import layer_windows
-from test_models import AVAILABLE, tiny_family_model
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -33,6 +32,8 @@ def _one_thread():
 
 
 BLOCK = 4
+# families the installed transformers has
+AVAILABLE = sorted(m for m in FAMILIES if patches._registry()[m].in_transformers())
 TIES = TieCount()
 
 

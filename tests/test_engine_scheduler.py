@@ -1,7 +1,7 @@
 """The engine's scheduler on a bare allocator (no model): admission, chunked prefill, preemption by recompute, prefix
 hits and hold-back, cancellation and failing steps, with the pool's and the scheduler's invariants after every step.
 
-The shadow runner (tests/_engine_shadow.py) checks each chunk's history slot by slot, and its tokens are a known
+The shadow runner (tests/helpers/engine_shadow.py) checks each chunk's history slot by slot, and its tokens are a known
 function of the request's tokens, so every finished request is compared with its expected tokens.
 """
 
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from _engine_shadow import VOCAB, expected_tokens, one_thread, run_to_end, shadow_engine
+from helpers.engine_shadow import VOCAB, expected_tokens, one_thread, run_to_end, shadow_engine
 from hf_paged.engine.outputs import RequestStatus, RequestTooLargeError
 
 from hf_paged.engine.sampling import SamplingParams

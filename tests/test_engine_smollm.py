@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _engine_reference import TieCount, check_tokens, reference
-from _engine_shadow import one_thread
-from _features import require_smollm, smollm
+from helpers import require_smollm, smollm
+from helpers.engine_oracle import TieCount, check_tokens, reference
+from helpers.engine_shadow import one_thread
 from hf_paged import BlockPool, RequestStatus, disable_paged_attention, embedded, generate_batch
 
 require_smollm()

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import EOS, VOCAB, tiny_model
+from helpers import EOS, VOCAB, tiny_model
 from transformers import (
     GenerationConfig,
     LogitsProcessorList,
