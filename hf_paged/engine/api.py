@@ -78,7 +78,6 @@ class ContinuousBatchingManager:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._drain = True
         self._stopped = False
         self._error: str | None = None
         self._waiting = 0  # requests in the scheduler's queue (as of the last step)
@@ -574,8 +573,8 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
             is applied if it was not.
         generation_config: the requests' default settings (default ``model.generation_config``).
         pool: a :class:`~hf_paged.BlockPool` (its block size, cap, ``prefix_caching`` and ``kv_dtype`` apply).
-            Default: a fixed pool with prefix caching, sized from the memory free on the model's device (CUDA: 80%
-            of free memory; CPU: 20% of available RAM, at most 2 GiB).
+            Default: a pool with prefix caching, capped from the memory free on the model's device (CUDA: 80% of
+            free memory; CPU: 20% of available RAM, at most 2 GiB).
         max_batch_tokens: tokens per forward, decode tokens and prefill chunks together (default 512 on CPU,
             2048 on CUDA).
         max_queue_size: waiting requests past which ``add_request`` raises ``QueueFullError`` (default: no limit).

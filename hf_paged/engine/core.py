@@ -17,9 +17,8 @@ import torch
 from ..errors import OutOfBlocksError
 from .outputs import RequestStatus, RequestTooLargeError
 from .request import Request
-from .scheduler import Batch, Chunk, Scheduler
-
 from .sampling import Sampler
+from .scheduler import Batch, Chunk, Scheduler
 
 RECENT = 2048  # recent TTFT / inter-token figures kept for stats()
 

@@ -119,8 +119,8 @@ def available_memory(device: torch.device) -> int:
 def default_pool(device: torch.device, *, block_size: int | None = None, num_blocks: int | None = None,
                  memory_fraction: float | None = None, prefix_caching: bool = True,
                  kv_dtype: torch.dtype | None = None) -> BlockPool:
-    """A fixed-size pool for the engine: ``num_blocks`` if given, else a share of the memory free on ``device``
-    (CUDA: 80% of free memory; CPU: 20% of available RAM, at most 2 GiB)."""
+    """A capped pool for the engine: ``num_blocks`` if given, else a share of the memory free on ``device`` (CUDA: 80%
+    of free memory; CPU: 20% of available RAM, at most 2 GiB)."""
     block_size = block_size or 16
     if num_blocks is not None:
         return BlockPool(block_size, num_blocks=num_blocks, prefix_caching=prefix_caching, kv_dtype=kv_dtype)
