@@ -232,11 +232,19 @@ class BlockAllocator:
             return child
 
     def free(self, seq: int) -> None:
+        """Give back ``seq``'s blocks. Keyed ones stay cached, tail first into the least-recently-used order, so
+        eviction cuts a cached prefix from its end rather than breaking its first block (and with it the chain)."""
         with self.lock:
             self._check_seq(seq)
             self._publish(seq)
-            self._decref(self._tables.pop(seq))
+            self._decref(self._tables.pop(seq)[::-1])
             del self._lens[seq], self._seq_keys[seq], self._seq_tail[seq], self._published[seq], self._seq_group[seq]
+
+    def publish(self, seq: int) -> None:
+        """The forward that wrote ``seq``'s keyed blocks has run: make them findable now (otherwise they become
+        findable at its next append or when it is freed)."""
+        with self.lock:
+            self._publish(self._check_seq(seq))
 
     def append(self, requests: list[tuple[int, int]], tokens: list[list[int] | None] | None = None) -> AppendPlan:
         """Reserve slots for ``n`` new tokens on each ``(seq, n)``, all or nothing.

@@ -111,15 +111,19 @@ class Rows:
         return self.pool.prefix_caching and self.groups.num_groups == 1 and self.groups.windows[0] is None
 
     # ------------------------------------------------------------ operations
-    def fork(self, row: Row) -> Row:
-        """A row sharing ``row``'s blocks copy-on-write (not appended to ``rows``); a released row's copy is
-        released too."""
+    def fork(self, row: Row, join: bool = False) -> Row:
+        """A row sharing ``row``'s blocks copy-on-write; a released row's copy is released too. ``join``: append it
+        to ``rows`` (an engine's new request), else the caller places it (``select``)."""
         if row.released:
-            return Row(list(row.seqs), [], True)
-        a = self.pool.allocator
-        with self.pool.lock:
-            seqs = [a.fork(s) for s in row.seqs]
-        return Row(seqs, None if row.tokens is None else list(row.tokens))
+            child = Row(list(row.seqs), [], True)
+        else:
+            a = self.pool.allocator
+            with self.pool.lock:
+                seqs = [a.fork(s) for s in row.seqs]
+            child = Row(seqs, None if row.tokens is None else list(row.tokens))
+        if join:
+            self.rows.append(child)
+        return child
 
     def share(self, row: Row, source: Row) -> None:
         """``row`` (just created, holding at most shared prefix blocks) takes ``source``'s blocks instead."""
@@ -151,6 +155,26 @@ class Rows:
         tokens = [row.tokens for row in self.rows]
         for row, i in zip(self.rows, order):
             row.tokens = None if tokens[i] is None else list(tokens[i])
+
+    def truncate(self, row: Row, length: int) -> None:
+        """Keep ``row``'s first ``length`` tokens (a row whose last forward failed: what it did not finish writing
+        is cut off before its blocks can be published)."""
+        a = self.pool.allocator
+        with self.pool.lock:
+            for seq in row.seqs:
+                if a.seq_len(seq) > length:
+                    a.crop(seq, length)
+        if row.tokens is not None:
+            del row.tokens[length:]
+
+    def publish(self, rows: list[Row]) -> None:
+        """The forward that wrote these rows' blocks has run: make their keyed blocks findable by later prompts."""
+        a = self.pool.allocator
+        with self.pool.lock:
+            for row in rows:
+                if not row.released:
+                    for seq in row.seqs:
+                        a.publish(seq)
 
     def crop(self, drop: int) -> None:
         """Drop the last ``drop`` tokens of every live row."""

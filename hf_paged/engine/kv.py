@@ -103,9 +103,7 @@ class RequestKV:
 
     def fork(self, row: Row) -> Row:
         """A new row sharing every block of ``row`` (copy-on-write when either writes a shared last block)."""
-        child = self.rows.fork(row)
-        self.rows.rows.append(child)  # the engine's rows are its running requests
-        return child
+        return self.rows.fork(row, join=True)  # the engine's rows are its running requests
 
     def free(self, row: Row) -> None:
         """All its blocks back (keyed full blocks stay cached for later prompts)."""
@@ -114,23 +112,15 @@ class RequestKV:
     def discard(self, row: Row, keep: int) -> None:
         """Free a row whose last forward failed: its blocks past ``keep`` tokens were never fully written, so they
         are cut off first and never offered to other prompts."""
-        a = self.allocator
-        with self.pool.lock:
-            for seq in row.seqs:
-                if a.seq_len(seq) > keep:
-                    a.crop(seq, keep)
-        if row.tokens is not None:
-            del row.tokens[keep:]
+        self.rows.truncate(row, keep)
         self.rows.remove(row)
 
     def publish(self, rows: list[Row]) -> None:
         """The forward that wrote these rows' blocks has run: make their keyed blocks findable now, so a request
         waiting for that prefix can be admitted at the next step (the allocator would otherwise publish them at the
         rows' next append)."""
-        if not self.prefix_caching or not rows:
-            return
-        with self.pool.lock:  # an append of nothing publishes and changes nothing else
-            self.allocator.append([(seq, 0) for row in rows for seq in row.seqs])
+        if self.prefix_caching and rows:
+            self.rows.publish(rows)
 
     def length(self, row: Row) -> int:
         with self.pool.lock:
