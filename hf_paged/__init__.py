@@ -10,6 +10,8 @@ from .allocator import BlockAllocator
 from .attention import disable_paged_attention, enable_paged_attention, is_paged
 from .cache import PagedCache
 from .embedded import local_model_dir as embedded_model_dir
+from .engine import EngineStats, GenerationOutput, QueueFullError, RequestStatus, RequestTooLargeError
+from .engine.api import ContinuousBatchingManager, generate_batch, init_continuous_batching
 from .errors import OutOfBlocksError
 from .pool import BlockPool, parse_memory
 from .stats import MemoryStats
@@ -19,12 +21,20 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockAllocator",
     "BlockPool",
+    "ContinuousBatchingManager",
+    "EngineStats",
+    "GenerationOutput",
     "MemoryStats",
     "OutOfBlocksError",
     "PagedCache",
+    "QueueFullError",
+    "RequestStatus",
+    "RequestTooLargeError",
     "disable_paged_attention",
     "embedded_model_dir",
     "enable_paged_attention",
+    "generate_batch",
+    "init_continuous_batching",
     "is_paged",
     "ops",
     "parse_memory",

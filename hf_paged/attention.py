@@ -77,8 +77,8 @@ def _layer_step(module, kwargs):
     if layer is None and not compat.STEP_IN_ATTENTION_KWARGS:
         forwards = _FORWARDS.get()
         cache = forwards[-1] if forwards else None
-        if cache is not None and cache._mode == "paged" and cache._step is not None:
-            layer = cache._step.layers[module.layer_idx]
+        if cache is not None:
+            layer = cache.layer_step(module.layer_idx)
     return layer
 
 
@@ -102,7 +102,7 @@ def _pre_hook(module, args, kwargs):
     if not isinstance(cache, PagedCache):
         _FORWARDS.set(_FORWARDS.get() + (None,))
         return
-    if not cache._planned:  # a forward called directly (not through generate()): plan it here
+    if not cache.planned:  # a forward called directly (not through generate()): plan it here
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
         batch, query_len = (input_ids if input_ids is not None else embeds).shape[:2]
@@ -165,21 +165,27 @@ def _wrap_generate(model, generate, backend_of):
                 "PagedCache(model.config, num_blocks=N) or max_memory='4GiB' (or a BlockPool with either).",
                 stacklevel=2)
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        cache._start_generate()
-        cache._start_from_prefix(input_ids, kwargs.get("attention_mask"))
         # Compileable only when transformers will compile this call: a compileable cache also makes generate()
         # build a 4D mask every step, which an eager run does not need.
         wanted = model.device.type in ("cuda", "xpu") or bool(getattr(compile_config, "_compile_all_devices", False))
-        cache._call = GenerateCall(backend=backend_of(), release=not per_step,
-                                   compile=compat.STEP_IN_ATTENTION_KWARGS and wanted
-                                   and not _generate_flag(model, kwargs, "disable_compile"))
+        # Prefix caching starts the rows the model will run: generate() repeats each prompt for its beams or
+        # returned sequences before the first forward, and slices off the columns the cache then holds.
+        expand = max(_generate_flag(model, kwargs, "num_beams") or 1,
+                     _generate_flag(model, kwargs, "num_return_sequences") or 1)
+        mask = kwargs.get("attention_mask")
+        if input_ids is not None and expand > 1:
+            input_ids = input_ids.repeat_interleave(expand, dim=0)
+            mask = mask.repeat_interleave(expand, dim=0) if mask is not None else None
+        cache.start_from_prefix(input_ids, mask)
+        cache.begin_call(GenerateCall(backend=backend_of(), release=not per_step,
+                                      compile=compat.STEP_IN_ATTENTION_KWARGS and wanted
+                                      and not _generate_flag(model, kwargs, "disable_compile")))
         token = _GENERATE_CACHE.set(cache)
         try:
             return generate(*args, **kwargs)
         finally:
             _GENERATE_CACHE.reset(token)
-            cache._call = None
-            cache.forward_done()
+            cache.end_call()
 
     return wrapped
 
@@ -188,14 +194,14 @@ def _wrap_prepare_inputs(prepare, model):
     @functools.wraps(prepare)
     def wrapped(input_ids, *args, **kwargs):
         cache = compat.cache_from_kwargs(kwargs)
-        if isinstance(cache, PagedCache) and cache._call is not None:
+        if isinstance(cache, PagedCache) and cache.call is not None:
             cache.forward_done()  # the last forward ran (a compiled one runs no hooks): count it before sizing masks
         inputs = prepare(input_ids, *args, **kwargs)
         cache = compat.cache_from_kwargs(inputs)
-        if isinstance(cache, PagedCache) and cache._call is not None:
+        if isinstance(cache, PagedCache) and cache.call is not None:
             ids, embeds = inputs.get("input_ids"), inputs.get("inputs_embeds")
             batch, query_len = (ids if ids is not None else embeds).shape[:2]
-            cache.plan(ids, kwargs.get("attention_mask"), batch, query_len, cache._call.backend, model.dtype)
+            cache.plan(ids, kwargs.get("attention_mask"), batch, query_len, cache.call.backend, model.dtype)
         return inputs
 
     return wrapped

@@ -15,10 +15,10 @@ from transformers.cache_utils import Cache
 
 from . import compat
 from .groups import LayerGroups
-from .ops import custom_ops
 from .pool import BlockPool
 from .stats import MemoryStats
-from .step import LayerStep, Step, next_pow2, plan_step
+from .rows import Rows
+from .step import LayerStep, Step, build_layer_step, next_pow2, plan_padded, write_layer
 
 STEP_KWARG = "hf_paged_step"  # the attention kwarg through which update() hands a layer its LayerStep
 
@@ -90,9 +90,7 @@ class PagedCache(Cache):
         self.pool = pool if pool is not None else BlockPool(block_size, num_blocks, max_memory, prefix_caching,
                                                             kv_dtype)
         self.release_finished = release_finished
-        self._rows: list[list[int]] = []  # per batch row, its sequence in each layer group
-        self._released: set[int] = set()
-        self._tokens: list[list[int]] | None = []  # per row, the token ids it holds (None: fed embeddings)
+        self.rows = Rows(self.pool, self.groups)  # per batch row: its sequences, tokens, released or not
         self._columns = 0  # padded columns the forwards so far consumed
         self._pending_columns = 0  # columns of the planned forward, not yet run
         self._mode: str | None = None  # "paged" (attention reads the pool) or "gathered"
@@ -105,6 +103,9 @@ class PagedCache(Cache):
         self._warned = False
         self._call = None  # the generate() call running on this cache (attention.GenerateCall)
         self._new_call = False
+        self._prefix_start_pending = False  # rows were started from cached blocks for the coming forward
+        self.prefix_queries = 0  # prompt tokens this cache looked up in the pool's prefix cache (its own calls)
+        self.prefix_hits = 0  # of which found
 
     # ---------------------------------------------------------- Cache contract
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -136,7 +137,7 @@ class PagedCache(Cache):
 
     @property
     def batch_size(self) -> int:
-        return len(self._rows) if self._rows else -1
+        return len(self.rows) if len(self.rows) else -1
 
     @property
     def is_croppable(self) -> bool:
@@ -144,7 +145,7 @@ class PagedCache(Cache):
 
     @property
     def is_initialized(self) -> bool:
-        return bool(self._rows)
+        return bool(len(self.rows))
 
     @property
     def is_sliding(self) -> list[bool]:
@@ -162,7 +163,7 @@ class PagedCache(Cache):
         return self.num_layers or 0
 
     def __repr__(self) -> str:
-        return f"PagedCache(rows={len(self._rows)}, columns={self._columns}, block_size={self.pool.block_size})"
+        return f"PagedCache(rows={len(self.rows)}, columns={self._columns}, block_size={self.pool.block_size})"
 
     def activate_past_recording(self):
         self._recording = True
@@ -171,6 +172,36 @@ class PagedCache(Cache):
         return self._recording
 
     # ------------------------------------------------------------- the step
+    @property
+    def planned(self) -> bool:
+        """Whether the coming forward was planned (by ``generate()`` or a model hook)."""
+        return self._planned
+
+    @property
+    def last_step(self) -> Step | None:
+        """The step of the last planned forward (what its layers read), for inspection."""
+        return self._step
+
+    def layer_step(self, layer_idx: int) -> LayerStep | None:
+        """Layer ``layer_idx``'s part of the running paged forward (None outside one)."""
+        if self._mode != "paged" or self._step is None:
+            return None
+        return self._step.layers[layer_idx]
+
+    def begin_call(self, call) -> None:
+        """A ``generate()`` call starts on this cache (``call``: what it decided, an ``attention.GenerateCall``)."""
+        self._call = call
+        self._new_call = True
+
+    @property
+    def call(self):
+        """What the running ``generate()`` call decided (None outside one)."""
+        return self._call
+
+    def end_call(self) -> None:
+        self._call = None
+        self.forward_done()
+
     def plan(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, batch: int, query_len: int,
              backend: str = "auto", dtype: torch.dtype | None = None) -> None:
         """Plan the coming paged forward (called by the model hooks and ``generate()``, never inside a forward).
@@ -182,13 +213,31 @@ class PagedCache(Cache):
         self._backend_name = backend
         self._check_call_start(batch)
         self.forward_done()
-        self._step = plan_step(self, input_ids, attention_mask, batch, query_len, gathered=False)
+        self._step = self._plan_rows(input_ids, attention_mask, batch, query_len, gathered=False)
         self._pending_columns = query_len  # counted once the forward has run (get_seq_length is read inside it)
         self._mode = "paged"
         self._planned = True
         for layer in range(len(self._step.layers)):  # what a compiled forward reads, ready before it runs
             if layer in self.pool.layer_shapes and (self.pool.kv_dtype is None or layer in self.pool.k_scales):
-                self._step.layers[layer] = self._layer_step(layer, None, None)
+                self._step.layers[layer] = build_layer_step(self.pool, self.groups, self._step, self._buffers,
+                                                            layer, self.num_layers, None, None)
+
+    def _plan_rows(self, input_ids, attention_mask, batch: int, query_len: int, gathered: bool) -> Step:
+        """The step planner over this cache's rows; a first forward creates them (and drops them if it fails)."""
+        first = not len(self.rows) or self._prefix_start_pending  # rows created for this forward
+        if not len(self.rows):
+            self.rows.extend(batch)
+        self._prefix_start_pending = False
+        try:
+            return plan_padded(self.rows, input_ids, attention_mask, batch, query_len, first=first,
+                               backend=self._resolved_backend(input_ids), num_layers=self.num_layers or 0,
+                               static=query_len == 1 and self.is_compileable,
+                               release_windows=not gathered and not self._recording, gathered=gathered)
+        except Exception:
+            if first:  # leave the cache as it was: empty
+                self.rows.clear()
+                self._columns, self._mode = 0, None
+            raise
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store the new K/V ``[B, num_kv_heads, S, head_dim]`` of layer ``layer_idx``.
@@ -204,31 +253,12 @@ class PagedCache(Cache):
             )
         if not self._planned and (layer_idx == 0 or self._step is None):
             self._plan_gathered(key_states)
-        layer = self._step.layers[layer_idx]
-        if layer is None:  # first forward of this layer (never compiled): bind its shape, make its tensors
-            layer = self._step.layers[layer_idx] = self._layer_step(layer_idx, key_states, value_states)
-        else:
-            self.pool.check_layer(layer_idx, key_states)
-        k = _pack(key_states, layer)
-        v = _pack(value_states, layer)
-        if not self.pool.fixed:
-            # A growing pool shared with other threads may have grown (new tensors) since this step was planned:
-            # write under the pool's lock into the current tensors, which the growth copies under the same lock.
-            with self.pool.lock:
-                layer = self._step.layers[layer_idx] = dataclasses.replace(layer, **dict(zip(
-                    ("key_cache", "value_cache"), self.pool.layer_kv(layer_idx))))
-                self._write(layer, k, v)
-        else:
-            self._write(layer, k, v)
+        layer = write_layer(self.pool, self.groups, self._step, self._buffers, layer_idx, self.num_layers,
+                            key_states, value_states, "torch" if self._mode == "gathered" else None)
         if self._mode == "paged":
             compat.attention_kwargs(args, kwargs)[STEP_KWARG] = layer
             return key_states, value_states
         return _gather(layer, layer.group.gather_slots), _gather(layer, layer.group.gather_slots, value=True)
-
-    def _write(self, layer: LayerStep, k: torch.Tensor, v: torch.Tensor) -> None:
-        if layer.group.slot_mapping.numel():
-            custom_ops.write_kv(k, v, layer.key_cache, layer.value_cache, layer.group.slot_mapping, layer.k_scale,
-                                layer.v_scale, "torch" if self._mode == "gathered" else layer.backend)
 
     def forward_done(self) -> None:
         """The planned forward ran: count its columns; the next forward needs a new plan."""
@@ -246,60 +276,36 @@ class PagedCache(Cache):
         drop = self._columns - new_columns
         if drop == 0:
             return
-        a = self.pool.allocator
-        with self.pool.lock:
-            for row, seqs in enumerate(self._rows):
-                if row in self._released:
-                    continue
-                new_len = max(0, a.seq_len(seqs[0]) - drop)
-                for seq in seqs:
-                    a.crop(seq, new_len)
-                if self._tokens is not None:
-                    del self._tokens[row][new_len:]
+        self.rows.crop(drop)
         self._columns = new_columns
         self._invalidate_step()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: re-point block tables; no KV is copied."""
-        order = beam_idx.tolist()
-        for g in range(self.groups.num_groups):
-            self.pool.allocator.reorder([seqs[g] for seqs in self._rows], order)
-        if self._tokens is not None:
-            self._tokens = [list(self._tokens[i]) for i in order]
+        self.rows.reorder(beam_idx.tolist())
         self._beam_reordered = True
         self._invalidate_step()
 
     def reset(self) -> None:
         """Give every block back to the pool; the cache can then start a new generation."""
-        self._free_rows()
-        self._rows, self._released, self._tokens, self._columns = [], set(), [], 0
+        self.rows.clear()
+        self._columns = 0
         self._mode, self._step, self._planned, self._pending_columns = None, None, False, 0
         self._beam_reordered = self._recording = False
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        a = self.pool.allocator
-        with self.pool.lock:
-            self._rows = [seqs if r == 0 else [a.fork(s) for s in seqs] for seqs in self._rows for r in range(repeats)]
-        if self._tokens is not None:
-            self._tokens = [list(t) for t in self._tokens for _ in range(repeats)]
+        self.rows.keep([i for i in range(len(self.rows)) for _ in range(repeats)])
         self._invalidate_step()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        keep = indices.tolist()
-        if self._released:
+        if self.rows.released:
             raise RuntimeError("batch_select_indices on a cache with released rows; use release_finished=False.")
-        a = self.pool.allocator
-        with self.pool.lock:
-            kept = [[a.fork(s) for s in self._rows[i]] for i in keep]
-            self._free_rows()
-        self._rows = kept
-        if self._tokens is not None:
-            self._tokens = [list(self._tokens[i]) for i in keep]
+        self.rows.keep(indices.tolist())
         self._invalidate_step()
 
     def __del__(self):
         try:
-            self._free_rows()
+            self.rows.clear()
         except Exception:
             pass
 
@@ -310,39 +316,34 @@ class PagedCache(Cache):
         ``batch_size`` copies of a single-row cache are made, e.g. one per prompt of a batch that all continue the
         same prefix. Writes into shared blocks copy them first, so neither cache sees the other's tokens.
         """
-        if not self._rows:
+        num_rows = len(self.rows)
+        if not num_rows:
             raise ValueError("fork() needs a cache that already holds tokens: run the prefix through the model first.")
-        if self._released:
+        if self.rows.released:
             raise ValueError("fork() of a cache with released rows: those rows hold no KV anymore.")
-        if len(self._rows) != 1 and batch_size != len(self._rows) and batch_size != 1:
-            raise ValueError(f"fork(batch_size={batch_size}) of a {len(self._rows)}-row cache: fork a 1-row cache, "
+        if num_rows != 1 and batch_size != num_rows and batch_size != 1:
+            raise ValueError(f"fork(batch_size={batch_size}) of a {num_rows}-row cache: fork a 1-row cache, "
                              "or keep batch_size equal to the rows.")
-        rows = list(range(len(self._rows))) * batch_size if len(self._rows) == 1 else list(range(len(self._rows)))
-        return self._clone(rows)
+        return self._clone([0] * batch_size if num_rows == 1 else list(range(num_rows)))
 
     def __deepcopy__(self, memo) -> "PagedCache":
         """An independent cache continuing from the same tokens, sharing blocks copy-on-write (the pool is shared)."""
-        return self._clone(list(range(len(self._rows))))
+        return self._clone(list(range(len(self.rows))))
 
     def __copy__(self) -> "PagedCache":
         """Same as :meth:`__deepcopy__`: a cache sharing bookkeeping with another would corrupt both."""
-        return self._clone(list(range(len(self._rows))))
+        return self._clone(list(range(len(self.rows))))
 
     def __reduce_ex__(self, protocol):
         raise TypeError("a PagedCache cannot be pickled (its KV lives in a pool shared with other caches): save it with "
                         "cache.save(path) and restore it with PagedCache.load(path, config).")
 
-    def _clone(self, rows: list[int]) -> "PagedCache":
+    def _clone(self, indices: list[int]) -> "PagedCache":
         child = PagedCache.__new__(PagedCache)
         child.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_step", "_buffers", "_call")})
         child._step, child._buffers, child._call, child._planned = None, self.pool.lend_step_buffers(child), None, False
         child._columns, child._pending_columns = self._columns + self._pending_columns, 0
-        a = self.pool.allocator
-        with self.pool.lock:
-            child._rows = [list(self._rows[r]) if r in self._released else [a.fork(s) for s in self._rows[r]]
-                           for r in rows]
-        child._released = {i for i, r in enumerate(rows) if r in self._released}
-        child._tokens = None if self._tokens is None else [list(self._tokens[r]) for r in rows]
+        child.rows = self.rows.select(indices)
         compat.init_cache_base(child)
         return child
 
@@ -355,6 +356,7 @@ class PagedCache(Cache):
         """
         from .persist import save_cache
 
+        self.forward_done()
         save_cache(self, path)
 
     @classmethod
@@ -364,47 +366,48 @@ class PagedCache(Cache):
 
         return load_cache(cls, path, config, pool, **kwargs)
 
-    # ------------------------------------------------------ finished rows
-    def _start_generate(self) -> None:
-        """A new generate() call begins: rows released in an earlier call cannot take part."""
-        self._new_call = True
+    @property
+    def columns(self) -> int:
+        """Padded input columns the forwards so far consumed (what ``get_seq_length()`` reports)."""
+        return self._columns
 
+    def restore(self, rows: Rows, columns: int, release_finished: bool) -> None:
+        """Take ``rows`` (imported from a file, on this cache's pool) as this cache's rows (``load``)."""
+        if len(self.rows):
+            raise ValueError("restore() needs an empty cache.")
+        self.rows, self._columns, self.release_finished = rows, columns, release_finished
+        self._mode = "paged" if len(rows) else None
+
+    # ------------------------------------------------------ finished rows
     def release_rows(self, rows) -> None:
         """Give back the blocks of finished ``rows``; they will take no KV and may not be continued."""
-        with self.pool.lock:
-            for row in rows:
-                if row not in self._released:
-                    for seq in self._rows[row]:
-                        self.pool.allocator.free(seq)
-                    self._released.add(row)
-                    if self._tokens is not None:
-                        self._tokens[row] = []
+        for index in rows:
+            self.rows.release(self.rows[index])
         self._invalidate_step()
 
     def mark_finished(self, done: torch.Tensor) -> None:
         """Called after each decoding step with the rows whose generation ended (``[B]`` bool)."""
-        if not self.release_finished or self._beam_reordered or len(self._rows) < 2 or done.shape[0] != len(self._rows):
+        num_rows = len(self.rows)
+        if not self.release_finished or self._beam_reordered or num_rows < 2 or done.shape[0] != num_rows:
             return
         if self._call is not None and not self._call.release:
             return
-        done_rows = [r for r in done.nonzero().flatten().tolist() if r not in self._released]
-        if done_rows and len(done_rows) + len(self._released) < len(self._rows):
+        released = set(self.rows.released)
+        done_rows = [r for r in done.nonzero().flatten().tolist() if r not in released]
+        if done_rows and len(done_rows) + len(released) < num_rows:
             self.release_rows(done_rows)
 
     # ------------------------------------------------------------ reports
     def block_tables(self, group: int = 0) -> list[list[int] | None]:
         """Each batch row's block table in layer group ``group`` (physical block per logical block; -1: slid out of
         the window), or ``None`` for a row that finished and was released."""
-        a = self.pool.allocator
         with self.pool.lock:
-            return [None if row in self._released else list(a.block_table(seqs[group]))
-                    for row, seqs in enumerate(self._rows)]
+            return [None if row.released else list(self.rows.table(row, group)) for row in self.rows]
 
     def seq_lens(self) -> list[int | None]:
         """Tokens each batch row holds in the pool (its real tokens, padding excluded); ``None`` if released."""
-        a = self.pool.allocator
         with self.pool.lock:
-            return [None if row in self._released else a.seq_len(seqs[0]) for row, seqs in enumerate(self._rows)]
+            return [None if row.released else self.rows.length(row) for row in self.rows]
 
     def memory_stats(self, all_ranks: bool = False) -> MemoryStats:
         """Figures for this cache's rows, with the pool's size and peak (see :class:`MemoryStats`).
@@ -421,7 +424,7 @@ class PagedCache(Cache):
         pool = self.pool
         with pool.lock:
             a = pool.allocator
-            live = [seqs for i, seqs in enumerate(self._rows) if i not in self._released]
+            live = [row.seqs for row in self.rows.live]
             per_group = []
             for g, window in enumerate(self.groups.windows):
                 per_group.append(self._stats([s[g] for s in live], pool.bytes_per_block_id(), window=window))
@@ -460,15 +463,17 @@ class PagedCache(Cache):
             )
 
     def _check_call_start(self, batch: int) -> None:
-        if self._rows and batch != len(self._rows):
+        num_rows = len(self.rows)
+        if num_rows and batch != num_rows:
             raise ValueError(
-                f"this PagedCache holds {len(self._rows)} rows but the model got a batch of {batch}. Use a new "
+                f"this PagedCache holds {num_rows} rows but the model got a batch of {batch}. Use a new "
                 "PagedCache (or cache.reset()) for a new batch."
             )
         new_call, self._new_call = self._new_call, False
-        if new_call and self._released:
+        released = self.rows.released
+        if new_call and released:
             raise RuntimeError(
-                f"rows {sorted(self._released)} of this PagedCache finished in an earlier generate() call and were "
+                f"rows {released} of this PagedCache finished in an earlier generate() call and were "
                 "released (their blocks went back to the pool), so they cannot be continued. Use "
                 "PagedCache(config, release_finished=False) to continue finished rows later, or start a new cache."
             )
@@ -486,7 +491,7 @@ class PagedCache(Cache):
             )
         self._check_call_start(key.shape[0])
         self.pool.apply_memory_cap(key.shape[1], key.shape[3], key.dtype, self._slots_per_block())
-        self._step = plan_step(self, None, None, key.shape[0], key.shape[2], gathered=True)
+        self._step = self._plan_rows(None, None, key.shape[0], key.shape[2], gathered=True)
         self._columns += key.shape[2]
         self._mode = "gathered"
 
@@ -498,52 +503,21 @@ class PagedCache(Cache):
         are fewer: the cap is then conservative)."""
         if self.pool.max_memory is None or self.pool.allocator.max_blocks is not None or self.config is None:
             return
-        c = self.config
-        heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        heads, head_dim = kv_shape(self.config)
         self.pool.apply_memory_cap(heads, head_dim, dtype, self._slots_per_block())
-
-    def _layer_step(self, layer_idx: int, key: torch.Tensor | None, value: torch.Tensor | None) -> LayerStep:
-        pool, step = self.pool, self._step
-        if key is not None:
-            pool.bind_layer(layer_idx, self.num_layers or layer_idx + 1, key, self.groups.layer_slot[layer_idx]
-                            if layer_idx < len(self.groups.layer_slot) else None, self.groups.group_size)
-        group = self.groups.layer_group[layer_idx] if layer_idx < len(self.groups.layer_group) else 0
-        device = pool.layer_shapes[layer_idx].device
-        view, (token_index, write_index) = step.device_view(group, device, self._buffers)
-        key_cache, value_cache = pool.layer_kv(layer_idx)
-        k_scale = v_scale = None
-        if pool.kv_dtype is not None:
-            if key is not None and layer_idx not in pool.k_scales:
-                probe = LayerStep(key_cache, value_cache, None, None, view, token_index, write_index, False, 0, "")
-                pool.layer_scales(layer_idx, _pack(key, probe), _pack(value, probe))
-            k_scale, v_scale = pool.k_scales[layer_idx], pool.v_scales[layer_idx]
-        return LayerStep(key_cache, value_cache, k_scale, v_scale, view, token_index, write_index, step.no_history,
-                         step.max_query_len, step.backend)
 
     def _invalidate_step(self) -> None:
         self.forward_done()
         self._step = None
 
-    def _free_rows(self) -> None:
-        a = self.pool.allocator
-        with self.pool.lock:
-            for row, seqs in enumerate(self._rows):
-                if row not in self._released:
-                    for seq in seqs:
-                        a.free(seq)
-
-    def _drop_rows(self) -> None:
-        """Undo a first plan that failed: the cache is left as it was (empty)."""
-        self._free_rows()
-        self._rows, self._released, self._tokens = [], set(), []
-
-    def _start_from_prefix(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
-        """Prefix caching, at the start of a ``generate()`` on an empty cache: begin every row from the cached blocks
-        its prompt starts with (the same number of whole blocks for every row, since ``generate()`` feeds all rows
-        the same columns). Returns the prompt tokens skipped per row."""
-        a, bs = self.pool.allocator, self.pool.block_size
-        if self._rows or not a.prefix_caching or self.groups.num_groups != 1 or input_ids is None:
+    def start_from_prefix(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> int:
+        """Prefix caching, before the first forward of a ``generate()`` on an empty cache (with the batch the model
+        will run: beams and returned sequences expanded): begin every row from the cached blocks its prompt starts
+        with (the same number of whole blocks for every row, since ``generate()`` feeds all rows the same columns).
+        Rows with the same prompt then share those blocks and one copy of the rest. Returns the prompt tokens
+        skipped per row."""
+        bs = self.pool.block_size
+        if len(self.rows) or self._columns or not self.rows.prefix_caching or input_ids is None:
             return 0
         batch, length = input_ids.shape
         limit = length - 1  # the last prompt token must run: its logits start the generation
@@ -552,28 +526,65 @@ class PagedCache(Cache):
             if bool(padded.any()):
                 limit = int(padded.any(0).nonzero()[0])  # only columns every row holds a real token in
         tokens = input_ids[:, :limit].to("cpu").tolist()
-        matches = [a.match_prefix(row, limit) for row in tokens]
+        matches = [self.rows.match_prefix(row, limit) for row in tokens]
         common = min(len(m) for m in matches)
-        a.note_prefix_lookup(batch * (limit // bs) * bs, batch * common * bs)
+        looked_up, hit = batch * (limit // bs) * bs, batch * common * bs
+        self.pool.allocator.note_prefix_lookup(looked_up, hit)
+        self.prefix_queries += looked_up
+        self.prefix_hits += hit
         if common == 0:
             return 0
-        with self.pool.lock:
-            self._rows = [[a.new_sequence(m[:common])] for m in matches]
-        self._tokens = [row[: common * bs] for row in tokens]
+        for m, row in zip(matches, tokens):
+            self.rows.new(m[:common], row[: common * bs])
         self._columns = common * bs
         self._mode = "paged"
+        self._prefix_start_pending = True
         return common * bs
 
 
-def _pack(states: torch.Tensor, layer: LayerStep) -> torch.Tensor:
-    """``[B, H, S, D]`` -> ``[num_writes, H, D]``: the real, written tokens back to back."""
-    batch, heads, seq, dim = states.shape
-    flat = states.transpose(1, 2).reshape(batch * seq, heads, dim)
-    if layer.token_index is not None:
-        flat = flat.index_select(0, layer.token_index)
-    if layer.write_index is not None:
-        flat = flat.index_select(0, layer.write_index)
-    return flat
+def kv_shape(config) -> tuple[int, int]:
+    """``(num_kv_heads, head_dim)`` of a decoder config's attention layers."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return heads, head_dim
+
+
+class StepCache(Cache):
+    """A transformers ``Cache`` for one forward over a planned :class:`~hf_paged.step.Step` (the engine's packed
+    forward): ``update()`` writes each layer's K/V through the step's slot mapping and hands the layer its step in
+    the attention kwargs, so every query reads the pool through the paged attention."""
+
+    def __init__(self, rows: Rows, step: Step, num_layers: int, buffers):
+        compat.init_cache_base(self)
+        self.pool, self.groups, self.step, self.num_layers, self._buffers = rows.pool, rows.groups, step, \
+            num_layers, buffers
+        self._columns = 0
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        layer = write_layer(self.pool, self.groups, self.step, self._buffers, layer_idx, self.num_layers,
+                            key_states, value_states, None)
+        compat.attention_kwargs(args, kwargs)[STEP_KWARG] = layer
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        return compat.query_length(query_length), 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [self.groups.window_of(i) is not None for i in range(self.num_layers)] or [False]
+
+    def __len__(self) -> int:
+        return self.num_layers
 
 
 def _gather(layer: LayerStep, slots: torch.Tensor, value: bool = False) -> torch.Tensor:

@@ -113,3 +113,18 @@ def config_dtype(config):
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def generation_defaults() -> dict:
+    """The values ``generate()`` uses for unset generation settings (top_k=50, num_beams=1, ...).
+
+    From 5.x a fresh ``GenerationConfig`` leaves them None and ``generate()`` fills them from
+    ``GenerationConfig._get_default_generation_params()``; before that they were the config's own defaults.
+    """
+    from transformers import GenerationConfig
+
+    defaults = dict(GenerationConfig().to_dict())
+    filler = getattr(GenerationConfig, "_get_default_generation_params", None)
+    if filler is not None:
+        defaults.update({key: value for key, value in filler().items() if defaults.get(key) is None})
+    return defaults

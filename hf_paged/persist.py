@@ -14,6 +14,8 @@ import os
 import torch
 
 from . import compat
+from .allocator import NULL_BLOCK
+from .rows import Rows
 
 FORMAT = "hf_paged.cache/1"
 
@@ -30,37 +32,38 @@ def _fingerprint(config) -> dict:
     }
 
 
-def _row_slots(allocator, seq: int, length: int) -> torch.Tensor:
-    bs = allocator.block_size
-    table = torch.tensor(allocator.block_table(seq), dtype=torch.long)
+def _row_slots(table: list[int], block_size: int, length: int) -> torch.Tensor:
     pos = torch.arange(length)
-    return table[pos // bs] * bs + pos % bs  # [length]
+    return torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size  # [length]
+
+
+def _slots(exports, group: int, block_size: int) -> torch.Tensor:
+    live = [e for e in exports if not e.released]
+    if not live:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat([_row_slots(e.tables[group], block_size, e.length) for e in live])
 
 
 def save_cache(cache, path) -> None:
     from safetensors.torch import save_file
 
-    pool, a = cache.pool, cache.pool.allocator
-    live = [r for r in range(len(cache._rows)) if r not in cache._released]
+    pool = cache.pool
     with pool.lock:
-        cache.forward_done()
-        lens = [a.seq_len(cache._rows[r][0]) for r in live]
-        for r in live:
-            for seq in cache._rows[r]:
-                if -1 in a.block_table(seq):
-                    raise ValueError(
-                        f"row {r} no longer holds its whole history (blocks left the sliding window and were given "
-                        "back), so it cannot be saved. Save before the context outgrows the window, or keep every "
-                        "block with cache.activate_past_recording() before generating.")
-        tensors = {"lens": torch.tensor(lens, dtype=torch.long),
-                   "released": torch.tensor(sorted(cache._released), dtype=torch.long)}
-        if cache._tokens is not None:
-            tensors["tokens"] = torch.tensor([t for r in live for t in cache._tokens[r]], dtype=torch.long)
+        exports = cache.rows.export()
+        live = [(r, e) for r, e in enumerate(exports) if not e.released]
+        for r, e in live:
+            if any(NULL_BLOCK in table for table in e.tables):
+                raise ValueError(
+                    f"row {r} no longer holds its whole history (blocks left the sliding window and were given "
+                    "back), so it cannot be saved. Save before the context outgrows the window, or keep every "
+                    "block with cache.activate_past_recording() before generating.")
+        tensors = {"lens": torch.tensor([e.length for _, e in live], dtype=torch.long),
+                   "released": torch.tensor([r for r, e in enumerate(exports) if e.released], dtype=torch.long)}
+        if all(e.tokens is not None for _, e in live):
+            tensors["tokens"] = torch.tensor([t for _, e in live for t in e.tokens], dtype=torch.long)
         shapes = {}
         for layer in sorted(pool.layer_shapes):
-            group = cache.groups.layer_group[layer]
-            slots = torch.cat([_row_slots(a, cache._rows[r][group], n) for r, n in zip(live, lens)]) if live else \
-                torch.zeros(0, dtype=torch.long)
+            slots = _slots(exports, cache.groups.layer_group[layer], pool.block_size)
             key_cache, value_cache = pool.layer_kv(layer)
             for name, t in (("k", key_cache), ("v", value_cache)):
                 flat = t.view(-1, *t.shape[2:])
@@ -75,8 +78,8 @@ def save_cache(cache, path) -> None:
         "model": json.dumps(_fingerprint(cache.config)),
         "layers": json.dumps(shapes),
         "kv_dtype": str(pool.kv_dtype).removeprefix("torch.") if pool.kv_dtype is not None else "",
-        "columns": str(cache._columns),
-        "rows": str(len(cache._rows)),
+        "columns": str(cache.columns),
+        "rows": str(len(exports)),
         "release_finished": str(cache.release_finished),
     }
     tmp = f"{os.fspath(path)}.tmp"
@@ -133,40 +136,28 @@ def load_cache(cls, path, config, pool=None, device=None, **kwargs):
     released = set(tensors["released"].tolist())
     num_rows = int(metadata["rows"])
     tokens = tensors.get("tokens")
-    a = pool.allocator
     live = [r for r in range(num_rows) if r not in released]
     offsets = [0]
     for n in lens:
         offsets.append(offsets[-1] + n)
+    live_tokens = [tokens[offsets[i]: offsets[i + 1]].tolist() if tokens is not None else None
+                   for i in range(len(live))]
+    row_lens, row_tokens = [0] * num_rows, [[] for _ in range(num_rows)]
+    for i, r in enumerate(live):
+        row_lens[r], row_tokens[r] = lens[i], live_tokens[i]
+    rows = Rows(pool, cache.groups)
+    rows.import_rows(row_lens, row_tokens, [r in released for r in range(num_rows)], publish=True)
     with pool.lock:
-        cache._rows = [[a.new_sequence() for _ in cache.groups.windows] for _ in range(num_rows)]
-        row_tokens = [tokens[offsets[i]: offsets[i + 1]].tolist() if tokens is not None else None
-                      for i in range(len(live))]
-        keyed = [pool.prefix_caching and w is None for w in cache.groups.windows]
-        requests = [(cache._rows[r][g], n) for r, n in zip(live, lens) for g in range(cache.groups.num_groups)]
-        req_tokens = [row_tokens[i] if keyed[g] else None for i in range(len(live))
-                      for g in range(cache.groups.num_groups)]
-        try:
-            a.append(requests, req_tokens)
-        except Exception:
-            cache._drop_rows()
-            raise
-        for r in released:
-            for seq in cache._rows[r]:
-                a.free(seq)
         pool.ensure_capacity()
+        exports = rows.export()
         for layer in sorted(shapes):
-            group = cache.groups.layer_group[layer]
-            slots = torch.cat([_row_slots(a, cache._rows[r][group], n) for r, n in zip(live, lens)]) if live else \
-                torch.zeros(0, dtype=torch.long)
+            slots = _slots(exports, cache.groups.layer_group[layer], pool.block_size)
             key_cache, value_cache = pool.layer_kv(layer)
             if kv_dtype is not None:
                 _restore_scales(pool, layer, tensors, key_cache.device)
             for name, t in (("k", key_cache), ("v", value_cache)):
                 t.view(-1, *t.shape[2:]).index_copy_(0, slots.to(t.device), tensors[f"{name}.{layer}"].to(t.device))
-    cache._released = released
-    cache._tokens = None if tokens is None else [row_tokens[live.index(r)] if r in live else [] for r in range(num_rows)]
-    cache._columns = int(metadata["columns"])
+    cache.restore(rows, int(metadata["columns"]), cache.release_finished)
     return cache
 
 

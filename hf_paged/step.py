@@ -13,11 +13,13 @@ pool's scratch block and its output is discarded by ``generate()``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from .ops import plan_torch_attention
+from .rows import Row, Rows
 
 
 @dataclass
@@ -120,21 +122,24 @@ def real_columns(attention_mask: torch.Tensor | None, batch: int, query_len: int
     return None if bool(real.all()) else real
 
 
-def duplicate_rows(input_ids: torch.Tensor | None, real: torch.Tensor | None) -> dict[int, int]:
-    """Rows whose prompt equals an earlier row's (num_beams / num_return_sequences expansion): row -> source."""
+def duplicate_rows(rows: Rows, input_ids: torch.Tensor | None, real: torch.Tensor | None) -> dict[int, int]:
+    """Rows whose tokens (held and new) equal an earlier row's (num_beams / num_return_sequences expansion): row ->
+    source."""
     if input_ids is None or input_ids.shape[0] < 2:
         return {}
     ids = input_ids.to("cpu")
     if real is not None:
         ids = ids.masked_fill(~real, -1)
-    first: dict[bytes, int] = {}
+    first: dict[tuple, int] = {}
     alias = {}
-    for row in range(ids.shape[0]):
-        key = ids[row].numpy().tobytes()
+    for r, row in enumerate(rows):
+        if row.tokens is None:
+            continue
+        key = (tuple(row.tokens), ids[r].numpy().tobytes())
         if key in first:
-            alias[row] = first[key]
+            alias[r] = first[key]
         else:
-            first[key] = row
+            first[key] = r
     return alias
 
 
@@ -178,76 +183,72 @@ def group_tensors(tables, lens, counts, starts, written, scratch: int, block_siz
     return block_tables, seq_lens, query_start_loc, slot_mapping
 
 
-def plan_step(cache, input_ids, attention_mask, batch: int, query_len: int, gathered: bool) -> Step:
-    """Plan one forward of ``cache``: allocate, copy-on-write, window release, and the step tensors.
+@dataclass
+class RowInput:
+    """What one row gets in one step."""
 
-    Raises :class:`~hf_paged.OutOfBlocksError` with the cache and pool unchanged when the blocks do not fit.
+    row: Row
+    num_tokens: int  # its new tokens (query length) in this step
+    tokens: list[int] | None  # their ids (prefix keys and the row's record), None if unknown (embeddings)
+    share_from: Row | None = None  # a new row with the same prompt as this one: takes its blocks, writes nothing
+
+
+def plan(rows: Rows, inputs: list[RowInput], *, backend: str, num_layers: int, decode_bucket: bool = False,
+         static: bool = False, release_windows: bool = True, no_history: bool = False, gathered: bool = False,
+         always_mask: bool = False) -> Step:
+    """Plan one forward over ``inputs`` (packed in that order): allocate, copy-on-write, window release, step tensors.
+
+    A released row still runs (a batch keeps its shape): its tokens are written to the pool's scratch block.
+    ``decode_bucket``: round the block tables' width up to a power of two (decode steps keep fewer shapes);
+    ``static``: a compiled decode step (its tensors are staged in step buffers); ``release_windows``: give back
+    blocks that left every query's window; ``no_history``: a first prefill (the model's own attention serves it);
+    ``gathered``: the history is gathered for the model's attention (no paged attention).
+    Raises :class:`~hf_paged.OutOfBlocksError` with every row unchanged when the blocks do not fit.
     """
-    pool, groups = cache.pool, cache.groups
+    pool, groups = rows.pool, rows.groups
     a, bs = pool.allocator, pool.block_size
-    real = real_columns(attention_mask, batch, query_len)
-    counts = real.sum(1).tolist() if real is not None else [query_len] * batch
-    fresh = not cache._rows
-    alias = duplicate_rows(input_ids, real) if fresh and not gathered else {}
-    tokens = row_tokens(input_ids, real)
-    released = cache._released
     keyed = [pool.prefix_caching and window is None for window in groups.windows]
+    counts = [i.num_tokens for i in inputs]
+    live = [i for i in inputs if not i.row.released]
 
     with pool.lock:
-        if fresh:
-            cache._rows = [[a.new_sequence() for _ in groups.windows] for _ in range(batch)]
-            cache._tokens = [[] for _ in range(batch)]
-        rows = cache._rows
-        live = [r for r in range(batch) if r not in released]
         requests, request_tokens = [], []
-        for r in live:
-            n = 0 if r in alias else counts[r]
-            for g, seq in enumerate(rows[r]):
+        for i in live:
+            n = 0 if i.share_from is not None else i.num_tokens
+            for g, seq in enumerate(i.row.seqs):
                 requests.append((seq, n))
-                request_tokens.append(tokens[r] if tokens is not None and keyed[g] else None)
-        starts = {r: a.seq_len(rows[r][0]) for r in live}
-        try:
-            plan = a.append(requests, request_tokens)
-        except Exception:
-            if fresh:
-                cache._drop_rows()
-            raise
-        for r, src in alias.items():
-            for g in range(groups.num_groups):
-                a.free(rows[r][g])
-                rows[r][g] = a.fork(rows[src][g])
-        if not gathered and not cache._recording:
-            for r in live:  # keep what this step's first query still sees
-                first_query = a.seq_len(rows[r][0]) - counts[r]
+                request_tokens.append(i.tokens if keyed[g] else None)
+        starts = [0 if i.row.released else a.seq_len(i.row.seqs[0]) for i in inputs]
+        appended = a.append(requests, request_tokens)
+        for i in live:
+            if i.share_from is not None:
+                rows.share(i.row, i.share_from)
+            elif i.row.tokens is not None:
+                if i.tokens is None:
+                    i.row.tokens = None
+                else:
+                    i.row.tokens.extend(i.tokens)
+        if release_windows:
+            for i in live:  # keep what this step's first query still sees
+                first_query = a.seq_len(i.row.seqs[0]) - i.num_tokens
                 for g, window in enumerate(groups.windows):
                     if window is not None:
-                        a.release_outside_window(rows[r][g], first_query - window + 1)
+                        a.release_outside_window(i.row.seqs[g], first_query - window + 1)
         pool.ensure_capacity()
-        _copy_on_write(pool, plan.copies)
-        if tokens is not None and cache._tokens is not None:
-            for r in live:
-                cache._tokens[r].extend(tokens[r])
-        elif cache._tokens is not None and live:
-            cache._tokens = None
+        _copy_on_write(pool, appended.copies)
+        written = [i.share_from is None for i in inputs]
         group_steps = []
-        decode = query_len == 1
-        written = [r not in alias for r in range(batch)]
-        start_list = [starts.get(r, 0) for r in range(batch)]
         for g, window in enumerate(groups.windows):
-            tables = [None if r in released else a.block_table(rows[r][g]) for r in range(batch)]
-            lens = [0 if r in released else a.seq_len(rows[r][g]) for r in range(batch)]
+            tables = [None if i.row.released else a.block_table(i.row.seqs[g]) for i in inputs]
+            lens = [0 if i.row.released else a.seq_len(i.row.seqs[g]) for i in inputs]
             block_tables, seq_lens, qsl, slots = group_tensors(
-                tables, lens, counts, start_list, written, pool.scratch_block, bs, bucket=decode)
+                tables, lens, counts, starts, written, pool.scratch_block, bs, bucket=decode_bucket)
             group_steps.append(GroupStep(slots, block_tables, seq_lens, qsl, window))
 
-    token_index = None if real is None else real.flatten().nonzero().flatten()
     write_index = None
-    if alias:
-        q_lens = torch.tensor(counts)
-        writes = torch.repeat_interleave(torch.tensor(written), q_lens)
+    if not all(written):
+        writes = torch.repeat_interleave(torch.tensor(written), torch.tensor(counts, dtype=torch.long))
         write_index = writes.nonzero().flatten()
-    backend = cache._resolved_backend(input_ids)
-    static = decode and cache.is_compileable
     max_query_len = max(counts) if counts else 0
     num_tokens = sum(counts)
     for g in group_steps:
@@ -258,11 +259,31 @@ def plan_step(cache, input_ids, attention_mask, batch: int, query_len: int, gath
         elif backend == "torch":
             # Whole blocks: the plan's width tells its length. A compiled step always carries the mask; its width
             # changes block by block (dynamo compiles that dimension as dynamic after the first change).
-            context = -(-int(g.seq_lens.max()) // bs) * bs
+            context = -(-int(g.seq_lens.max()) // bs) * bs if len(inputs) else bs
             g.plan = plan_torch_attention(g.block_tables, g.seq_lens, g.query_start_loc, bs, num_tokens, g.window,
-                                          max_query_len, context, always_mask=static)
-    return Step(batch, query_len, max_query_len, fresh and not gathered, token_index, write_index, group_steps,
-                backend, static, layers=[None] * max(cache.num_layers or 0, 1))
+                                          max_query_len, context, always_mask=always_mask or static)
+    return Step(len(inputs), max_query_len, max_query_len, no_history, None, write_index, group_steps,
+                backend, static, layers=[None] * max(num_layers, 1))
+
+
+def plan_padded(rows: Rows, input_ids, attention_mask, batch: int, query_len: int, *, first: bool, backend: str,
+                num_layers: int, static: bool, release_windows: bool, gathered: bool) -> Step:
+    """Plan a ``generate()``-style forward: ``[batch, query_len]`` padded columns, one batch row per row.
+
+    ``first``: the rows were just created for this forward (rows with the same prompt then share one copy of it).
+    """
+    real = real_columns(attention_mask, batch, query_len)
+    counts = real.sum(1).tolist() if real is not None else [query_len] * batch
+    tokens = row_tokens(input_ids, real)
+    alias = duplicate_rows(rows, input_ids, real) if first and not gathered else {}
+    inputs = [RowInput(row, counts[r], tokens[r] if tokens is not None else None,
+                       rows[alias[r]] if r in alias else None) for r, row in enumerate(rows)]
+    empty = all(rows.length(row) == 0 for row in rows)
+    step = plan(rows, inputs, backend=backend, num_layers=num_layers, decode_bucket=query_len == 1, static=static,
+                release_windows=release_windows, no_history=first and empty and not gathered, gathered=gathered)
+    step.query_len = query_len
+    step.token_index = None if real is None else real.flatten().nonzero().flatten()
+    return step
 
 
 def _copy_on_write(pool, copies) -> None:
@@ -275,3 +296,66 @@ def _copy_on_write(pool, copies) -> None:
     dst = torch.tensor([c[1] for c in copies], dtype=torch.long)
     for slot, k in pool.key_caches.items():
         copy_blocks(k, pool.value_caches[slot], src.to(k.device), dst.to(k.device))
+
+
+def build_layer_step(pool, groups, step: Step, buffers: StepBuffers, layer_idx: int, num_layers: int | None,
+                     key: torch.Tensor | None, value: torch.Tensor | None) -> LayerStep:
+    """Layer ``layer_idx``'s view of ``step``: its pool tensors (bound from ``key`` ``[B, Hkv, S, D]`` on the layer's
+    first forward) and its group's step tensors on the layer's device; fp8 pools fix the layer's scales at its first
+    write."""
+    if key is not None:
+        pool.bind_layer(layer_idx, num_layers or layer_idx + 1, key,
+                        groups.layer_slot[layer_idx] if layer_idx < len(groups.layer_slot) else None, groups.group_size)
+    group = groups.layer_group[layer_idx] if layer_idx < len(groups.layer_group) else 0
+    device = pool.layer_shapes[layer_idx].device
+    view, (token_index, write_index) = step.device_view(group, device, buffers)
+    key_cache, value_cache = pool.layer_kv(layer_idx)
+    k_scale = v_scale = None
+    if pool.kv_dtype is not None:
+        if key is not None and layer_idx not in pool.k_scales:
+            probe = LayerStep(key_cache, value_cache, None, None, view, token_index, write_index, False, 0, "")
+            pool.layer_scales(layer_idx, pack_tokens(key, probe), pack_tokens(value, probe))
+        k_scale, v_scale = pool.k_scales[layer_idx], pool.v_scales[layer_idx]
+    return LayerStep(key_cache, value_cache, k_scale, v_scale, view, token_index, write_index, step.no_history,
+                     step.max_query_len, step.backend)
+
+
+def write_layer(pool, groups, step: Step, buffers: StepBuffers, layer_idx: int, num_layers: int | None,
+                key: torch.Tensor, value: torch.Tensor, backend: str | None) -> LayerStep:
+    """Write layer ``layer_idx``'s new K/V ``[B, Hkv, S, D]`` into the pool through ``step``'s slot mapping;
+    returns the layer's :class:`LayerStep` (what its attention reads). ``backend``: override the step's."""
+    from .ops import custom_ops
+
+    layer = step.layers[layer_idx]
+    if layer is None:  # first forward of this layer (never compiled): bind its shape, make its tensors
+        layer = step.layers[layer_idx] = build_layer_step(pool, groups, step, buffers, layer_idx, num_layers, key, value)
+    else:
+        pool.check_layer(layer_idx, key)
+    k, v = pack_tokens(key, layer), pack_tokens(value, layer)  # [num_writes, Hkv, D]
+
+    def write(layer):
+        if layer.group.slot_mapping.numel():
+            custom_ops.write_kv(k, v, layer.key_cache, layer.value_cache, layer.group.slot_mapping, layer.k_scale,
+                                layer.v_scale, backend or layer.backend)
+
+    if not pool.fixed:
+        # A growing pool shared with other threads may have grown (new tensors) since this step was planned:
+        # write under the pool's lock into the current tensors, which the growth copies under the same lock.
+        with pool.lock:
+            layer = step.layers[layer_idx] = dataclasses.replace(layer, **dict(zip(
+                ("key_cache", "value_cache"), pool.layer_kv(layer_idx))))
+            write(layer)
+    else:
+        write(layer)
+    return layer
+
+
+def pack_tokens(states: torch.Tensor, layer: LayerStep) -> torch.Tensor:
+    """``[B, H, S, D]`` -> ``[num_writes, H, D]``: the real, written tokens back to back."""
+    batch, heads, seq, dim = states.shape
+    flat = states.transpose(1, 2).reshape(batch * seq, heads, dim)
+    if layer.token_index is not None:
+        flat = flat.index_select(0, layer.token_index)
+    if layer.write_index is not None:
+        flat = flat.index_select(0, layer.write_index)
+    return flat

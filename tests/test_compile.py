@@ -60,7 +60,7 @@ class StepProbe(StoppingCriteria):
 
     def __call__(self, input_ids, scores, **kwargs):
         self.pool_ptrs.append(tuple(t.data_ptr() for t in pool_tensors(self.cache)))
-        step = self.cache._step
+        step = self.cache.last_step
         if step is not None and step.query_len == 1:
             buffers = list(self.cache._buffers._buffers.values())
             for layer in step.layers:
@@ -275,14 +275,15 @@ def test_reenabling_keeps_the_attention_function_and_mask_sizes_follow_the_bucke
     assert ALL_ATTENTION_FUNCTIONS[name] is function
 
     cache = PagedCache(model.config, num_blocks=NUM_BLOCKS)  # block size 16
-    cache._columns = 40
+    model(torch.randint(3, 90, (1, 40)), cache=cache)
     assert cache.get_mask_sizes(1) == (41, 0)  # eager: the exact length
-    cache._call = GenerateCall(backend="torch", release=True, compile=True)
+    cache.begin_call(GenerateCall(backend="torch", release=True, compile=True))
     assert cache.get_mask_sizes(1) == (64, 0)  # 3 blocks -> a bucket of 4
     assert cache.get_mask_sizes(5) == (45, 0)  # not a decode step
-    cache._columns = 64
+    model(torch.randint(3, 90, (1, 24)), cache=cache)
+    assert cache.get_seq_length() == 64
     assert cache.get_mask_sizes(1) == (128, 0)
-    cache._call = None
+    cache.end_call()
 
 
 def test_inductor_compiled_decode_step():

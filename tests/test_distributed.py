@@ -221,7 +221,7 @@ def test_device_map_pool_follows_each_layer(tmp_path, placement):
     assert cache.memory_stats().bytes_per_block == expected_bytes_per_block
     assert {k.dtype for k in pool.key_caches.values()} == {dtype for _, dtype in placement.values()}
     # The last step's tensors were built on the host and copied once to each device, whatever the layer count.
-    step = cache._step
+    step = cache.last_step
     assert {device for _, device in step._on_device} == layer_devices
     assert len(step._on_device) == len(layer_devices)  # one group
 

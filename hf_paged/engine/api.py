@@ -1,0 +1,720 @@
+"""``init_continuous_batching``, ``generate_batch`` and the manager: transformers' continuous-batching API over the
+engine, with one engine thread running the model and any number of threads adding requests and reading results.
+
+Thread-safety: every public method may be called from any thread. One lock guards the manager's queues and
+results; the engine thread takes it only between steps (never while the model runs), and calls request callbacks
+outside it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import warnings
+import weakref
+from collections import OrderedDict, deque
+from typing import Iterator
+
+import torch
+
+from .core import EngineCore
+from .outputs import EngineStats, GenerationOutput, QueueFullError, RequestStatus
+from .request import Request
+
+from .sampling import SamplingParams
+
+DEFAULT_MAX_UNREAD = 100_000  # finished results kept until read; the oldest unread are dropped past it
+_FORGOTTEN = 10_000  # ids of results read or dropped, remembered to say so (not "unknown")
+_SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
+                  "eos_token_id", "stop_token_ids", "logprobs", "num_return_sequences")
+
+
+class _Delivery:
+    """What the engine thread hands out after a step: stream deltas, callbacks, final results."""
+
+    __slots__ = ("request", "delta", "final")
+
+    def __init__(self, request: Request, delta: GenerationOutput | None, final: GenerationOutput | None):
+        self.request, self.delta, self.final = request, delta, final
+
+
+class ContinuousBatchingManager:
+    """Serves requests from many threads through one engine thread (made by :func:`init_continuous_batching`).
+
+    Method names and meanings follow transformers' ``ContinuousBatchingManager``: ``start``, ``stop``,
+    ``add_request``, ``add_requests``, ``get_result``, ``request_id_iter``, ``cancel_request``, context manager.
+    Two differences: ``get_result(request_id)`` waits for *that* request and never hands back (or requeues) another
+    request's result; a stream (``request_id_iter``) yields only the new tokens of each step.
+
+    Example::
+
+        with hf_paged.init_continuous_batching(model, max_batch_tokens=512) as manager:
+            rid = manager.add_request(prompt_ids, max_new_tokens=64)
+            print(manager.get_result(rid).generated_tokens)
+            print(manager.stats())
+    """
+
+    def __init__(self, core: EngineCore, generation_config=None, *, vocab_size: int | None = None,
+                 max_queue_size: int | None = None, max_unread_results: int = DEFAULT_MAX_UNREAD,
+                 default_options: dict | None = None):
+        if max_queue_size is not None and (not isinstance(max_queue_size, int) or max_queue_size < 1):
+            raise ValueError(f"max_queue_size must be a positive int or None (unlimited), got {max_queue_size!r}.")
+        self._core = core
+        self.generation_config = generation_config
+        self.vocab_size = vocab_size
+        self.max_queue_size = max_queue_size
+        self.max_unread_results = max_unread_results
+        self._defaults = dict(default_options or {})
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._incoming: deque[Request] = deque()
+        self._cancels: list[Request] = []
+        self._live: dict[str, Request] = {}  # added, not yet finished
+        self._results: OrderedDict[str, GenerationOutput] = OrderedDict()  # finished, unread
+        self._streams: dict[str, deque] = {}
+        self._forgotten: OrderedDict[str, str] = OrderedDict()  # id -> "read" / "dropped"
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._drain = True
+        self._stopped = False
+        self._error: str | None = None
+        self._waiting = 0  # requests in the scheduler's queue (as of the last step)
+        self._ended = {RequestStatus.FINISHED: 0, RequestStatus.CANCELLED: 0, RequestStatus.FAILED: 0}
+        self._dropped_warned = False
+        self._signals = _Signals()  # what the engine thread reads: it holds these, never the manager itself
+        # A manager dropped without stop(): its thread ends (cancelling what is left), then the pool is freed.
+        self._finalizer = weakref.finalize(self, _shutdown, self._lock, self._cond, self._signals)
+
+    # -------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start the engine thread (no-op if it runs). Requests added before ``start`` wait for it."""
+        with self._lock:
+            if self._stopped or self._stopping:
+                raise RuntimeError("this manager was stopped; create a new one with init_continuous_batching().")
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=_engine_loop, args=(weakref.ref(self), self._core, self._lock,
+                                                                       self._cond, self._signals),
+                                            name="hf_paged-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, block: bool = True, timeout: float | None = None, drain: bool = True) -> None:
+        """Stop serving. ``drain=True`` finishes the running and waiting requests first; ``drain=False`` cancels
+        them. With ``block``, waits for the engine thread: when ``timeout`` seconds pass while draining, what is
+        left is cancelled and the thread is joined (one more step at most). Every request ends with a final status;
+        ``add_request`` raises afterwards."""
+        deliveries = []
+        with self._lock:
+            self._stopping = True
+            self._signals.stop, self._signals.drain = True, drain
+            thread = self._thread
+            if thread is None:  # never started: nothing runs, cancel what was queued
+                self._stopped = True
+                deliveries = self._cancel_queued_locked()
+            self._cond.notify_all()
+        _call_back(deliveries)
+        if thread is None or not block:
+            return
+        thread.join(timeout)
+        if thread.is_alive():
+            with self._lock:
+                self._signals.drain = False
+                self._cond.notify_all()
+            thread.join()
+
+    def __enter__(self) -> "ContinuousBatchingManager":
+        self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.stop(block=True, drain=exc_type is None)
+
+    def is_running(self) -> bool:
+        """Whether the engine thread is alive and not stopping."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def max_context(self) -> int | None:
+        """The most tokens (prompt + generated) one request may hold (the model's ``max_position_embeddings``, or
+        lower where its rotary embedding needs it)."""
+        return self._core.max_context
+
+    @property
+    def pool(self):
+        return self._core.kv.pool
+
+    # --------------------------------------------------------------- requests
+    def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
+                    streaming: bool = False, *, generation_config=None, do_sample=None, temperature=None,
+                    top_p=None, top_k=None, min_p=None, repetition_penalty=None, seed: int | None = None,
+                    eos_token_id=None, stop_token_ids: list[int] | None = None, logprobs: int | None = None,
+                    num_return_sequences: int | None = None, callback=None,
+                    record_timestamps: bool | None = None) -> str:
+        """Queue one request; returns its id.
+
+        Args:
+            input_ids: the prompt's token ids (a list of ints or a 1-D tensor).
+            request_id: your id for it (default ``req_N``); must be unused.
+            max_new_tokens: the most tokens to generate (default: the generation config's).
+            streaming: read its tokens step by step with :meth:`request_id_iter`.
+            generation_config: settings for this request instead of the manager's; the keywords after it override
+                single settings (``seed`` makes a sampled request reproducible whatever shares its steps;
+                ``stop_token_ids`` end it like EOS; ``logprobs``: None, 0 (the sampled token's) or k (plus the top k)).
+            callback: called from the engine thread with each step's :class:`GenerationOutput` delta (keep it short).
+            record_timestamps: accepted for transformers' signature; timestamps are always recorded.
+
+        Raises:
+            QueueFullError: ``max_queue_size`` requests are already waiting.
+            RequestTooLargeError: the prompt + ``max_new_tokens`` could never fit the pool or the model's context.
+            ValueError: a bad prompt or setting (named), or a request id in use.
+            RuntimeError: the manager was stopped, or its engine failed.
+        """
+        return self._add([(input_ids, request_id)], max_new_tokens, streaming, generation_config, callback,
+                         dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                              repetition_penalty=repetition_penalty, seed=seed, eos_token_id=eos_token_id,
+                              stop_token_ids=stop_token_ids, logprobs=logprobs,
+                              num_return_sequences=num_return_sequences))[0]
+
+    def add_requests(self, inputs, max_new_tokens: int | None = None, streaming: bool = False, **options) -> list[str]:
+        """Queue several prompts with the same settings (all or none: every one is checked before any is queued).
+        Returns their ids, in order. Same options as :meth:`add_request`, but ``request_ids=`` (a list) instead of
+        ``request_id``."""
+        ids = options.pop("request_ids", None) or [None] * len(inputs)
+        if len(ids) != len(inputs):
+            raise ValueError(f"request_ids has {len(ids)} ids for {len(inputs)} prompts.")
+        generation_config = options.pop("generation_config", None)
+        callback = options.pop("callback", None)
+        options.pop("record_timestamps", None)
+        unknown = set(options) - set(_SAMPLING_KEYS)
+        if unknown:
+            raise TypeError(f"add_requests got unexpected options {sorted(unknown)}.")
+        return self._add(list(zip(inputs, ids)), max_new_tokens, streaming, generation_config, callback, options)
+
+    def _add(self, items, max_new_tokens, streaming, generation_config, callback, sampling: dict) -> list[str]:
+        config = generation_config if generation_config is not None else self.generation_config
+        overrides = {**self._defaults, **{k: v for k, v in sampling.items() if v is not None}}
+        prepared = []
+        for input_ids, request_id in items:
+            prompt = self._prompt(input_ids)
+            params = SamplingParams.from_generation_config(config, prompt_length=len(prompt),
+                                                           max_new_tokens=max_new_tokens, **overrides)
+            self._core.check_fits(len(prompt), params.max_new_tokens)
+            prepared.append((prompt, params, request_id))
+        with self._lock:
+            self._check_accepting_locked()
+            if self.max_queue_size is not None and self._queued_locked() + len(prepared) > self.max_queue_size:
+                raise QueueFullError(
+                    f"{self._queued_locked()} requests are waiting and max_queue_size is {self.max_queue_size}: "
+                    f"cannot queue {len(prepared)} more. Retry later, or raise max_queue_size.")
+            ids = []
+            for prompt, params, request_id in prepared:
+                rid = self._new_id_locked(request_id, ids)
+                ids.append(rid)
+            for (prompt, params, _), rid in zip(prepared, ids):
+                req = self._core.new_request(rid, prompt, params, streaming=streaming, callback=callback)
+                for r in (req, *req.children):
+                    self._live[r.request_id] = r
+                    self._forgotten.pop(r.request_id, None)
+                    if streaming:
+                        self._streams[r.request_id] = deque()
+                self._incoming.append(req)
+            self._cond.notify_all()
+        return ids
+
+    def _prompt(self, input_ids) -> list[int]:
+        if isinstance(input_ids, torch.Tensor):
+            if input_ids.dim() == 2 and input_ids.shape[0] == 1:
+                input_ids = input_ids[0]
+            if input_ids.dim() != 1:
+                raise ValueError(f"input_ids must be one prompt (a list of ints or a 1-D tensor), got a tensor of "
+                                 f"shape {tuple(input_ids.shape)}; use add_requests for several.")
+            input_ids = input_ids.tolist()
+        try:
+            prompt = [int(t) for t in input_ids]
+        except (TypeError, ValueError):
+            raise ValueError("input_ids must be a list of token ids (ints) or a 1-D tensor.") from None
+        if any(isinstance(t, bool) for t in input_ids) or not all(isinstance(t, int) for t in input_ids):
+            if not all(float(t) == int(t) for t in input_ids):
+                raise ValueError("input_ids must be integer token ids.")
+        if not prompt:
+            raise ValueError("input_ids is empty: a request needs at least one prompt token.")
+        bad = [t for t in prompt if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)]
+        if bad:
+            raise ValueError(f"input_ids holds {len(bad)} token id(s) outside the vocabulary [0, {self.vocab_size}), "
+                             f"e.g. {bad[0]}.")
+        return prompt
+
+    def _new_id_locked(self, request_id, taken) -> str:
+        if request_id is None:
+            while True:
+                rid = f"req_{next(self._ids)}"
+                if rid not in self._live and rid not in self._results and rid not in taken:
+                    return rid
+        rid = str(request_id)
+        if rid in self._live or rid in self._results or rid in taken:
+            raise ValueError(f"request id {rid!r} is in use (a request with it has not finished or its result is "
+                             "unread); pick another id.")
+        self._forgotten.pop(rid, None)
+        return rid
+
+    def _check_accepting_locked(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the engine stopped on an error and takes no more requests: {self._error}")
+        if self._stopping or self._stopped:
+            raise RuntimeError("this manager was stopped and takes no more requests; create a new one with "
+                               "init_continuous_batching().")
+
+    def _queued_locked(self) -> int:
+        return len(self._incoming) + self._waiting
+
+    def cancel_request(self, request_id: str) -> None:
+        """Cancel a request: its blocks go back at the next step, its result has status ``CANCELLED`` (with the
+        tokens generated so far). No-op for a request that already ended; ``KeyError`` for an unknown id."""
+        with self._lock:
+            req = self._live.get(request_id)
+            if req is None:
+                if request_id in self._results or request_id in self._forgotten:
+                    return
+                raise KeyError(f"no request with id {request_id!r}.")
+            if req in self._incoming:  # never reached the engine: end it here
+                self._incoming.remove(req)
+                deliveries = [self._finish_locked(r) for r in self._core.cancel(req)]
+            else:
+                req.cancel_requested = True
+                self._cancels.append(req)
+                self._cond.notify_all()
+                return
+        _call_back(deliveries)
+
+    # ---------------------------------------------------------------- results
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """A finished request's result, once (it is forgotten when read).
+
+        With ``request_id``: waits until that request ends and returns its result (never another's); ``KeyError``
+        if the id is unknown, or its result was already read or dropped (``max_unread_results``). Without: the
+        oldest unread result of any request. ``None`` when ``timeout`` seconds pass first, or when the engine is not
+        running and nothing is left to wait for.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            if request_id is not None:
+                self._check_known_locked(request_id)
+            while True:
+                if request_id is None and self._results:
+                    rid, out = self._results.popitem(last=False)
+                    self._forget_locked(rid, "read")
+                    return out
+                if request_id is not None and request_id in self._results:
+                    out = self._results.pop(request_id)
+                    self._forget_locked(request_id, "read")
+                    self._streams.pop(request_id, None)
+                    return out
+                if request_id is not None and request_id not in self._live:
+                    self._check_known_locked(request_id)
+                if not self._can_progress_locked(request_id):
+                    return None
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self._cond.wait(left)
+
+    def __iter__(self) -> Iterator[GenerationOutput]:
+        """Results as they finish, until the engine stops and none are left."""
+        while True:
+            out = self.get_result(timeout=0.1)
+            if out is not None:
+                yield out
+            elif not self.is_running() and not self._results:
+                return
+
+    def request_id_iter(self, request_id: str) -> Iterator[GenerationOutput]:
+        """The outputs of one request as they come. A streaming request yields one :class:`GenerationOutput` per
+        step carrying only that step's new tokens (``generated_tokens``, ``logprobs``, ``timestamps``), the last one
+        with the final status; a non-streaming request yields its final result once."""
+        with self._lock:
+            self._check_known_locked(request_id)
+            stream = self._streams.get(request_id)
+        if stream is None:
+            out = self.get_result(request_id)
+            if out is not None:
+                yield out
+            return
+        while True:
+            with self._lock:
+                while not stream and self._can_progress_locked(request_id):
+                    self._cond.wait()
+                if not stream:
+                    return
+                out = stream.popleft()
+                if out.is_finished:  # the stream carried the end: its result is not kept for get_result
+                    self._streams.pop(request_id, None)
+                    if self._results.pop(request_id, None) is not None:
+                        self._forget_locked(request_id, "read")
+            yield out
+            if out.is_finished:
+                return
+
+    def _check_known_locked(self, request_id: str) -> None:
+        if request_id in self._live or request_id in self._results:
+            return
+        why = self._forgotten.get(request_id)
+        if why == "read":
+            raise KeyError(f"the result of request {request_id!r} was already read.")
+        if why == "dropped":
+            raise KeyError(f"the result of request {request_id!r} was dropped unread: more than "
+                           f"max_unread_results={self.max_unread_results} results were waiting to be read.")
+        raise KeyError(f"no request with id {request_id!r}.")
+
+    def _can_progress_locked(self, request_id: str | None) -> bool:
+        """Whether waiting may still bring a result (the engine runs or will run what is queued)."""
+        if request_id is not None and request_id not in self._live:
+            return False
+        thread = self._thread
+        alive = thread is not None and thread.is_alive()
+        if request_id is None:
+            return alive and (bool(self._live) or not self._stopping)
+        return alive
+
+    def _forget_locked(self, request_id: str, why: str) -> None:
+        self._forgotten[request_id] = why
+        while len(self._forgotten) > _FORGOTTEN:
+            self._forgotten.popitem(last=False)
+
+    # ---------------------------------------------------------------- figures
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine (see :class:`EngineStats`)."""
+        core = self._core
+        c, t = core.scheduler.counters, core.times
+        kv = core.kv
+        with kv.pool.lock:
+            a = kv.allocator
+            in_use, cached = a.blocks_in_use, a.num_cached
+            num_blocks = a.max_blocks if a.max_blocks is not None else a.capacity
+            free = num_blocks - in_use - cached if a.max_blocks is not None else a.num_free
+        with self._lock:
+            ended = dict(self._ended)
+            waiting = self._queued_locked()
+        return EngineStats(
+            running=len(core.scheduler.running), waiting=waiting, finished=ended[RequestStatus.FINISHED],
+            cancelled=ended[RequestStatus.CANCELLED], failed=ended[RequestStatus.FAILED],
+            preemptions=c.preemptions, recomputed_tokens=c.recomputed_tokens, prompt_tokens=c.prompt_tokens,
+            prompt_tokens_computed=c.prompt_tokens_computed, prefix_hit_tokens=c.prefix_hit_tokens,
+            generated_tokens=core.generated_tokens, blocks_in_use=in_use, blocks_cached=cached, blocks_free=free,
+            num_blocks=num_blocks, steps=core.steps, ttft=list(core.ttft), inter_token=list(core.inter_token),
+            host_time_s=t.host, forward_time_s=t.forward, schedule_time_s=t.schedule, plan_time_s=t.plan,
+            sample_time_s=t.sample, output_time_s=t.output, tokens_computed=c.tokens_computed,
+            uptime_s=time.perf_counter() - core.started,
+        )
+
+    # ------------------------------------------------ engine-thread side (locked)
+    def _take_requests_locked(self) -> None:
+        """Move new requests into the engine and apply cancellations (between steps)."""
+        core = self._core
+        while self._incoming:
+            core.add(self._incoming.popleft())
+        deliveries = []
+        for req in self._cancels:
+            deliveries += [self._finish_locked(r) for r in core.cancel(req)]
+        self._cancels.clear()
+        self._waiting = len(core.scheduler.waiting)
+        return deliveries
+
+    def _deliver_locked(self, touched: list[Request]) -> list[_Delivery]:
+        out = []
+        for req in touched:
+            if req.is_finished:
+                out.append(self._finish_locked(req))
+            elif req.streaming or req.callback is not None:
+                delta = req.output(delta=True)
+                if req.streaming:
+                    self._streams[req.request_id].append(delta)
+                out.append(_Delivery(req, delta, None))
+        self._waiting = len(self._core.scheduler.waiting)
+        if out:
+            self._cond.notify_all()
+        return out
+
+    def _finish_locked(self, req: Request) -> _Delivery:
+        self._live.pop(req.request_id, None)
+        self._ended[req.status] = self._ended.get(req.status, 0) + 1
+        delta = None
+        if req.streaming or req.callback is not None:
+            delta = req.output(delta=True)
+            stream = self._streams.get(req.request_id)
+            if stream is not None:
+                stream.append(delta)
+        final = req.output()
+        self._results[req.request_id] = final
+        while len(self._results) > self.max_unread_results:
+            rid, _ = self._results.popitem(last=False)
+            self._streams.pop(rid, None)
+            self._forget_locked(rid, "dropped")
+            if not self._dropped_warned:
+                self._dropped_warned = True
+                warnings.warn(f"more than max_unread_results={self.max_unread_results} results are unread: the "
+                              "oldest are dropped. Read results with get_result(), or raise max_unread_results.",
+                              stacklevel=2)
+        self._cond.notify_all()
+        return _Delivery(req, delta, final)
+
+    def _cancel_queued_locked(self) -> list[_Delivery]:
+        deliveries = []
+        while self._incoming:
+            deliveries += [self._finish_locked(r) for r in self._core.cancel(self._incoming.popleft())]
+        return deliveries
+
+    def __repr__(self) -> str:
+        state = "running" if self.is_running() else "stopped" if self._stopped or self._stopping else "not started"
+        return f"ContinuousBatchingManager({state}, live={len(self._live)}, unread={len(self._results)})"
+
+
+class _Signals:
+    """Flags the manager sets for its engine thread (the thread holds these, not the manager)."""
+
+    __slots__ = ("stop", "drain")
+
+    def __init__(self):
+        self.stop, self.drain = False, True
+
+
+def _shutdown(lock, cond, signals) -> None:
+    with lock:
+        signals.stop, signals.drain = True, False
+        cond.notify_all()
+
+
+def _call_back(deliveries) -> None:
+    for d in deliveries:
+        cb = d.request.callback
+        if cb is not None and d.delta is not None:
+            try:
+                cb(d.delta)
+            except Exception as err:  # a user's callback must not stop the engine
+                warnings.warn(f"callback of request {d.request.request_id!r} raised {type(err).__name__}: {err}",
+                              stacklevel=2)
+
+
+def _engine_loop(manager_ref, core: EngineCore, lock, cond, signals) -> None:
+    """The engine thread: between steps, take new requests and cancellations under the lock; run a step without it;
+    hand out what the step produced. Holds the manager only by a weak reference."""
+    error = None
+    try:
+        with torch.no_grad():
+            while True:
+                with lock:
+                    manager = manager_ref()
+                    if manager is None:
+                        deliveries = []
+                        for req in [*core.scheduler.running, *core.scheduler.waiting]:
+                            core.cancel(req)
+                        return
+                    deliveries = manager._take_requests_locked()
+                    if signals.stop and not signals.drain:
+                        for req in [*core.scheduler.running, *core.scheduler.waiting]:
+                            deliveries += [manager._finish_locked(r) for r in core.cancel(req)]
+                    if signals.stop and not core.has_work:
+                        manager._stopped = True
+                        manager._waiting = 0
+                        cond.notify_all()
+                        break
+                    if not core.has_work and not deliveries:
+                        del manager
+                        cond.wait()
+                        continue
+                    del manager
+                _call_back(deliveries)
+                if not core.has_work:
+                    continue
+                touched = core.step()
+                t0 = time.perf_counter()
+                with lock:
+                    manager = manager_ref()
+                    deliveries = manager._deliver_locked(touched) if manager is not None else []
+                    del manager
+                _call_back(deliveries)
+                core.times.output += time.perf_counter() - t0
+    except BaseException as err:  # an engine bug: fail every request so nobody waits forever, keep the message
+        error = f"{type(err).__name__}: {err}"
+        with lock:
+            manager = manager_ref()
+            failed = core.fail_all(f"the engine stopped: {error}")
+            if manager is not None:
+                manager._error = error
+                manager._stopped = True
+                for req in failed:
+                    manager._finish_locked(req)
+                for req in list(manager._incoming):
+                    req.error = f"the engine stopped: {error}"
+                    for r in core._end(req, RequestStatus.FAILED):
+                        manager._finish_locked(r)
+                manager._incoming.clear()
+            cond.notify_all()
+        raise
+    _call_back(deliveries)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Entry points
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def init_continuous_batching(model, generation_config=None, *, pool=None, max_batch_tokens: int | None = None,
+                             max_queue_size: int | None = None, continuous_batching_config=None,
+                             max_num_seqs: int | None = None, max_unread_results: int = DEFAULT_MAX_UNREAD,
+                             watermark: float | None = None, backend: str = "auto") -> ContinuousBatchingManager:
+    """A continuous-batching manager serving ``model`` from a shared block pool (start it, or use ``with``).
+
+    Args:
+        model: a causal LM of a family ``python -m hf_paged models`` lists; :func:`hf_paged.enable_paged_attention`
+            is applied if it was not.
+        generation_config: the requests' default settings (default ``model.generation_config``).
+        pool: a :class:`~hf_paged.BlockPool` (its block size, cap, ``prefix_caching`` and ``kv_dtype`` apply).
+            Default: a fixed pool with prefix caching, sized from the memory free on the model's device (CUDA: 80%
+            of free memory; CPU: 20% of available RAM, at most 2 GiB).
+        max_batch_tokens: tokens per forward, decode tokens and prefill chunks together (default 512 on CPU,
+            2048 on CUDA).
+        max_queue_size: waiting requests past which ``add_request`` raises ``QueueFullError`` (default: no limit).
+        continuous_batching_config: transformers' ``ContinuousBatchingConfig``; ``page_size``, ``num_blocks``,
+            ``max_batch_tokens``, ``max_memory_percent``, ``max_requests_per_batch``, ``allow_block_sharing``,
+            ``max_queue_size``, ``safety_margin`` and ``return_logprobs`` are honoured, other fields refused by name
+            when set. Explicit arguments win over it.
+        max_num_seqs: the most requests running at once (default ``max_batch_tokens``).
+        max_unread_results: finished results kept until read; past it the oldest unread are dropped.
+        watermark: share of the pool kept free when admitting new requests (default 1%).
+        backend: ``"auto"`` (Triton on CUDA, torch on CPU), ``"torch"`` or ``"triton"``.
+
+    Requires transformers >= 5.24 (the attention plumbing the packed forward needs); ``generate()`` with a
+    ``PagedCache`` works from 4.56.
+
+    Example::
+
+        manager = hf_paged.init_continuous_batching(model, max_batch_tokens=512)
+        manager.start()
+        rid = manager.add_request(tokenizer("Hello").input_ids, max_new_tokens=32)
+        print(tokenizer.decode(manager.get_result(rid).generated_tokens))
+        manager.stop()
+    """
+    from ..attention import enable_paged_attention, is_paged
+    from ..groups import LayerGroups
+    from ..patches import check_model, layer_windows
+    from .core import EngineCore
+    from .kv import RequestKV
+    from .options import context_limit, default_batch_tokens, default_pool, from_continuous_batching_config
+    from .runner import ModelRunner
+    from .sampling import Sampler
+    from .scheduler import Scheduler
+
+    from .. import compat
+
+    if not compat.STEP_IN_ATTENTION_KWARGS:
+        raise RuntimeError(f"the continuous-batching engine needs transformers >= 5.24 (this is "
+                           f"{compat.TRANSFORMERS_VERSION}); generate() with a PagedCache works from 4.56.")
+    options = from_continuous_batching_config(continuous_batching_config)
+    if max_batch_tokens is not None:
+        options["max_batch_tokens"] = max_batch_tokens
+    if max_queue_size is not None:
+        options["max_queue_size"] = max_queue_size
+    if max_num_seqs is not None:
+        options["max_num_seqs"] = max_num_seqs
+    if watermark is not None:
+        options["watermark"] = watermark
+    check_model(model)
+    if not is_paged(model):
+        enable_paged_attention(model, backend=backend)
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    device = model.device
+    groups = LayerGroups.from_windows(layer_windows(config))
+    num_layers = config.num_hidden_layers
+    pool_options = {k: options.pop(k) for k in ("block_size", "num_blocks", "memory_fraction", "prefix_caching")
+                    if k in options}
+    if pool is None:
+        pool = default_pool(device, **pool_options)
+    elif pool_options:
+        raise ValueError(f"continuous_batching_config sets {sorted(pool_options)} but pool= was given: size the "
+                         "BlockPool itself instead.")
+    _cap_pool(pool, config, model.dtype, groups)
+    batch_tokens = options.pop("max_batch_tokens", None) or default_batch_tokens(device)
+    kv = RequestKV(pool, groups, batch_tokens)
+    scheduler = Scheduler(kv, batch_tokens, max_num_seqs=options.pop("max_num_seqs", None),
+                          watermark=options.pop("watermark", None) or 0.01)
+    runner = ModelRunner(model, kv, model._hf_paged_state["decoder"]._hf_paged_backend, num_layers)
+    limit, reason = context_limit(config)
+    core = EngineCore(scheduler, runner, Sampler(device=device), max_context=limit, context_reason=reason)
+    defaults = {"logprobs": options.pop("logprobs")} if "logprobs" in options else {}
+    return ContinuousBatchingManager(core, generation_config if generation_config is not None
+                                     else model.generation_config, vocab_size=config.vocab_size,
+                                     max_queue_size=options.pop("max_queue_size", None),
+                                     max_unread_results=max_unread_results, default_options=defaults)
+
+
+def _cap_pool(pool, config, dtype, groups) -> None:
+    """A ``max_memory`` pool gets its block cap now, from the model's K/V shape (before any block is taken)."""
+    if pool.max_memory is None or pool.allocator.max_blocks is not None:
+        return
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    slots = groups.group_size if groups.layer_slot else config.num_hidden_layers
+    pool.apply_memory_cap(heads, head_dim, dtype, slots)
+
+
+def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool = True,
+                   max_new_tokens: int | None = None, **options) -> dict[str, GenerationOutput]:
+    """Generate for many prompts with continuous batching; returns ``{request_id: GenerationOutput}`` in input order.
+
+    A drop-in for transformers' ``model.generate_batch(inputs, generation_config)``: ``inputs`` is a list of prompts
+    (lists of token ids), ids are ``req_0``, ``req_1``, ... (forks of ``num_return_sequences`` follow their parent as
+    ``req_0__child#0``, ...). A prompt that can never fit (too long for the pool or the context) or has a bad setting
+    gets a ``FAILED`` result with the reason; the others run. ``progress_bar`` shows requests done and tokens/s.
+
+    ``options``: those of :func:`init_continuous_batching` (``pool``, ``max_batch_tokens``,
+    ``continuous_batching_config``, ...) and per-request settings for every prompt (``do_sample``, ``temperature``,
+    ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``, ``eos_token_id``, ``stop_token_ids``,
+    ``logprobs``, ``num_return_sequences``).
+
+    Example::
+
+        outputs = hf_paged.generate_batch(model, [tok(p).input_ids for p in prompts], max_new_tokens=64)
+        for out in outputs.values():
+            print(tok.decode(out.generated_tokens))
+    """
+    from tqdm.auto import tqdm
+
+    request_options = {k: options.pop(k) for k in _SAMPLING_KEYS if k in options}
+    for name in ("persistent_manager", "warmup", "record_timestamps"):  # transformers' options with no meaning here
+        options.pop(name, None)
+    if not inputs:
+        return {}
+    manager = init_continuous_batching(model, generation_config, **options)
+    results: dict[str, GenerationOutput] = {}
+    order: list[list[str]] = []
+    with manager:
+        for i, prompt in enumerate(inputs):
+            rid = f"req_{i}"
+            try:
+                manager.add_request(prompt, request_id=rid, max_new_tokens=max_new_tokens, **request_options)
+                n = request_options.get("num_return_sequences") or getattr(
+                    generation_config or model.generation_config, "num_return_sequences", None) or 1
+                order.append([rid, *(f"{rid}__child#{j}" for j in range(n - 1))])
+            except (ValueError, RuntimeError) as err:
+                prompt_ids = list(prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)
+                now = time.perf_counter()
+                results[rid] = GenerationOutput(rid, prompt_ids=prompt_ids, status=RequestStatus.FAILED,
+                                                error=f"{type(err).__name__}: {err}", created_time=now, end_time=now)
+                order.append([rid])
+        total = sum(len(ids) for ids in order)
+        start, tokens = time.perf_counter(), 0
+        with tqdm(total=total, desc="generate_batch", unit="req", disable=not progress_bar, leave=False) as bar:
+            bar.update(len(results))
+            while len(results) < total:
+                out = manager.get_result(timeout=1.0)
+                if out is None:
+                    if not manager.is_running():
+                        break
+                    continue
+                results[out.request_id] = out
+                tokens += len(out.generated_tokens)
+                bar.update(1)
+                bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.1f} tok/s")
+    return {rid: results[rid] for ids in order for rid in ids if rid in results}

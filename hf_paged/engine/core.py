@@ -1,0 +1,238 @@
+"""One engine step: schedule, run the forward, sample, record. Single-threaded: the manager's engine thread calls it.
+
+A request's path: ``add`` -> waiting -> admitted by the scheduler (a row on the pool) -> chunks through forwards
+(``runner.run``) -> a token sampled whenever its chunk reaches the end of its known tokens -> finished, cancelled or
+failed (its blocks back to the pool). ``step`` returns the requests that got a token or ended, for the manager to
+hand out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import OutOfBlocksError
+from .outputs import RequestStatus, RequestTooLargeError
+from .request import Request
+from .scheduler import Batch, Chunk, Scheduler
+
+from .sampling import Sampler
+
+RECENT = 2048  # recent TTFT / inter-token figures kept for stats()
+
+
+@dataclass
+class StepTimes:
+    """Seconds the engine spent, summed over steps."""
+
+    schedule: float = 0.0
+    plan: float = 0.0  # building the step's inputs (packing and the planner)
+    forward: float = 0.0
+    sample: float = 0.0
+    output: float = 0.0  # handing results out (the manager adds to it)
+
+    @property
+    def host(self) -> float:
+        return self.schedule + self.plan + self.sample + self.output
+
+
+class EngineCore:
+    """The engine's state and its step, without threads.
+
+    Args:
+        scheduler: decides each step (owns the queues and the rows).
+        runner: ``runner.run(batch) -> logits [k, vocab]`` for the batch's k sampling chunks (in batch order); it
+            plans and runs the forward, and publishes the rows' new full blocks. ``runner.plan_time`` /
+            ``runner.forward_time``: seconds of its last call.
+        sampler: ``sampler(logits, params, generators, histories)`` (see ``sampling.py``).
+        max_context: the model's context (prompt + generated tokens), for requests' ``max_length``.
+    """
+
+    def __init__(self, scheduler: Scheduler, runner, sampler=None, max_context: int | None = None,
+                 context_reason: str = "max_position_embeddings"):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.sampler = sampler if sampler is not None else Sampler()
+        self.max_context = max_context
+        self.context_reason = context_reason
+        self.times = StepTimes()
+        self.steps = 0
+        self.failed_steps = 0
+        self.generated_tokens = 0
+        self.ttft: deque[float] = deque(maxlen=RECENT)
+        self.inter_token: deque[float] = deque(maxlen=RECENT)
+        self.started = time.perf_counter()
+
+    @property
+    def kv(self):
+        return self.scheduler.kv
+
+    # ------------------------------------------------------------- admission
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """``RequestTooLargeError`` if a request of this size could never run: past the model's context, or more
+        blocks than the whole empty pool holds."""
+        total = prompt_len + max_new_tokens
+        if self.max_context is not None and prompt_len >= self.max_context:
+            raise RequestTooLargeError(
+                f"the prompt has {prompt_len} tokens but the model's context is {self.max_context} "
+                f"({self.context_reason}): nothing can be generated. Shorten the prompt.")
+        capacity = self.kv.capacity
+        if capacity is not None:
+            # The context caps what a request can hold: it ends ("length") when it reaches it.
+            held = min(total, self.max_context) if self.max_context is not None else total
+            need = self.kv.worst_case_blocks(held)
+            if need > capacity:
+                bs = self.kv.block_size
+                raise RequestTooLargeError(
+                    f"a request of {prompt_len} prompt + {max_new_tokens} new tokens needs {need} KV blocks of {bs} "
+                    f"tokens at once ({self.kv.groups.num_groups} layer group(s)), but the whole pool holds "
+                    f"{capacity}. Lower max_new_tokens, shorten the prompt, or give the engine a larger pool "
+                    f"(BlockPool(num_blocks=...) or max_memory=...).")
+
+    def new_request(self, request_id: str, prompt: list[int], params, streaming: bool = False,
+                    callback=None) -> Request:
+        """A request ready for :meth:`add` (sizes already checked)."""
+        max_length = self.max_context if self.max_context is not None else len(prompt) + params.max_new_tokens
+
+        def make(rid, index):
+            return Request(
+                request_id=rid, tokens=list(prompt), num_prompt=len(prompt),
+                max_new_tokens=params.max_new_tokens, max_length=max_length,
+                eos_token_ids=frozenset(params.eos_token_ids), params=params,
+                generator=self.sampler.new_generator(params, index), streaming=streaming, callback=callback,
+                logprobs=[] if params.logprobs is not None else None,
+                top_logprobs=[] if params.logprobs else None,
+            )
+
+        request = make(request_id, 0)
+        # transformers' names for the forks of num_return_sequences
+        request.children = [make(f"{request_id}__child#{i}", i + 1)
+                            for i in range(getattr(params, "num_return_sequences", 1) - 1)]
+        return request
+
+    def add(self, request: Request) -> None:
+        self.scheduler.add(request)
+
+    def cancel(self, request: Request) -> list[Request]:
+        """End ``request`` as cancelled; its blocks go back now (between steps). Returns the requests that ended
+        (with its forks not made yet)."""
+        if request.is_finished:
+            return []
+        return self._end(request, RequestStatus.CANCELLED)
+
+    def fail_all(self, error: str) -> list[Request]:
+        """End every waiting and running request as failed (the engine cannot go on)."""
+        ended = []
+        for req in [*self.scheduler.running, *self.scheduler.waiting]:
+            req.error = error
+            ended += self._end(req, RequestStatus.FAILED, keep=req.num_computed)
+        return ended
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[Request]:
+        """Run one step. Returns the requests that got a token or ended in it (preempted ones are not listed)."""
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        self.times.schedule += t1 - t0
+        if not batch.chunks:
+            return []
+        try:
+            logits = self.runner.run(batch)
+        except OutOfBlocksError:
+            # The planner found the pool shorter than the scheduler counted (it should not): nothing was taken,
+            # so make room and let the next step decide again.
+            self._add_runner_times()
+            self._preempt_last()
+            return []
+        except Exception as err:  # a failing forward fails only its step's requests
+            self._add_runner_times()
+            return self._fail_batch(batch, err)
+        self._add_runner_times()
+        self.steps += 1
+        self.scheduler.advance(batch)
+        t2 = time.perf_counter()
+        try:
+            touched = self._sample(batch, logits)
+        except Exception as err:
+            touched = self._fail_batch(batch, err, computed=True)
+        self.times.sample += time.perf_counter() - t2
+        return touched
+
+    def _add_runner_times(self) -> None:
+        self.times.plan += getattr(self.runner, "plan_time", 0.0)
+        self.times.forward += getattr(self.runner, "forward_time", 0.0)
+
+    def _sample(self, batch: Batch, logits) -> list[Request]:
+        chunks = [c for c in batch.chunks if c.sample]
+        if not chunks:
+            return []
+        reqs, rows = [], []
+        for i, chunk in enumerate(chunks):
+            req = chunk.request
+            reqs.append(req)
+            rows.append(i)
+            if req.children and not req.forked:  # its prompt is in: the forks start here, each drawing its own token
+                req.forked = True
+                for child in req.children:
+                    if not child.is_finished:
+                        self.scheduler.add_fork(req, child)
+                        reqs.append(child)
+                        rows.append(i)
+        if len(rows) != len(chunks):
+            logits = logits[torch.tensor(rows, device=logits.device)]  # [k + forks, vocab]
+        result = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs],
+                              [r.tokens for r in reqs])
+        now = time.perf_counter()
+        lps = result.logprobs or [None] * len(reqs)
+        tops = result.top_logprobs or [None] * len(reqs)
+        for req, token, lp, top in zip(reqs, result.tokens, lps, tops):
+            if req.timestamps:
+                self.inter_token.append(now - req.timestamps[-1])
+            else:
+                self.ttft.append(now - req.created_time)
+            req.append(token, now, lp, top)
+            self.generated_tokens += 1
+            if req.finish_reason is not None:
+                self._end(req, RequestStatus.FINISHED)
+        return reqs
+
+    def _fail_batch(self, batch: Batch, err: Exception, computed: bool = False) -> list[Request]:
+        self.failed_steps += 1
+        message = f"the forward of this request's step failed: {type(err).__name__}: {err}"
+        ended = []
+        forks = [child for c in batch.chunks for child in c.request.children
+                 if child.status == RequestStatus.RUNNING and child.num_generated == 0]  # made in this step
+        for chunk in [*batch.chunks, *(Chunk(child, 0, 0) for child in forks)]:
+            req = chunk.request
+            if req.is_finished:
+                continue
+            req.error = message
+            # keep: what the row held validly before this step (its new blocks may be half written)
+            ended += self._end(req, RequestStatus.FAILED, keep=None if computed else chunk.start)
+        return ended
+
+    def _preempt_last(self) -> None:
+        running = self.scheduler.running
+        if running:
+            self.scheduler.preempt(running[-1])
+
+    def _end(self, req: Request, status: RequestStatus, keep: int | None = None) -> list[Request]:
+        """End ``req`` (and its forks not made yet, with the same status and error)."""
+        now = time.perf_counter()
+        self.scheduler.finish(req, status, keep=keep)
+        req.end_time = now
+        ended = [req]
+        if not req.forked:
+            for child in req.children:
+                if not child.is_finished:
+                    child.status, child.error, child.end_time = status, req.error, now
+                    ended.append(child)
+        return ended

@@ -1,0 +1,442 @@
+"""Per-request sampling for the continuous-batching engine: what a request asked for, and one step of choosing tokens.
+
+``SamplingParams`` is a request's settings, read from a transformers ``GenerationConfig`` (with ``generate()``'s
+defaults for what it leaves unset) and validated once, at ``add_request``. ``Sampler`` turns the last-token logits of
+the n requests sampled in a step into n tokens: rows that share settings are processed together by transformers' own
+logits processors (the same classes, in the same order, as ``generate()``), greedy rows take one argmax, unseeded
+sampled rows one multinomial draw, and each seeded row draws from its own ``torch.Generator``, so a seeded request gets
+the same tokens whatever else shares its steps (and, alone, the tokens ``generate()`` gives after
+``torch.manual_seed(seed)``).
+
+Served: greedy and multinomial sampling, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
+EOS and stop token ids, ``max_new_tokens`` (or ``max_length`` less the prompt), ``num_return_sequences`` (the engine
+forks the request; each fork gets its own generator), per-request ``seed``, ``logprobs``.
+Refused with a ValueError naming the setting (see ``REFUSED``): beam search and its variants, constraints,
+contrastive search, DoLa, guidance, assisted / prompt-lookup decoding, the processors that depend on the position
+or the history beyond a repetition penalty (n-gram blocking, bad words, sequence bias, min length, forced tokens,
+begin-suppression, length decay), the warpers not listed above (typical, epsilon, eta, top-h), watermarking, stop
+strings, token healing, ``max_time``, per-step scores (ask for ``logprobs`` instead), and any custom
+``logits_processor`` / ``stopping_criteria`` / ``prefix_allowed_tokens_fn`` (they may keep state across steps).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import numbers
+from dataclasses import dataclass
+
+import torch
+from transformers import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from .. import compat
+
+# GenerationConfig fields read into SamplingParams.
+MAPPED = frozenset({
+    "do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens", "max_length",
+    "eos_token_id", "num_return_sequences",
+})
+# Fields that never change the tokens a request gets (ids of special tokens, caching and compile choices, beam-only
+# settings without beams, assistant settings without an assistant, the layout of generate()'s return value).
+NO_EFFECT = frozenset({
+    "pad_token_id", "bos_token_id", "decoder_start_token_id", "use_cache", "cache_implementation", "cache_config",
+    "compile_config", "disable_compile", "prefill_chunk_size", "low_memory", "max_cache_len", "renormalize_logits",
+    "length_penalty", "early_stopping", "num_assistant_tokens", "num_assistant_tokens_schedule",
+    "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind", "max_matching_ngram_size",
+    "is_assistant", "return_dict_in_generate", "continuous_batching_config", "transformers_version",
+})
+_BEAMS = "beam search is not served by the engine; run model.generate() with a PagedCache for it"
+_POSITIONAL = ("depends on each request's prompt length or history, which the engine's sampler does not track; "
+               "run model.generate() with a PagedCache for it")
+_WARPER = "is not one of the engine's warpers (temperature, top_k, top_p, min_p); use those or model.generate()"
+# Settings refused when set to anything but generate()'s default, with the reason.
+REFUSED = {
+    "num_beams": _BEAMS, "num_beam_groups": _BEAMS, "diversity_penalty": _BEAMS,
+    "constraints": "constrained beam search is not served by the engine",
+    "force_words_ids": "constrained beam search is not served by the engine",
+    "penalty_alpha": "contrastive search is not served by the engine",
+    "dola_layers": "DoLa decoding is not served by the engine",
+    "guidance_scale": "classifier-free guidance needs a second, unconditional forward per request",
+    "no_repeat_ngram_size": _POSITIONAL, "bad_words_ids": _POSITIONAL, "sequence_bias": _POSITIONAL,
+    "min_length": _POSITIONAL, "min_new_tokens": _POSITIONAL, "forced_bos_token_id": _POSITIONAL,
+    "forced_eos_token_id": _POSITIONAL, "begin_suppress_tokens": _POSITIONAL, "suppress_tokens": _POSITIONAL,
+    "exponential_decay_length_penalty": _POSITIONAL,
+    "encoder_no_repeat_ngram_size": "applies to encoder-decoder models only",
+    "encoder_repetition_penalty": "applies to encoder-decoder models only",
+    "remove_invalid_values": "is not applied by the engine's sampler; fix the model's inf/nan logits instead",
+    "typical_p": _WARPER, "epsilon_cutoff": _WARPER, "eta_cutoff": _WARPER, "top_h": _WARPER,
+    "watermarking_config": "watermarking is not served by the engine",
+    "stop_strings": "needs a tokenizer in the engine; pass stop_token_ids (token ids) instead",
+    "token_healing": "token healing is not served by the engine",
+    "max_time": "the engine does not stop requests on a clock; cancel_request() one instead",
+    "prompt_lookup_num_tokens": "assisted / prompt-lookup decoding is not served by the engine",
+    "assistant_early_exit": "assisted decoding is not served by the engine",
+    "speculation_type": "speculative decoding is not served by the engine",
+    "use_mtp": "multi-token prediction is not served by the engine",
+    "output_scores": "per-step scores are not returned by the engine; ask for logprobs=k instead",
+    "output_logits": "per-step logits are not returned by the engine; ask for logprobs=k instead",
+    "output_attentions": "attentions are not returned by the engine",
+    "output_hidden_states": "hidden states are not returned by the engine",
+}
+# Values of refusable settings that do nothing, where generate()'s default is None.
+NEUTRAL = {"min_new_tokens": 0, "guidance_scale": 1.0, "diversity_penalty": 0.0, "num_beam_groups": 1}
+# Options of the engine's add_request that are not GenerationConfig fields.
+ENGINE_OPTIONS = frozenset({"seed", "logprobs", "stop_token_ids"})
+# Per-call callables generate() accepts; refused because they may keep state across steps and see padded batches.
+CALLABLES = frozenset({"logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn"})
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling settings (validated on construction).
+
+    ``do_sample=False`` is greedy (argmax, after the repetition penalty if set; the warpers do not apply).
+    ``top_k=None`` / ``top_p=None`` / ``min_p=None`` / ``repetition_penalty=None`` mean off. Generation ends at any
+    of ``eos_token_ids`` (finish reason "stop", the token is kept) or after ``max_new_tokens`` ("length").
+    ``logprobs``: None for none, 0 for the sampled token's log-probability, k > 0 for the k most likely tokens' too.
+    ``num_return_sequences`` > 1 (sampling only) asks the engine for that many forks of the request.
+
+    Example::
+
+        params = SamplingParams.from_generation_config(model.generation_config, do_sample=True, top_p=0.9, seed=7)
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_new_tokens: int = 16
+    eos_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    logprobs: int | None = None
+    num_return_sequences: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.do_sample, bool):
+            raise ValueError(f"do_sample must be True or False, got {self.do_sample!r}")
+        if not _is_number(self.temperature) or not self.temperature > 0:
+            hint = "; for greedy decoding pass do_sample=False" if _is_number(self.temperature) else ""
+            raise ValueError(f"temperature must be a number > 0, got {self.temperature!r}{hint}")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
+            raise ValueError(f"top_k must be an integer >= 1 (or 0 / None for no top-k), got {self.top_k!r}")
+        if self.top_p is not None and (not _is_number(self.top_p) or not 0 <= self.top_p <= 1):
+            raise ValueError(f"top_p must be a number in [0, 1], got {self.top_p!r}")
+        if self.min_p is not None and (not _is_number(self.min_p) or not 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if self.repetition_penalty is not None and (
+                not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.eos_token_ids, tuple) or not all(_is_int(t) and t >= 0 for t in self.eos_token_ids):
+            raise ValueError(f"eos_token_ids must be a tuple of token ids >= 0, got {self.eos_token_ids!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0 (top alternatives), got {self.logprobs!r}")
+        if not _is_int(self.num_return_sequences) or self.num_return_sequences < 1:
+            raise ValueError(f"num_return_sequences must be an integer >= 1, got {self.num_return_sequences!r}")
+        if self.num_return_sequences > 1 and not self.do_sample:
+            raise ValueError(f"num_return_sequences={self.num_return_sequences} with greedy decoding would return "
+                             f"{self.num_return_sequences} identical sequences; pass do_sample=True (as generate() "
+                             f"requires)")
+
+    @classmethod
+    def from_generation_config(cls, config=None, *, prompt_length: int | None = None,
+                               **overrides) -> "SamplingParams":
+        """The settings a request gets from ``config`` (a ``GenerationConfig`` or None) and ``overrides``.
+
+        Unset values take ``generate()``'s defaults (so sampling without ``top_k`` keeps the 50 most likely tokens,
+        as ``generate()`` does). ``overrides`` are GenerationConfig field names plus the engine's ``seed``,
+        ``logprobs`` and ``stop_token_ids`` (added to the config's EOS ids); None means "not given".
+        ``max_new_tokens`` falls back to the config's ``max_length`` less ``prompt_length`` (when both are known),
+        then to 16. Raises ValueError naming any setting the engine cannot apply (``REFUSED``, custom processors,
+        unknown names) or a value out of range.
+
+        Example::
+
+            SamplingParams.from_generation_config(GenerationConfig(do_sample=True, temperature=0.7), seed=3)
+        """
+        given = {key: value for key, value in overrides.items() if value is not None}
+        callables = sorted(given.keys() & CALLABLES)
+        if callables:
+            raise ValueError(f"{', '.join(callables)} is not supported by the engine: custom processors and criteria "
+                             f"may keep state across steps and expect generate()'s padded batch; use the built-in "
+                             f"settings (temperature, top_k, top_p, min_p, repetition_penalty, eos / stop_token_ids)")
+        defaults = compat.generation_defaults()
+        fields = config.to_dict() if config is not None else {}
+        unknown = sorted(set(given) - set(defaults) - set(fields) - ENGINE_OPTIONS)
+        if unknown:
+            raise ValueError(f"unknown generation setting(s) {unknown}; the engine reads GenerationConfig fields and "
+                             f"{sorted(ENGINE_OPTIONS)}")
+        settings = {**defaults, **{k: v for k, v in fields.items() if v is not None}, **given}
+
+        for key, value in settings.items():
+            if key not in defaults or key in MAPPED or key in NO_EFFECT or key.startswith("_"):
+                continue  # a custom entry of a model's config: generate() does not read it either
+            if value is None or value is False or _same(value, defaults.get(key)) or _same(value, NEUTRAL.get(key)):
+                continue
+            why = REFUSED.get(key, "changes the output in generate() and the engine cannot apply it")
+            raise ValueError(f"{key}={value!r} is not supported by the engine: {why}; remove it from the "
+                             f"generation config / request")
+
+        do_sample = settings.get("do_sample") or False
+        temperature = settings.get("temperature")
+        temperature = 1.0 if temperature is None else temperature
+        if _is_number(temperature) and temperature == 0 and do_sample:
+            raise ValueError("temperature=0 with do_sample=True: for greedy decoding pass do_sample=False, "
+                             "otherwise a temperature > 0")
+        top_k = settings.get("top_k")
+        top_p = settings.get("top_p")
+        min_p = settings.get("min_p")
+        penalty = settings.get("repetition_penalty")
+        if _is_int(top_k) and top_k == 0:
+            top_k = None
+        if _is_number(top_p) and top_p == 1:
+            top_p = None
+        if _is_number(min_p) and min_p == 0:
+            min_p = None
+        if _is_number(penalty) and penalty == 1:
+            penalty = None
+        # the warpers are validated even where greedy decoding will not apply them (temperature=0 means greedy there)
+        cls(do_sample=True, temperature=1.0 if temperature == 0 and not do_sample else temperature,
+            top_k=top_k, top_p=top_p, min_p=min_p)
+        if not do_sample:
+            temperature, top_k, top_p, min_p = 1.0, None, None, None
+
+        max_new_tokens = settings.get("max_new_tokens")
+        if max_new_tokens is None:
+            max_length = given.get("max_length", fields.get("max_length"))
+            if max_length is not None and prompt_length is not None:
+                max_new_tokens = max_length - prompt_length
+                if max_new_tokens < 1:
+                    raise ValueError(f"max_length={max_length} leaves no room to generate after a {prompt_length}-"
+                                     f"token prompt; set max_new_tokens")
+            else:
+                max_new_tokens = cls.max_new_tokens
+
+        return cls(
+            do_sample=do_sample, temperature=float(temperature) if _is_number(temperature) else temperature,
+            top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=penalty, max_new_tokens=max_new_tokens,
+            eos_token_ids=_token_ids(settings.get("eos_token_id"), "eos_token_id")
+            + _token_ids(settings.get("stop_token_ids"), "stop_token_ids"),
+            seed=settings.get("seed"), logprobs=settings.get("logprobs"),
+            num_return_sequences=settings.get("num_return_sequences") or 1,
+        )
+
+    def finish_reason(self, token: int, num_generated: int) -> str | None:
+        """"stop" if ``token`` ends the request, "length" if ``num_generated`` (``token`` included) is the limit."""
+        if token in self.eos_token_ids:
+            return "stop"
+        if num_generated >= self.max_new_tokens:
+            return "length"
+        return None
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether ``Sampler`` reads this request's token history (only a repetition penalty does)."""
+        return self.repetition_penalty is not None
+
+
+def _same(value, default) -> bool:
+    try:
+        return bool(value == default)
+    except Exception:  # tensors, configs: anything not comparable is a change
+        return False
+
+
+def _token_ids(value, name: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    items = [value] if not isinstance(value, (list, tuple)) else list(value)
+    if not all(_is_int(t) and t >= 0 for t in items):
+        raise ValueError(f"{name} must be a token id or a list of token ids >= 0, got {value!r}")
+    return tuple(int(t) for t in items)
+
+
+def _fork_seed(seed: int, index: int) -> int:
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@dataclass
+class SampleResult:
+    """What one step chose for its n rows.
+
+    ``logprobs[i]`` is row i's sampled token's log-probability and ``top_logprobs[i]`` its ``params[i].logprobs``
+    most likely ``(token, log-probability)`` pairs, most likely first; both are None where no row asked, and
+    ``None`` / ``[]`` for the rows that did not.
+    """
+
+    tokens: list[int]
+    logprobs: list[float | None] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class Sampler:
+    """Chooses the next token of each request in a step.
+
+    Log-probabilities are those of the distribution the token was drawn from, after processing: for sampled rows
+    after the repetition penalty, temperature, top-k, top-p and min-p (tokens they removed have ``-inf``), for
+    greedy rows the model's distribution after the repetition penalty. Logits are processed in float32, as in
+    ``generate()``.
+
+    Example::
+
+        sampler = Sampler(device=model.device)
+        params = [SamplingParams(), SamplingParams(do_sample=True, top_p=0.9, seed=1)]
+        generators = [sampler.new_generator(p) for p in params]        # once per request, kept across steps
+        result = sampler(logits, params, generators, histories)         # logits [2, vocab]
+        result.tokens                                                   # [2] token ids
+    """
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._chains: dict[tuple, LogitsProcessorList] = {}
+
+    def new_generator(self, params: SamplingParams, index: int = 0,
+                      device: torch.device | str | None = None) -> torch.Generator | None:
+        """The random stream of a seeded sampled request (None for unseeded or greedy ones).
+
+        ``index`` numbers the forks of a request with ``num_return_sequences`` > 1: fork 0 uses the seed itself,
+        the others seeds derived from it. Keep the generator with the request across steps and preemptions.
+        """
+        if params.seed is None or not params.do_sample:
+            return None
+        generator = torch.Generator(device=torch.device(device) if device is not None else self.device)
+        generator.manual_seed(_fork_seed(params.seed, index))
+        return generator
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None], histories: list[list[int]]) -> SampleResult:
+        """Tokens for ``logits`` ``[n, vocab]`` (the last-token logits of n rows).
+
+        ``generators[i]`` is row i's ``new_generator`` (None: the global RNG); ``histories[i]`` its prompt +
+        generated ids, read only when ``params[i].uses_history`` (others may pass ``[]``).
+        """
+        n, vocab = logits.shape
+        if not len(params) == len(generators) == len(histories) == n:
+            raise ValueError(f"logits have {n} rows but {len(params)} params, {len(generators)} generators and "
+                             f"{len(histories)} histories were given; pass one of each per row")
+        scores = logits.float()  # [n, vocab]
+        groups: dict[tuple, list[int]] = {}
+        for row, p in enumerate(params):
+            groups.setdefault(_chain_key(p), []).append(row)
+        processed = scores
+        active = [(self._chain(key), rows) for key, rows in groups.items() if self._chain(key)]
+        if len(groups) == 1 and active:
+            chain, rows = active[0]
+            processed = chain(self._history_ids(params, histories, rows, vocab, scores.device), scores)
+        elif active:
+            processed = scores.clone()
+            for chain, rows in active:
+                index = torch.tensor(rows, device=scores.device)  # [g]
+                ids = self._history_ids(params, histories, rows, vocab, scores.device)
+                processed[index] = chain(ids, scores[index])  # [g, vocab]
+
+        greedy = [row for row, p in enumerate(params) if not p.do_sample]
+        if len(greedy) == n:
+            tokens = processed.argmax(dim=-1)  # [n]
+        else:
+            tokens = torch.empty(n, dtype=torch.long, device=scores.device)  # [n]
+            if greedy:
+                index = torch.tensor(greedy, device=scores.device)
+                tokens[index] = processed[index].argmax(dim=-1)
+            self._draw(processed, params, generators, tokens)
+        token_list = tokens.tolist()
+        if all(p.logprobs is None for p in params):
+            return SampleResult(token_list)
+        return SampleResult(token_list, *_logprobs(processed, tokens, params))
+
+    def _chain(self, key: tuple) -> LogitsProcessorList:
+        chain = self._chains.get(key)
+        if chain is None:
+            do_sample, temperature, top_k, top_p, min_p, penalty = key
+            chain = LogitsProcessorList()
+            if penalty is not None:
+                chain.append(RepetitionPenaltyLogitsProcessor(penalty=float(penalty)))
+            if do_sample:  # generate()'s order
+                if temperature != 1.0:
+                    chain.append(TemperatureLogitsWarper(float(temperature)))
+                if top_k is not None:
+                    chain.append(TopKLogitsWarper(top_k=int(top_k)))
+                if top_p is not None:
+                    chain.append(TopPLogitsWarper(top_p=float(top_p)))
+                if min_p is not None:
+                    chain.append(MinPLogitsWarper(min_p=float(min_p)))
+            self._chains[key] = chain
+        return chain
+
+    @staticmethod
+    def _history_ids(params, histories, rows: list[int], vocab: int, device) -> torch.Tensor | None:
+        """``[g, longest]`` ids of the rows' histories, padded with ``vocab`` (the penalty drops that column)."""
+        if not params[rows[0]].uses_history:
+            return None  # the warpers do not read input_ids
+        lengths = [len(histories[row]) for row in rows]
+        width = max(max(lengths), 1)
+        flat = torch.tensor([t for row in rows for t in histories[row]], dtype=torch.long)  # [sum(lengths)]
+        counts = torch.tensor(lengths)  # [g]
+        row_of = torch.repeat_interleave(torch.arange(len(rows)), counts)  # [sum(lengths)]
+        starts = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)  # [sum(lengths)]
+        ids = torch.full((len(rows), width), vocab, dtype=torch.long)  # [g, width]
+        ids[row_of, torch.arange(flat.numel()) - starts] = flat
+        return ids.to(device)
+
+    @staticmethod
+    def _draw(processed: torch.Tensor, params, generators, tokens: torch.Tensor) -> None:
+        sampled = [row for row, p in enumerate(params) if p.do_sample]
+        index = torch.tensor(sampled, device=processed.device)
+        probs = torch.softmax(processed[index], dim=-1)  # [s, vocab]
+        shared = [j for j, row in enumerate(sampled) if generators[row] is None]
+        if shared:
+            at = torch.tensor(shared, device=processed.device)
+            tokens[index[at]] = torch.multinomial(probs[at], num_samples=1).squeeze(1)
+        for j, row in enumerate(sampled):
+            generator = generators[row]
+            if generator is None:
+                continue
+            row_probs = probs[j:j + 1]  # [1, vocab]
+            if row_probs.device != generator.device:
+                row_probs = row_probs.to(generator.device)
+            tokens[row] = torch.multinomial(row_probs, num_samples=1, generator=generator).item()
+
+
+def _chain_key(p: SamplingParams) -> tuple:
+    if not p.do_sample:
+        return (False, 1.0, None, None, None, p.repetition_penalty)
+    return (True, p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty)
+
+
+def _logprobs(processed: torch.Tensor, tokens: torch.Tensor, params):
+    logp = torch.log_softmax(processed, dim=-1)  # [n, vocab]
+    chosen = logp.gather(1, tokens[:, None]).squeeze(1).tolist()  # [n]
+    wanted = [p.logprobs is not None for p in params]
+    top_k = min(max(p.logprobs or 0 for p in params), logp.shape[-1])
+    tops: list[list[tuple[int, float]]] = [[] for _ in params]
+    if top_k > 0:
+        values, indices = logp.topk(top_k, dim=-1)  # [n, top_k]
+        values, indices = values.tolist(), indices.tolist()
+        for row, p in enumerate(params):
+            k = min(p.logprobs or 0, top_k)
+            tops[row] = list(zip(indices[row][:k], values[row][:k]))
+    return [lp if want else None for lp, want in zip(chosen, wanted)], tops

@@ -1,0 +1,306 @@
+"""Who runs in the next forward, and with how many tokens. Tensor-free.
+
+First come, first served. Each step:
+
+1. Running requests, in admission order: a decoding request gets its one token (decode tokens are served before any
+   prefill chunk takes the budget), a request still prefilling gets a chunk of what is left of the budget. When the
+   pool cannot hold a request's new tokens, a prefill chunk shrinks to what fits; if nothing fits, the most
+   recently admitted request is preempted: its blocks go back and it returns to the head of the queue with its
+   tokens (prompt and generated), to be recomputed later (its full blocks stay cached, so mostly found again).
+2. If nobody was preempted, waiting requests are admitted in order while the budget lasts and the pool can hold
+   their first chunk with a small watermark to spare. An admitted request starts from the cached blocks its tokens
+   begin with; one whose next blocks are being computed by another running request waits for them instead.
+
+The scheduler owns the waiting queue, the running list and each request's ``num_computed``, ``row`` and status;
+the rows' blocks are asked of :class:`~hf_paged.engine.kv.RequestKV`. It decides and returns a :class:`Batch`; the
+runner plans and runs it; :meth:`Scheduler.advance` then records what ran.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .outputs import RequestStatus
+from .request import Request
+
+
+@dataclass
+class Chunk:
+    """One request's share of a step: ``num_tokens`` tokens from position ``start``."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def sample(self) -> bool:
+        """Whether this chunk reaches the end of the request's known tokens: its last logits give the next token."""
+        return self.start + self.num_tokens == len(self.request.tokens)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.request.tokens[self.start: self.start + self.num_tokens]
+
+
+@dataclass
+class Batch:
+    """A step's decision: the chunks to run (in this order), and the requests preempted to make room."""
+
+    chunks: list[Chunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+
+@dataclass
+class SchedulerCounters:
+    preemptions: int = 0
+    recomputed_tokens: int = 0
+    prompt_tokens: int = 0
+    prompt_tokens_computed: int = 0
+    prefix_hit_tokens: int = 0
+    tokens_computed: int = 0
+    held_back: int = 0  # admissions deferred because another request was computing the same prefix
+
+
+class Scheduler:
+    """FCFS continuous-batching scheduler over a :class:`~hf_paged.engine.kv.RequestKV`.
+
+    Args:
+        kv: the rows' view of the pool.
+        max_batch_tokens: tokens per step (decode tokens and prefill chunks together).
+        max_num_seqs: the most requests running at once (default ``max_batch_tokens``, so every decode fits).
+        watermark: share of the pool kept free when admitting (so running requests can grow); 0 with nothing running.
+        hold_back: a request whose next prompt blocks another running request is computing waits for them.
+    """
+
+    def __init__(self, kv, max_batch_tokens: int, max_num_seqs: int | None = None, watermark: float = 0.01,
+                 hold_back: bool = True):
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}.")
+        self.kv = kv
+        self.max_batch_tokens = max_batch_tokens
+        self.max_num_seqs = min(max_num_seqs or max_batch_tokens, max_batch_tokens)
+        capacity = kv.capacity
+        self.watermark_blocks = max(1, int(watermark * capacity)) if capacity and watermark > 0 else 0
+        self.hold_back = hold_back and kv.prefix_caching
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.counters = SchedulerCounters()
+        self._admissions = 0
+        self._pending: dict[bytes, Request] = {}  # key of a block being computed -> the request computing it
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.PENDING
+        self.waiting.append(request)
+
+    # --------------------------------------------------------------- schedule
+    def schedule(self) -> Batch:
+        """Decide the next step (see the module's docstring). Admission and preemption happen here; the blocks
+        for the chunks are taken by the planner, which :meth:`RequestKV.num_free` accounts for as ``reserved``."""
+        batch = Batch()
+        self._schedule_running(batch)
+        if not batch.preempted:
+            self._admit(batch)
+        return batch
+
+    def _schedule_running(self, batch: Batch) -> None:
+        decoding = sum(1 for r in self.running if r.remaining == 1)
+        decode_left = self.max_batch_tokens
+        prefill_left = self.max_batch_tokens - min(decoding, self.max_batch_tokens)
+        reserved = 0
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            decode = req.remaining == 1
+            n = 1 if decode and decode_left > 0 else min(req.remaining, prefill_left) if not decode else 0
+            if n == 0:
+                i += 1
+                continue
+            need = self.kv.blocks_needed(req.row, n)
+            while need > self.kv.num_free() - reserved:
+                available = self.kv.num_free() - reserved
+                fit = 0 if decode else self.kv.tokens_that_fit(req.row, available, n)
+                if fit > 0:
+                    n, need = fit, self.kv.blocks_needed(req.row, fit)
+                    break
+                victim = self.running[-1]
+                self.preempt(victim)
+                batch.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break  # it preempted itself: the requests after it are gone too
+            batch.chunks.append(Chunk(req, req.num_computed, n))
+            reserved += need
+            if decode:
+                decode_left -= 1
+            else:
+                prefill_left -= n
+            i += 1
+        self._reserved = reserved
+
+    def _admit(self, batch: Batch) -> None:
+        budget = self.max_batch_tokens - batch.num_tokens
+        reserved = self._reserved
+        held = []
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            width = 1 if req.forked else getattr(req.params, "num_return_sequences", 1)
+            if self.running and len(self.running) + width > self.max_num_seqs:
+                break
+            self.waiting.popleft()
+            limit = len(req.tokens) - 1  # the last known token always runs: its logits give the next token
+            prefix = self.kv.match(req.tokens, limit)
+            if self._waits_for_prefix(req, len(prefix), limit):
+                held.append(req)
+                continue
+            row = self.kv.open(prefix)
+            cached = len(prefix) * self.kv.block_size
+            n = min(len(req.tokens) - cached, budget)
+            need = self.kv.blocks_needed(row, n)
+            available = self.kv.num_free() - reserved - (self.watermark_blocks if self.running else 0)
+            if need > available:
+                n = self.kv.tokens_that_fit(row, available, n)
+                need = self.kv.blocks_needed(row, n) if n else 0
+            if n == 0:
+                self.kv.free(row)
+                self.waiting.appendleft(req)
+                break
+            self._start(req, row, cached)
+            batch.chunks.append(Chunk(req, cached, n))
+            reserved += need
+            budget -= n
+        self.waiting.extendleft(reversed(held))
+        self._reserved = reserved
+
+    def _waits_for_prefix(self, req: Request, cached_blocks: int, limit: int) -> bool:
+        if not self.hold_back or cached_blocks >= limit // self.kv.block_size:
+            return False
+        key = self._keys(req, cached_blocks + 1)[cached_blocks]
+        owner = self._pending.get(key)
+        if owner is not None and owner is not req:
+            self.counters.held_back += 1
+            return True
+        return False
+
+    def _keys(self, req: Request, num_blocks: int) -> list[bytes]:
+        if req.prefix_keys is None or len(req.prefix_keys) < num_blocks:
+            req.prefix_keys = self.kv.prefix_keys(req.tokens, len(req.tokens) // self.kv.block_size)
+        return req.prefix_keys
+
+    def _start(self, req: Request, row, cached: int) -> None:
+        req.row, req.num_computed = row, cached
+        req.status = RequestStatus.RUNNING
+        req.admitted_at = self._admissions
+        self._admissions += 1
+        c = self.counters
+        c.prefix_hit_tokens += cached
+        if req.ever_admitted:
+            c.recomputed_tokens += max(0, req.lost_tokens - cached)
+        else:
+            c.prompt_tokens += req.num_prompt
+            req.ever_admitted = True
+        self.running.append(req)
+        if self.hold_back:  # the full blocks it is about to compute: others with the same prefix wait for them
+            keys = self._keys(req, len(req.tokens) // self.kv.block_size)
+            first = cached // self.kv.block_size
+            req.pending_from = first
+            req.pending_keys = 0
+            for key in keys[first: len(req.tokens) // self.kv.block_size]:
+                if key in self._pending:
+                    break
+                self._pending[key] = req
+                req.pending_keys += 1
+
+    def add_fork(self, parent: Request, child: Request) -> None:
+        """Run ``child`` from now on, sharing ``parent``'s blocks (``num_return_sequences``): its tokens are the
+        parent's, computed as far as the parent's."""
+        child.tokens = list(parent.tokens)
+        child.row = self.kv.fork(parent.row)
+        child.num_computed = parent.num_computed
+        child.status = RequestStatus.RUNNING
+        child.ever_admitted = child.forked = True
+        child.admitted_at = self._admissions
+        self._admissions += 1
+        self.running.append(child)
+
+    def preempt(self, req: Request) -> None:
+        """Give ``req``'s blocks back and requeue it at the head, keeping its tokens (recomputed later)."""
+        self.running.remove(req)
+        self._drop_pending(req)
+        self.kv.free(req.row)
+        req.row = None
+        req.lost_tokens = req.num_computed
+        req.num_computed = 0
+        req.preemptions += 1
+        req.status = RequestStatus.PENDING
+        self.counters.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _drop_pending(self, req: Request, upto: int | None = None) -> None:
+        """Forget the pending keys ``req`` computes (all, or those of blocks before block ``upto``)."""
+        if not req.pending_keys:
+            return
+        keys = req.prefix_keys
+        end = req.pending_from + req.pending_keys
+        stop = end if upto is None else min(end, upto)
+        for key in keys[req.pending_from: stop]:
+            if self._pending.get(key) is req:
+                del self._pending[key]
+        req.pending_keys = end - stop
+        req.pending_from = stop
+
+    # ----------------------------------------------------------------- results
+    def advance(self, batch: Batch) -> None:
+        """The batch's forward ran and its blocks were published: count the computed tokens."""
+        c = self.counters
+        for chunk in batch.chunks:
+            req = chunk.request
+            req.num_computed = chunk.start + chunk.num_tokens
+            c.tokens_computed += chunk.num_tokens
+            c.prompt_tokens_computed += max(0, min(req.num_computed, req.num_prompt) - chunk.start)
+            if req.pending_keys:
+                self._drop_pending(req, upto=req.num_computed // self.kv.block_size)
+
+    def finish(self, req: Request, status: RequestStatus, keep: int | None = None) -> None:
+        """End ``req`` (finished, cancelled or failed), wherever it is; its blocks go back to the pool.
+
+        ``keep``: for a request whose last forward failed, the tokens its row holds validly (the rest is cut off
+        before the row is freed, so no half-written block is offered as a prefix)."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._drop_pending(req)
+        if req.row is not None:
+            if keep is None:
+                self.kv.free(req.row)
+            else:
+                self.kv.discard(req.row, keep)
+            req.row = None
+        req.status = status
+
+    def check_invariants(self) -> None:
+        """Assert the scheduler's state is consistent with the pool (tests)."""
+        assert not set(map(id, self.running)) & set(map(id, self.waiting)), "a request is both running and waiting"
+        for req in self.running:
+            assert req.status == RequestStatus.RUNNING and req.row is not None, req.request_id
+            assert self.kv.length(req.row) == req.num_computed, (req.request_id, self.kv.length(req.row),
+                                                                  req.num_computed)
+            assert 0 < req.remaining, req.request_id
+        for req in self.waiting:
+            assert req.status == RequestStatus.PENDING and req.row is None and req.num_computed == 0, req.request_id
+        for key, owner in self._pending.items():
+            assert owner in self.running, "a pending prefix block belongs to a request that is not running"

@@ -1,0 +1,225 @@
+"""The row model: who holds which KV.
+
+A :class:`Row` is one batch row of a :class:`~hf_paged.PagedCache` or one request of the continuous-batching engine.
+It owns one allocator sequence per layer group (its block table in that group), the token ids whose K/V it holds,
+and whether it was released (its blocks went back to the pool). :class:`Rows` holds the rows on one pool, in batch
+order, and is the only code that changes them: create (optionally from cached prefix blocks), fork, reorder, select,
+crop, release, and export / import for ``save`` / ``load``. The step planner (``step.py``) reads rows and appends
+to their sequences through the allocator; nothing else writes a row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .allocator import NULL_BLOCK
+from .groups import LayerGroups
+
+
+@dataclass(eq=False)
+class Row:
+    """One sequence of tokens in the pool (per layer group, one allocator sequence)."""
+
+    seqs: list[int]  # its allocator sequence in each layer group
+    tokens: list[int] | None = field(default_factory=list)  # ids whose K/V it holds; None: fed embeddings
+    released: bool = False  # its blocks went back to the pool: it holds no KV and cannot be continued
+
+
+@dataclass
+class RowExport:
+    """A row as ``save`` writes it: its length, token ids (or None) and per group its block table."""
+
+    length: int
+    tokens: list[int] | None
+    tables: list[list[int]]
+    released: bool
+
+
+class Rows:
+    """The rows drawing from one :class:`~hf_paged.BlockPool` for one model's layer groups.
+
+    ``rows`` is the batch in order (``PagedCache``) or the running requests (the engine). Every method takes the
+    pool's lock around allocator calls.
+    """
+
+    def __init__(self, pool, groups: LayerGroups):
+        self.pool = pool
+        self.groups = groups
+        self.rows: list[Row] = []
+
+    # ----------------------------------------------------------------- queries
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> Row:
+        return self.rows[index]
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    @property
+    def released(self) -> list[int]:
+        return [i for i, row in enumerate(self.rows) if row.released]
+
+    @property
+    def live(self) -> list[Row]:
+        return [row for row in self.rows if not row.released]
+
+    def length(self, row: Row) -> int:
+        """Tokens ``row`` holds in the pool (0 once released)."""
+        return 0 if row.released else self.pool.allocator.seq_len(row.seqs[0])
+
+    def table(self, row: Row, group: int = 0) -> list[int]:
+        return self.pool.allocator.block_table(row.seqs[group])
+
+    def holds_whole_history(self, row: Row) -> bool:
+        """False once blocks slid out of a window were given back."""
+        return all(NULL_BLOCK not in self.table(row, g) for g in range(self.groups.num_groups))
+
+    def tokens_known(self) -> bool:
+        return all(row.tokens is not None for row in self.live)
+
+    # -------------------------------------------------------------- creation
+    def new(self, prefix_blocks: list[int] = (), prefix_tokens: list[int] = ()) -> Row:
+        """A new row (appended to ``rows``), starting from ``prefix_blocks`` — full cached blocks holding
+        ``prefix_tokens`` (from :meth:`match_prefix`; single-group models only)."""
+        if prefix_blocks and self.groups.num_groups != 1:
+            raise ValueError("a row can start from cached prefix blocks only on models with one layer group.")
+        a = self.pool.allocator
+        with self.pool.lock:
+            seqs = [a.new_sequence(list(prefix_blocks)) if g == 0 else a.new_sequence()
+                    for g in range(self.groups.num_groups)]
+        row = Row(seqs, list(prefix_tokens))
+        self.rows.append(row)
+        return row
+
+    def extend(self, count: int) -> None:
+        """``count`` new empty rows."""
+        for _ in range(count):
+            self.new()
+
+    def match_prefix(self, tokens: list[int], max_tokens: int | None = None) -> list[int]:
+        """The cached (or live) full blocks that start ``tokens`` (prefix-caching pools with one layer group)."""
+        if not self.prefix_caching:
+            return []
+        with self.pool.lock:
+            return self.pool.allocator.match_prefix(tokens, max_tokens)
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether rows can start from cached prefix blocks here (mixed-window models cannot)."""
+        return self.pool.prefix_caching and self.groups.num_groups == 1 and self.groups.windows[0] is None
+
+    # ------------------------------------------------------------ operations
+    def fork(self, row: Row) -> Row:
+        """A row sharing ``row``'s blocks copy-on-write (not appended to ``rows``); a released row's copy is
+        released too."""
+        if row.released:
+            return Row(list(row.seqs), [], True)
+        a = self.pool.allocator
+        with self.pool.lock:
+            seqs = [a.fork(s) for s in row.seqs]
+        return Row(seqs, None if row.tokens is None else list(row.tokens))
+
+    def share(self, row: Row, source: Row) -> None:
+        """``row`` (just created, holding at most shared prefix blocks) takes ``source``'s blocks instead."""
+        a = self.pool.allocator
+        with self.pool.lock:
+            for g, seq in enumerate(row.seqs):
+                a.free(seq)
+                row.seqs[g] = a.fork(source.seqs[g])
+        row.tokens = None if source.tokens is None else list(source.tokens)
+
+    def select(self, indices: list[int]) -> "Rows":
+        """New rows (same pool) that are copies of ``indices`` (rows may repeat), sharing blocks copy-on-write."""
+        out = Rows(self.pool, self.groups)
+        out.rows = [self.fork(self.rows[i]) for i in indices]
+        return out
+
+    def keep(self, indices: list[int]) -> None:
+        """Keep only ``indices`` (in that order, repeats allowed); the others' blocks go back."""
+        kept = [self.fork(self.rows[i]) for i in indices]
+        self.clear()
+        self.rows = kept
+
+    def reorder(self, order: list[int]) -> None:
+        """Beam search: row ``i`` becomes a copy of row ``order[i]`` (block tables re-pointed, no KV copied)."""
+        a = self.pool.allocator
+        with self.pool.lock:
+            for g in range(self.groups.num_groups):
+                a.reorder([row.seqs[g] for row in self.rows], order)
+        tokens = [row.tokens for row in self.rows]
+        for row, i in zip(self.rows, order):
+            row.tokens = None if tokens[i] is None else list(tokens[i])
+
+    def crop(self, drop: int) -> None:
+        """Drop the last ``drop`` tokens of every live row."""
+        a = self.pool.allocator
+        with self.pool.lock:
+            for row in self.live:
+                new_len = max(0, a.seq_len(row.seqs[0]) - drop)
+                for seq in row.seqs:
+                    a.crop(seq, new_len)
+                if row.tokens is not None:
+                    del row.tokens[new_len:]
+
+    def release(self, row: Row) -> None:
+        """Give back ``row``'s blocks; it stays in ``rows`` (a batch keeps its shape) but holds no KV."""
+        if row.released:
+            return
+        a = self.pool.allocator
+        with self.pool.lock:
+            for seq in row.seqs:
+                a.free(seq)
+        row.released = True
+        if row.tokens is not None:
+            row.tokens = []
+
+    def remove(self, row: Row) -> None:
+        """Give back ``row``'s blocks and drop it from ``rows`` (a request that left the engine)."""
+        self.release(row)
+        self.rows = [r for r in self.rows if r is not row]
+
+    def clear(self) -> None:
+        """Give back every row's blocks; no rows remain."""
+        for row in self.rows:
+            self.release(row)
+        self.rows = []
+
+    # ----------------------------------------------------------- persistence
+    def export(self) -> list[RowExport]:
+        """Each row's length, tokens and block tables (``save`` reads the K/V at those blocks)."""
+        with self.pool.lock:
+            return [RowExport(self.length(row), None if row.tokens is None else list(row.tokens),
+                              [] if row.released else [list(self.table(row, g)) for g in range(self.groups.num_groups)],
+                              row.released)
+                    for row in self.rows]
+
+    def import_rows(self, lengths: list[int], tokens: list[list[int] | None], released: list[bool],
+                    publish: bool) -> None:
+        """Rows of the given lengths (the K/V are written by the caller at their slots). ``publish``: key their
+        full blocks by ``tokens`` so later prompts can start from them (only for trusted content). All or nothing:
+        on ``OutOfBlocksError`` no row is created."""
+        if self.rows:
+            raise ValueError("import_rows needs an empty Rows.")
+        a = self.pool.allocator
+        keyed = [self.pool.prefix_caching and publish and w is None for w in self.groups.windows]
+        with self.pool.lock:
+            rows = [Row([a.new_sequence() for _ in self.groups.windows], None if t is None else list(t), False)
+                    for t in tokens]
+            live = [(row, n) for row, n, gone in zip(rows, lengths, released) if not gone]
+            requests = [(row.seqs[g], n) for row, n in live for g in range(self.groups.num_groups)]
+            request_tokens = [row.tokens if keyed[g] else None for row, _ in live for g in range(self.groups.num_groups)]
+            try:
+                a.append(requests, request_tokens)
+            except Exception:
+                for row in rows:
+                    for seq in row.seqs:
+                        a.free(seq)
+                raise
+            for row, gone in zip(rows, released):
+                if gone:
+                    for seq in row.seqs:
+                        a.free(seq)
+                    row.released, row.tokens = True, []
+        self.rows = rows

@@ -1,0 +1,305 @@
+"""The engine on real (tiny, random-weight) models: every request's greedy tokens equal the same request alone through
+``model.generate()`` with a ``DynamicCache`` -- across random arrival orders, token budgets that force chunked
+prefill, pools that force preemption, prefix-cache hits, model families and an fp8 pool -- and the engine keeps
+serving under pool pressure from many threads, past failing forwards, and over thousands of requests.
+
+Where a float tie flips a greedy token, a difference is accepted only if the reference's top-2 logits at that position
+differ by less than 1e-4 (see tests/_engine_reference.py); the tests print how often that happened.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import threading
+import weakref
+
+import pytest
+import torch
+
+from _engine_reference import TieCount, check_tokens, random_prompts, reference
+from conftest import EOS, VOCAB, tiny_model
+from hf_paged import BlockPool, RequestStatus, enable_paged_attention, generate_batch, init_continuous_batching
+from test_models import AVAILABLE, tiny_family_model
+
+BLOCK = 4
+TIES = TieCount()
+
+
+def engine(model, pool, **options):
+    """A manager whose core the test steps itself (no thread): arrival order under the test's control."""
+    manager = init_continuous_batching(model, pool=pool, **options)
+    return manager, manager._core
+
+
+def drive(core, requests, seed: int, steps_between: int = 2, chunks: list | None = None):
+    """Add ``requests`` (``(rid, prompt, max_new)``) in random order, a few steps apart; run to the end.
+    ``chunks`` collects ``(rid, start, num_tokens, prompt_len)`` of every chunk run."""
+    if chunks is not None:
+        run = core.runner.run
+
+        def recording(batch):
+            chunks.extend((c.request.request_id, c.start, c.num_tokens, c.request.num_prompt) for c in batch.chunks)
+            return run(batch)
+
+        core.runner.run = recording
+    rng = random.Random(seed)
+    order = list(requests)
+    rng.shuffle(order)
+    reqs = {}
+    from hf_paged.engine.sampling import SamplingParams
+
+    with torch.no_grad():
+        for rid, prompt, new in order:
+            params = SamplingParams(max_new_tokens=new, eos_token_ids=(EOS,))
+            core.check_fits(len(prompt), new)
+            reqs[rid] = req = core.new_request(rid, prompt, params)
+            core.add(req)
+            for _ in range(rng.randint(0, steps_between)):
+                core.step()
+        while core.has_work:
+            core.step()
+            core.scheduler.check_invariants()
+    return reqs
+
+
+def assert_like_generate(model, reqs, specs, label):
+    for rid, prompt, new in specs:
+        req = reqs[rid]
+        assert req.status == RequestStatus.FINISHED, (label, rid, req.status, req.error)
+        check_tokens(f"{label}/{rid}", req.generated, reference(model, prompt, new), TIES)
+
+
+SCENARIOS = {
+    # name: (num_blocks, max_batch_tokens, prefix_caching, shared prefixes)
+    "roomy": (256, 256, False, False),
+    "chunked_prefill": (256, 7, False, False),
+    "preemption": (22, 64, False, False),
+    "prefix_hits": (256, 32, True, True),
+    "prefix_hits_preemption_chunks": (26, 11, True, True),
+}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_tokens_equal_generate_alone(scenario):
+    num_blocks, budget, prefix, shared = SCENARIOS[scenario]
+    model = enable_paged_attention(tiny_model("llama", seed=3), backend="torch")
+    prefixes = [random_prompts(1, VOCAB, (9, 9), 50)[0], random_prompts(1, VOCAB, (14, 14), 51)[0]] if shared else []
+    prompts = random_prompts(14, VOCAB, (1, 30), seed=7, shared=prefixes)
+    specs = [(f"r{i}", p, 1 + (i * 5) % 13) for i, p in enumerate(prompts)]
+    pool = BlockPool(block_size=BLOCK, num_blocks=num_blocks, prefix_caching=prefix)
+    manager, core = engine(model, pool, max_batch_tokens=budget)
+    chunks = []
+    reqs = drive(core, specs, seed=len(scenario), chunks=chunks)
+    assert_like_generate(model, reqs, specs, scenario)
+    c = core.scheduler.counters
+    if "preemption" in scenario:
+        assert c.preemptions > 0
+    if prefix:
+        assert c.prefix_hit_tokens > 0
+    if budget < 30:  # some prompt was prefilled over several steps
+        assert any(start + n < prompt_len for _, start, n, prompt_len in chunks)
+    assert pool.allocator.blocks_in_use == 0
+    pool.allocator.check_invariants()
+    print(f"\n{scenario}: ties accepted so far {len(TIES.ties)} of {TIES.requests} requests")
+
+
+@pytest.mark.parametrize("model_type", [m for m in ("mistral", "qwen2", "gemma2", "gemma3_text", "gpt_oss", "phi3",
+                                                    "cohere2", "olmo2") if m in AVAILABLE])
+def test_families_equal_generate_alone(model_type):
+    """Families with windows (one or mixed), soft-capping and sinks, through a pool that forces preemption and a budget
+    that forces chunked prefill. Mixed-window models run through their layer groups without prefix caching."""
+    model = enable_paged_attention(tiny_family_model(model_type, seed=2), backend="torch")
+    prompts = random_prompts(6, VOCAB, (2, 26), seed=11)
+    specs = [(f"{model_type}{i}", p, 4 + i % 6) for i, p in enumerate(prompts)]
+    pool = BlockPool(block_size=BLOCK, num_blocks=40, prefix_caching=True)
+    manager, core = engine(model, pool, max_batch_tokens=12)
+    reqs = drive(core, specs, seed=5)
+    assert_like_generate(model, reqs, specs, model_type)
+    assert pool.allocator.blocks_in_use == 0
+
+
+def test_fp8_pool_agrees_with_full_precision():
+    """16 requests on an fp8 pool: greedy tokens agree with the full-precision engine on >= 90% of positions up to
+    each request's first difference."""
+    model = enable_paged_attention(tiny_model("llama", seed=4), backend="torch")
+    prompts = random_prompts(16, VOCAB, (3, 30), seed=13)
+    specs = [(f"r{i}", p, 10) for i, p in enumerate(prompts)]
+    runs = {}
+    for kv_dtype in (None, torch.float8_e4m3fn):
+        pool = BlockPool(block_size=BLOCK, num_blocks=200, prefix_caching=False, kv_dtype=kv_dtype)
+        _, core = engine(model, pool, max_batch_tokens=32)
+        runs[kv_dtype] = drive(core, specs, seed=1)
+    agree = total = 0
+    for rid, _, _ in specs:
+        full, fp8 = runs[None][rid].generated, runs[torch.float8_e4m3fn][rid].generated
+        same = next((i for i, (a, b) in enumerate(zip(full, fp8)) if a != b), min(len(full), len(fp8)))
+        agree += same
+        total += len(full)
+    print(f"\nfp8 pool: {agree}/{total} = {agree / total:.1%} of positions agree up to the first difference")
+    assert agree >= 0.9 * total
+
+
+def test_pool_pressure_from_threads_with_cancellations():
+    """64 requests from 8 threads on a pool holding ~30% of the KV they need at once, some cancelled mid-way: every
+    other request finishes with the tokens generate() gives alone, preemptions happen, no thread sees an exception,
+    and no block is in use at the end (cached prefix blocks aside)."""
+    model = enable_paged_attention(tiny_model("llama", seed=5), backend="torch")
+    rng = random.Random(3)
+    specs = [(rng.randint(2, 24), rng.randint(4, 16)) for _ in range(64)]
+    need = sum(-(-(p + n) // BLOCK) for p, n in specs)
+    pool = BlockPool(block_size=BLOCK, num_blocks=int(0.3 * need), prefix_caching=True)
+    prompts = random_prompts(64, VOCAB, (2, 24), seed=17)
+    prompts = [p[: specs[i][0]] or p for i, p in enumerate(prompts)]
+    errors, results = [], {}
+    with init_continuous_batching(model, pool=pool, max_batch_tokens=64) as manager:
+        def client(t):
+            try:
+                mine = []
+                for i in range(t, 64, 8):
+                    rid = manager.add_request(prompts[i], max_new_tokens=specs[i][1])
+                    mine.append((rid, i))
+                for rid, i in mine:
+                    if i % 7 == 3:
+                        manager.cancel_request(rid)
+                for rid, i in mine:
+                    results[i] = manager.get_result(rid, timeout=300)
+            except BaseException as err:  # noqa: BLE001
+                errors.append(err)
+
+        threads = [threading.Thread(target=client, args=(t,)) for t in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        stats = manager.stats()
+    assert not errors, errors
+    assert stats.preemptions > 0
+    finished = 0
+    for i, out in results.items():
+        if out.status == RequestStatus.CANCELLED:
+            assert i % 7 == 3
+            continue
+        assert out.status == RequestStatus.FINISHED, (i, out.status, out.error)
+        check_tokens(f"pressure/{i}", out.generated_tokens, reference(model, prompts[i], specs[i][1]), TIES)
+        finished += 1
+    assert finished >= 64 - 10 and len(results) == 64
+    assert pool.allocator.blocks_in_use == 0
+    pool.allocator.check_invariants()
+
+
+def test_request_larger_than_the_pool_gets_its_error_and_the_rest_finish():
+    """generate_batch with one prompt that cannot fit the whole pool: that one comes back FAILED with the sizes, the
+    others finish with generate()'s tokens."""
+    model = enable_paged_attention(tiny_model("llama", seed=6), backend="torch")
+    prompts = random_prompts(4, VOCAB, (3, 10), seed=19)
+    prompts.insert(2, random_prompts(1, VOCAB, (60, 60), seed=20)[0])
+    pool = BlockPool(block_size=BLOCK, num_blocks=16)
+    outs = generate_batch(model, prompts, pool=pool, max_new_tokens=6, progress_bar=False)
+    assert list(outs) == [f"req_{i}" for i in range(5)]
+    big = outs["req_2"]
+    assert big.status == RequestStatus.FAILED and "needs 17 KV blocks of 4 tokens" in big.error
+    for i in (0, 1, 3, 4):
+        check_tokens(f"big/{i}", outs[f"req_{i}"].generated_tokens, reference(model, prompts[i], 6), TIES)
+
+
+def test_failing_forward_fails_only_its_step():
+    """A layer that raises on one prompt's token: the requests of the steps it ran in fail with the error; the
+    requests never batched with it finish with generate()'s tokens; the engine keeps serving."""
+    model = enable_paged_attention(tiny_model("llama", seed=7), backend="torch")
+    poison = VOCAB - 1
+    embed = model.model.embed_tokens
+
+    def hook(module, args):
+        if (args[0] == poison).any():
+            raise RuntimeError("poisoned token")
+
+    handle = embed.register_forward_pre_hook(hook)
+    try:
+        pool = BlockPool(block_size=BLOCK, num_blocks=64)
+        with init_continuous_batching(model, pool=pool, max_batch_tokens=64) as manager:
+            bad = manager.add_request([5, 6, poison, 7], max_new_tokens=4)
+            out = manager.get_result(bad, timeout=60)
+            assert out.status == RequestStatus.FAILED and "RuntimeError: poisoned token" in out.error
+            good = [[3, 4, 5], [9, 8, 7, 6, 5]]
+            outs = [manager.get_result(manager.add_request(p, max_new_tokens=5), timeout=60) for p in good]
+            assert manager.stats().failed == 1
+    finally:
+        handle.remove()
+    for p, o in zip(good, outs):
+        check_tokens("poison", o.generated_tokens, reference(model, p, 5), TIES)
+    assert pool.allocator.blocks_in_use == 0
+
+
+def test_logits_only_where_a_token_is_sampled():
+    """A step with a 20-token prefill chunk that does not reach its prompt's end and a decode token computes one row
+    of logits (the lm_head sees only the decode token)."""
+    model = enable_paged_attention(tiny_model("llama", seed=8), backend="torch")
+    rows = []
+    handle = model.lm_head.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[1]))
+    try:
+        pool = BlockPool(block_size=BLOCK, num_blocks=64)
+        _, core = engine(model, pool, max_batch_tokens=21)
+        drive(core, [("a", [5, 6, 7], 3)], seed=0, steps_between=0)
+        rows.clear()
+        drive(core, [("b", list(range(3, 43)), 2), ("c", [4, 5], 2)], seed=0, steps_between=0)
+    finally:
+        handle.remove()
+    assert max(rows) <= 2 and rows.count(0) + rows.count(1) + rows.count(2) == len(rows)
+
+
+def test_longrope_requests_past_the_switch_are_refused():
+    """Phi3 with LongRoPE: the long factors apply past original_max_position_embeddings for the whole packed batch,
+    so requests that would cross it are refused with the sizes; shorter ones equal generate()."""
+    if "phi3" not in AVAILABLE:
+        pytest.skip("no phi3 in this transformers")
+    head = 8
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * (head // 2), "long_factor": [4.0] * (head // 2),
+            "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+    model = enable_paged_attention(tiny_family_model("phi3", seed=3, head_dim=head, num_attention_heads=8,
+                                                     num_key_value_heads=4, max_position_embeddings=128,
+                                                     original_max_position_embeddings=32, rope_parameters=rope),
+                                   backend="torch")
+    pool = BlockPool(block_size=BLOCK, num_blocks=64)
+    with init_continuous_batching(model, pool=pool) as manager:
+        with pytest.raises(ValueError, match=r"prompt has 40 tokens but the model's context is 32 \(original_max"):
+            manager.add_request(list(range(3, 43)), max_new_tokens=4)
+        assert manager.max_context == 32
+        prompt = list(range(3, 20))
+        out = manager.get_result(manager.add_request(prompt, max_new_tokens=6), timeout=60)
+    check_tokens("phi3-longrope", out.generated_tokens, reference(model, prompt, 6), TIES)
+
+
+def _rss_mb() -> float:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_stability_over_two_thousand_requests():
+    """2,000 short requests through one engine: the pool goes back to idle, RSS grows by at most 50 MB between request
+    500 and request 2,000, stop() joins the engine thread, and a dropped engine frees its pool."""
+    model = enable_paged_attention(tiny_model("llama", seed=9), backend="torch")
+    pool = BlockPool(block_size=BLOCK, num_blocks=512, prefix_caching=True)
+    manager = init_continuous_batching(model, pool=pool, max_batch_tokens=256)
+    manager.start()
+    rng = random.Random(0)
+    rss = {}
+    for wave in range(20):
+        ids = manager.add_requests([[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 8))] for _ in range(100)],
+                                   max_new_tokens=3)
+        for rid in ids:
+            assert manager.get_result(rid, timeout=120).status == RequestStatus.FINISHED
+        if wave + 1 in (5, 20):
+            gc.collect()
+            rss[(wave + 1) * 100] = _rss_mb()
+    assert pool.allocator.blocks_in_use == 0
+    thread = manager._thread
+    manager.stop()
+    assert not thread.is_alive()
+    print(f"\nRSS after 500 requests {rss[500]:.1f} MB, after 2000 {rss[2000]:.1f} MB")
+    assert rss[2000] - rss[500] <= 50
+    ref = weakref.ref(pool)
+    del manager, pool
+    gc.collect()
+    assert ref() is None
