@@ -21,6 +21,8 @@ from .responses import DONE, Shape, sse
 
 log = logging.getLogger("hf_paged.serve")
 
+UNBOUNDED_CONTEXT = 1 << 20  # a model without max_position_embeddings: the pool is the only limit
+
 
 @dataclass
 class ServeSettings:
@@ -102,8 +104,12 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
             raise APIError(404, f"the model '{model}' does not exist on this server; it serves '{name}'.",
                            param="model", code="model_not_found")
 
+    if pool_tokens is None:
+        pool_tokens = _pool_tokens(manager)
+
     def budgets(prompts: list[list[int]], max_tokens: int | None) -> list[int]:
-        ctx = engine.max_context
+        """max_new_tokens per prompt: as asked, or the context left after the prompt (within what the pool holds)."""
+        ctx = engine.max_context if engine.max_context is not None else UNBOUNDED_CONTEXT
         vocab = engine.vocab_size
         out = []
         for p, ids in enumerate(prompts):
@@ -170,6 +176,13 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["*"], expose_headers=["X-Request-Id"])
     return app
+
+
+def _pool_tokens(manager) -> int | None:
+    """Tokens a capped pool holds (one request can never hold more); None for a pool that grows."""
+    pool = getattr(manager, "pool", None)
+    blocks = getattr(getattr(pool, "allocator", None), "max_blocks", None)
+    return None if blocks is None else blocks * pool.block_size
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -24,6 +24,7 @@ from .stops import StopChecker
 log = logging.getLogger("hf_paged.serve")
 
 RETRY_AFTER_S = 1
+_FINAL = ("FINISHED", "CANCELLED", "FAILED")
 
 
 @dataclass
@@ -170,8 +171,8 @@ class AsyncEngine:
                     gen.choices.append(choice)
                     gen.pending += 1
                     self.manager.add_request(list(ids), request_id=choice.request_id,
-                                             max_new_tokens=max_new_tokens[p], streaming=True,
-                                             callback=self._callback(choice), **params.engine_kwargs(i))
+                                             max_new_tokens=max_new_tokens[p], callback=self._callback(choice),
+                                             **params.engine_kwargs(i))
         except QueueFullError as exc:
             gen.cancel()
             raise APIError(429, f"the server's queue is full ({exc}); retry in {RETRY_AFTER_S} s.",
@@ -185,11 +186,15 @@ class AsyncEngine:
         return gen
 
     def cancel(self, choice: _Choice) -> None:
+        """Cancel a choice the client no longer waits for (no-op once it has ended)."""
         if not choice.done:
-            try:
-                self.manager.cancel_request(choice.request_id)
-            except Exception:  # already gone: nothing to give back
-                log.debug("cancel of %s failed", choice.request_id, exc_info=True)
+            self._cancel_now(choice)
+
+    def _cancel_now(self, choice: _Choice) -> None:
+        try:
+            self.manager.cancel_request(choice.request_id)
+        except KeyError:  # never queued, or already ended and read: nothing to give back
+            pass
 
     def _callback(self, choice: _Choice):
         def on_output(output) -> None:  # engine thread: hand over and return at once
@@ -209,17 +214,29 @@ class AsyncEngine:
 
     def _process(self, choice: _Choice, output, now: float) -> None:
         """Detokenizer thread: one engine delta -> one Piece posted to the event loop."""
-        if choice.done:
+        final = getattr(output.status, "name", str(output.status)).upper() in _FINAL
+        if choice.done:  # ended here already (a stop string): only the engine's result is left to drop
+            if final:
+                self._drop_result(choice)
             return
         try:
             piece = self._piece(choice, output, now)
         except Exception as exc:  # a tokenizer failure ends this choice, never the thread
             log.exception("output processing failed for %s", choice.request_id)
             choice.done = True
-            self.cancel(choice)
+            self._cancel_now(choice)
             piece = Piece(choice.index, "", 0, error=f"output processing failed: {exc}")
+        if final:
+            self._drop_result(choice)
         if piece is not None:
             choice.sink.loop.call_soon_threadsafe(choice.sink._post, piece)
+
+    def _drop_result(self, choice: _Choice) -> None:
+        """The engine keeps each ended request's result until it is read; the pieces already carried it."""
+        try:
+            self.manager.get_result(choice.request_id, timeout=0)
+        except KeyError:  # already read or never queued
+            pass
 
     def _piece(self, choice: _Choice, output, now: float) -> Piece | None:
         new = list(output.generated_tokens or [])
@@ -236,12 +253,13 @@ class AsyncEngine:
         text, stopped = choice.stops.add(choice.detok.add(new))
         if stopped:
             choice.done = True
-            self.cancel_after_stop(choice)
+            self._cancel_now(choice)
             return Piece(choice.index, text, len(new), logprobs, finish_reason="stop")
-        if status in ("FINISHED", "CANCELLED", "FAILED"):
+        if status in _FINAL:
             choice.done = True
             tail, stopped = choice.stops.add(choice.detok.finish())
-            text += tail + ("" if stopped else choice.stops.flush())
+            rest, stopped = choice.stops.flush()
+            text += tail + rest
             if status == "FAILED":
                 return Piece(choice.index, text, len(new), logprobs, error=output.error or "the engine failed")
             reason = "stop" if stopped else (output.finish_reason or ("length" if status == "FINISHED" else "stop"))
@@ -250,11 +268,6 @@ class AsyncEngine:
             return None
         return Piece(choice.index, text, len(new), logprobs)
 
-    def cancel_after_stop(self, choice: _Choice) -> None:
-        try:
-            self.manager.cancel_request(choice.request_id)
-        except Exception:
-            log.debug("cancel after stop of %s failed", choice.request_id, exc_info=True)
 
     def _logprobs(self, output, new: list[int]) -> list[TokenLogprob] | None:
         values = output.logprobs

@@ -16,7 +16,7 @@ class StopChecker:
         stops = StopChecker(["\\n\\n", "END"])
         stops.add("Hello\\n")     # -> ("Hello", False): "\\n" is held back, it may start "\\n\\n"
         stops.add("\\nmore")      # -> ("", True): the text ends before the stop string
-        stops.flush()            # -> "" (nothing held once stopped)
+        stops.flush()            # -> ("", True): nothing is held once stopped
     """
 
     def __init__(self, stop: list[str] | None):
@@ -25,19 +25,24 @@ class StopChecker:
         self.stopped = False
 
     def add(self, piece: str) -> tuple[str, bool]:
-        """``(text to send, stopped)`` after appending ``piece``."""
+        """``(text to send, stopped)`` after appending ``piece``. The stop string that starts first wins, however
+        the text was split: a complete match waits while a longer stop string starting earlier may still complete."""
         if self.stopped:
             return "", True
         if not self.stop:
             return piece, False
         text = self.held + piece
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if hits:
+        hit = self._first_hit(text)
+        keep_from = len(text) - self._partial_suffix(text)
+        if hit is not None and hit <= keep_from:
             self.stopped, self.held = True, ""
-            return text[:min(hits)], True
-        keep = self._partial_suffix(text)
-        self.held = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep], False
+            return text[:hit], True
+        self.held = text[keep_from:]
+        return text[:keep_from], False
+
+    def _first_hit(self, text: str) -> int | None:
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
 
     def _partial_suffix(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
@@ -49,7 +54,12 @@ class StopChecker:
                     break
         return best
 
-    def flush(self) -> str:
-        """The held-back text at the end of generation (no stop string completed it)."""
+    def flush(self) -> tuple[str, bool]:
+        """``(held-back text, stopped)`` at the end of generation: the text before a stop string still held, or all
+        of it."""
         text, self.held = ("" if self.stopped else self.held), ""
-        return text
+        hit = self._first_hit(text) if self.stop else None
+        if hit is not None:
+            self.stopped = True
+            return text[:hit], True
+        return text, self.stopped
