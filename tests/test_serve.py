@@ -84,11 +84,11 @@ def tiny_lm(tokenizer, seed: int = 0, **overrides) -> LlamaForCausalLM:
     return model
 
 
-def cycle_lm(tokenizer, cycle: list[int]) -> LlamaForCausalLM:
+def cycle_lm(tokenizer, cycle: list[int], **overrides) -> LlamaForCausalLM:
     """A Llama whose greedy output walks ``cycle`` (token ``cycle[i]`` is followed by ``cycle[i + 1]``, wrapping):
     attention and MLP outputs are zeroed so the residual stream carries the current token's embedding, cycle tokens
     have orthogonal embeddings, and each one's lm_head row is its predecessor's embedding."""
-    model = tiny_lm(tokenizer, seed=1)
+    model = tiny_lm(tokenizer, seed=1, **overrides)
     hidden = model.config.hidden_size
     assert len(cycle) <= hidden
     with torch.no_grad():
@@ -241,9 +241,11 @@ def test_completion_greedy_equals_generate_streamed_or_not(served, tokenizer):
         assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
             [r.choices[0].finish_reason]
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == count
-    r = client.completions.create(model=MODEL, prompt=tokenizer(PROMPTS[0])["input_ids"], max_tokens=12,
-                                  temperature=0)
-    assert r.choices[0].text == greedy_reference(served.model, tokenizer, tokenizer(PROMPTS[0])["input_ids"], 12)[0]
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    assert r.choices[0].text == greedy_reference(served.model, tokenizer, ids, 12)[0]
+    echoed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPTS[0] + r.choices[0].text
 
 
 def test_chat_greedy_equals_generate_streamed_or_not(served, tokenizer):
@@ -336,7 +338,9 @@ def test_models_health_and_metrics(served):
     and counts what was served (tokens, TTFT observations, KV blocks by state)."""
     client = served.client()
     assert [m.id for m in client.models.list().data] == [MODEL]
-    client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=4, temperature=0)
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=PROMPTS[3], max_tokens=4, temperature=0,
+                                                      extra_headers={"X-Request-Id": "my-id-42"})
+    assert raw.headers["x-request-id"] == "my-id-42" and raw.parse().id == "cmpl-my-id-42"
     assert httpx.get(served.url + "/health", timeout=30).status_code == 200
     text = httpx.get(served.url + "/metrics", timeout=30).text
     families = {f.name: f for f in prometheus_parser.text_string_to_metric_families(text)}
@@ -405,10 +409,39 @@ def test_bad_requests_get_their_4xx_and_the_server_keeps_serving(served, tokeniz
     assert stats.blocks_in_use == 0 and stats.failed == 0
 
 
-def test_queue_full_is_429_with_retry_after_and_health_503_once_stopped(tokenizer):
-    """Past --max-queue waiting requests a new one gets 429 with Retry-After, the accepted ones still finish; once
-    the engine is stopped /health answers 503."""
-    server = Server(tiny_lm(tokenizer, seed=3), tokenizer, num_blocks=4, max_queue=1)
+class Breakable(torch.nn.Module):
+    """Wraps a decoder layer's MLP; raises ``self.error`` (when set) in the engine's forward."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp, self.error = mlp, None
+
+    def forward(self, x):
+        if self.error is not None:
+            raise self.error
+        return self.mlp(x)
+
+
+def _stream_lines(server, prompt: str, after_first=None) -> list[str]:
+    with server.client().completions.with_streaming_response.create(model=MODEL, prompt=prompt, max_tokens=40,
+                                                                    temperature=0, stream=True) as response:
+        lines = response.iter_lines()
+        out = [next(line for line in lines if line.startswith("data: {"))]
+        if after_first is not None:
+            after_first()
+        return out + [line for line in lines if line]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread's death
+def test_queue_full_engine_failures_and_a_dead_engine(tokenizer):
+    """Past max_queue waiting requests a new one gets 429 with Retry-After while the accepted ones finish; a forward
+    that fails mid-stream ends that stream with an SSE error event then [DONE] (a 500 when not streamed) and the
+    server keeps serving; if the engine thread dies, open streams end the same way, /health answers 503 and new
+    requests 503."""
+    model = tiny_lm(tokenizer, seed=3)
+    model.generation_config.eos_token_id = None
+    breaker = model.model.layers[1].mlp = Breakable(model.model.layers[1].mlp)
+    server = Server(model, tokenizer, num_blocks=4, max_queue=1)
     try:
         async def flood():
             client = server.async_client()
@@ -426,13 +459,26 @@ def test_queue_full_is_429_with_retry_after_and_health_503_once_stopped(tokenize
             return await asyncio.gather(*(one(i) for i in range(6)))
 
         results = asyncio.run(flood())
-        assert 429 in results
-        assert any(r in ("stop", "length") for r in results)
+        assert 429 in results and "length" in results
         assert wait_blocks_released(server.manager).blocks_in_use == 0
+
+        lines = _stream_lines(server, PROMPTS[0], after_first=lambda: setattr(breaker, "error", RuntimeError("x")))
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2][len("data: "):])["error"]
+        assert error["type"] == "server_error" and "failed" in error["message"]
+        with pytest.raises(openai.InternalServerError):
+            server.client().completions.create(model=MODEL, prompt="hi", max_tokens=4)
+        breaker.error = None
+        assert server.client().completions.create(model=MODEL, prompt="hi", max_tokens=4).usage.completion_tokens == 4
         assert httpx.get(server.url + "/health", timeout=30).status_code == 200
-        server.manager.stop(block=True, timeout=30, drain=False)
+
+        lines = _stream_lines(server, PROMPTS[1], after_first=lambda: setattr(breaker, "error", SystemExit()))
+        assert lines[-1] == "data: [DONE]" and "engine thread stopped" in lines[-2]
         r = httpx.get(server.url + "/health", timeout=30)
         assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+        with pytest.raises(openai.APIStatusError) as info:
+            server.client().completions.create(model=MODEL, prompt="hi", max_tokens=4)
+        assert info.value.status_code == 503
     finally:
         server.close()
 
@@ -444,7 +490,7 @@ def test_multibyte_stream_never_splits_a_character(tokenizer):
     text = "é日😀жa"
     cycle = [byte_token(tokenizer, b) for b in text.encode()]
     assert len(set(cycle)) == len(cycle)
-    server = Server(cycle_lm(tokenizer, cycle), tokenizer, num_blocks=16)
+    server = Server(cycle_lm(tokenizer, cycle, max_position_embeddings=48), tokenizer, num_blocks=16)
     try:
         client = server.client()
         prompt = [cycle[-1]]
@@ -457,6 +503,8 @@ def test_multibyte_stream_never_splits_a_character(tokenizer):
         assert sum(1 for p in pieces if p) >= 3 * len(text)  # streamed as characters complete, not at the end
         cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=len(cycle) + 3, temperature=0)
         assert cut.choices[0].text == text + "é\ufffd"  # the end flushes bytes that never completed
+        unbounded = client.completions.create(model=MODEL, prompt=prompt, temperature=0)  # no max_tokens
+        assert unbounded.usage.completion_tokens == 47 and unbounded.choices[0].finish_reason == "length"
     finally:
         server.close()
 

@@ -62,9 +62,11 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         manager.start()
+        watchdog = asyncio.ensure_future(engine.watch())
         try:
             yield
         finally:
+            watchdog.cancel()
             if settings.owns_engine:
                 # uvicorn has already waited (up to drain_timeout) for open responses; what is left is cancelled.
                 await asyncio.to_thread(manager.stop, block=True, timeout=settings.drain_timeout, drain=False)
@@ -142,10 +144,11 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
     @app.post("/v1/completions")
     async def completions(request: Request):
         record = request.state.record
-        req = parse_completion(parse_json(await request.body()))
+        req = await engine.run(lambda raw: parse_completion(parse_json(raw)), await request.body())
         check_model(req.model)
         prompts = [p if isinstance(p, list) else await engine.encode(p) for p in req.prompts]
-        gen = engine.generate(prompts, req.params, req.n, budgets(prompts, req.params.max_tokens), record.start)
+        limits = await engine.run(budgets, prompts, req.params.max_tokens)
+        gen = engine.generate(prompts, req.params, req.n, limits, record.start)
         record.generation = gen
         echoes = None
         if req.echo:
@@ -158,10 +161,11 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         record = request.state.record
-        req = parse_chat(parse_json(await request.body()))
+        req = await engine.run(lambda raw: parse_chat(parse_json(raw)), await request.body())
         check_model(req.model)
         prompt = await engine.chat_prompt(req.messages)
-        gen = engine.generate([prompt], req.params, req.n, budgets([prompt], req.params.max_tokens), record.start)
+        limits = await engine.run(budgets, [prompt], req.params.max_tokens)
+        gen = engine.generate([prompt], req.params, req.n, limits, record.start)
         record.generation = gen
         shape = Shape("chat", f"chatcmpl-{record.id}", int(time.time()), name, req.include_usage)
         if req.stream:

@@ -122,6 +122,7 @@ class AsyncEngine:
         self._detok_pool = ThreadPoolExecutor(1, thread_name_prefix="hf_paged-detok")
         self._serial = itertools.count()
         self._token_text: dict[int, str] = {}
+        self._live: dict[str, _Choice] = {}  # submitted, not ended (added on the loop, removed by the detok thread)
 
     @property
     def max_context(self) -> int:
@@ -134,6 +135,10 @@ class AsyncEngine:
     # -- tokenization (thread pool) --------------------------------------------------------------------------------
     async def _offload(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    async def run(self, fn, *args):
+        """``fn(*args)`` on the tokenizer threads (request parsing, anything that may take a while)."""
+        return await self._offload(fn, *args)
 
     async def encode(self, text: str) -> list[int]:
         return await self._offload(lambda: self.tokenizer(text, add_special_tokens=True)["input_ids"])
@@ -170,6 +175,7 @@ class AsyncEngine:
                                      params.logprobs is not None, gen)
                     gen.choices.append(choice)
                     gen.pending += 1
+                    self._live[choice.request_id] = choice
                     self.manager.add_request(list(ids), request_id=choice.request_id,
                                              max_new_tokens=max_new_tokens[p], callback=self._callback(choice),
                                              **params.engine_kwargs(i))
@@ -185,6 +191,28 @@ class AsyncEngine:
             raise APIError(503, f"the engine is not running: {exc}") from None
         return gen
 
+    async def watch(self, period_s: float = 0.5) -> None:
+        """Runs beside the server: if the engine thread dies, every choice still waiting ends with an error (an
+        engine that died cannot be trusted to report its requests), and /health answers 503."""
+        while True:
+            await asyncio.sleep(period_s)
+            if self._live and not self.manager.is_running():
+                for choice in list(self._live.values()):
+                    self._submit(self._fail, choice, "the engine thread stopped; restart the server")
+
+    def _submit(self, fn, *args) -> None:
+        try:
+            self._detok_pool.submit(fn, *args)
+        except RuntimeError:  # shutting down
+            pass
+
+    def _fail(self, choice: _Choice, message: str) -> None:
+        if choice.done:
+            return
+        choice.done = True
+        self._live.pop(choice.request_id, None)
+        choice.sink.loop.call_soon_threadsafe(choice.sink._post, Piece(choice.index, "", 0, error=message))
+
     def cancel(self, choice: _Choice) -> None:
         """Cancel a choice the client no longer waits for (no-op once it has ended)."""
         if not choice.done:
@@ -198,11 +226,7 @@ class AsyncEngine:
 
     def _callback(self, choice: _Choice):
         def on_output(output) -> None:  # engine thread: hand over and return at once
-            now = time.perf_counter()
-            try:
-                self._detok_pool.submit(self._process, choice, output, now)
-            except RuntimeError:  # shutting down
-                pass
+            self._submit(self._process, choice, output, time.perf_counter())
 
         return on_output
 
@@ -218,6 +242,7 @@ class AsyncEngine:
         if choice.done:  # ended here already (a stop string): only the engine's result is left to drop
             if final:
                 self._drop_result(choice)
+                self._live.pop(choice.request_id, None)
             return
         try:
             piece = self._piece(choice, output, now)
@@ -228,6 +253,8 @@ class AsyncEngine:
             piece = Piece(choice.index, "", 0, error=f"output processing failed: {exc}")
         if final:
             self._drop_result(choice)
+        if choice.done:
+            self._live.pop(choice.request_id, None)
         if piece is not None:
             choice.sink.loop.call_soon_threadsafe(choice.sink._post, piece)
 
