@@ -62,7 +62,7 @@ def pct(values: list[float], q: float) -> float:
 class Subprocess:
     """A server started as a subprocess, ready once GET /health (or /v1/models) answers 200."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, model_id: str, startup_s: float):
+    def __init__(self, name: str, cmd: list[str], port: int, model_id: str, startup_s: float, env: dict):
         import httpx
 
         self.name, self.port, self.model_id = name, port, model_id
@@ -70,8 +70,7 @@ class Subprocess:
         logs = ROOT / "bench" / "out"
         logs.mkdir(parents=True, exist_ok=True)
         self.log = open(logs / f"{name.split()[0]}_serve.log", "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + startup_s
         self.error = None
         while True:
@@ -148,6 +147,8 @@ def engine_alone(args, prompts: list[str], concurrency: int) -> dict:
     import hf_paged
     from hf_paged import embedded
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tokenizer = embedded.load(args.model, dtype=torch.float32)
     pool = hf_paged.BlockPool(block_size=args.block_size, max_memory=args.max_memory, prefix_caching=True)
     manager = hf_paged.init_continuous_batching(model, pool=pool, max_batch_tokens=args.max_batch_tokens)
@@ -187,6 +188,8 @@ def main(argv=None) -> int:
     p.add_argument("--level-timeout", type=float, default=900, help="seconds one contender may take per level")
     p.add_argument("--skip-transformers", action="store_true", help="no `transformers serve` contender")
     p.add_argument("--skip-engine", action="store_true", help="no engine-alone row")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process, servers and engine alike "
+                   "(0: torch's default; on the shared 2-core VM two threads per process ran ~6x slower than one)")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args(argv)
 
@@ -197,14 +200,19 @@ def main(argv=None) -> int:
     prompts = list(embedded.CHAT_PROMPTS)
     print(f"machine: {machine()}")
     print(f"model: {args.model}; {args.requests} chat request(s) per client, max_tokens {args.max_tokens}, "
-          f"greedy, streamed; concurrency {levels}", flush=True)
+          f"greedy, streamed; concurrency {levels}; torch threads per process: {args.threads or 'default'}",
+          flush=True)
 
     py = sys.executable
     port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
     contenders = [Subprocess("hf_paged serve", [py, "-m", "hf_paged", "serve", "--model", args.model, "--port",
-                                                str(port), "--block-size", str(args.block_size), "--max-memory",
+                                                str(port), "--threads", str(args.threads), "--block-size",
+                                                str(args.block_size), "--max-memory",
                                                 args.max_memory, "--max-batch-tokens", str(args.max_batch_tokens),
-                                                "--log-level", "warning"], port, Path(args.model).name, 300)]
+                                                "--log-level", "warning"], port, Path(args.model).name, 300, env)]
     skipped = {}
     if not args.skip_transformers:
         exe = shutil.which("transformers") or str(Path(py).parent / "transformers")
@@ -214,7 +222,7 @@ def main(argv=None) -> int:
                         [exe, "serve", args.model, "--continuous-batching", "--port", str(port2), "--host",
                          "127.0.0.1", "--device", "cpu", "--dtype", "float32", "--cb-block-size",
                          str(args.block_size), "--cb-num-blocks", str(blocks), "--cb-max-batch-tokens",
-                         str(args.max_batch_tokens)], port2, args.model, 300)
+                         str(args.max_batch_tokens)], port2, args.model, 300, env)
         if ts.error:
             skipped[ts.name] = ts.error
         else:

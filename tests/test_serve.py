@@ -590,7 +590,7 @@ def test_cli_serves_a_model_directory_and_drains_on_sigterm(tmp_path, tokenizer)
     sock.close()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_PAGED_API_KEY": KEY}
     proc = subprocess.Popen([sys.executable, "-m", "hf_paged", "serve", "--model", str(model_dir), "--port",
-                             str(port), "--max-memory", "8MiB", "--drain-timeout", "60"],
+                             str(port), "--max-memory", "8MiB", "--drain-timeout", "60", "--threads", "1"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -217,8 +217,8 @@ async def _collect(gen: Generation, shape: Shape, request: Request, record, n: i
     finally:
         if not work.done():
             work.cancel()
-            gen.cancel()
         watch.cancel()
+        gen.cancel()  # choices still running (client gone, or another choice failed); no-op for ended ones
     if not work.done() or work.cancelled():
         record.outcome = "disconnected"
         return Response(status_code=499)

@@ -33,6 +33,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weights' dtype (auto: bfloat16 on a GPU, float32 on the CPU)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
                    help="paged attention kernels")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not keep finished prompts' blocks for reuse")
@@ -66,6 +67,8 @@ def build(args):
     from .app import ServeSettings, create_app
     from .middleware import DEFAULT_MAX_BODY_BYTES
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = _device(args.device)
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]

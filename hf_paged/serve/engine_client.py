@@ -103,7 +103,8 @@ class AsyncEngine:
         tokenizer: the model's tokenizer (a ``PreTrainedTokenizerBase``).
         vocab_size: the model's vocabulary (prompt token ids must be below it); default ``len(tokenizer)``.
         metrics: a :class:`~hf_paged.serve.metrics.ServerMetrics` or ``None``.
-        tokenize_workers: threads for prompt tokenization and chat templates.
+        tokenize_workers: threads for request parsing, prompt tokenization and chat templates (default 1: a fast
+            tokenizer's encode can refuse concurrent use of one instance).
 
     Example::
 
@@ -113,7 +114,7 @@ class AsyncEngine:
         async for piece in gen.pieces(): print(piece.text, end="")
     """
 
-    def __init__(self, manager, tokenizer, metrics=None, vocab_size: int | None = None, tokenize_workers: int = 2):
+    def __init__(self, manager, tokenizer, metrics=None, vocab_size: int | None = None, tokenize_workers: int = 1):
         self.manager = manager
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
