@@ -8,9 +8,11 @@ requests without HTTP.
 Each client sends --requests chat completions one after another (stream, temperature 0, max_tokens --max-tokens,
 the embedded chat prompts in turn) with the `openai` async client (max_retries=0). Per concurrency: output tokens/s
 over the wall time, time to first token and inter-token gap (p50 / p99, from the streamed chunks as they arrive),
-failures. Contenders alternate per concurrency level; both servers run as subprocesses, so the clients never share
-their interpreter. The engine row runs the same requests at the top concurrency through `add_request` /
-`get_result` in threads: the server's overhead is the ratio of the two.
+failures, and output tokens per CPU-second of the server process (all its threads). Contenders alternate per
+concurrency level; both servers run as subprocesses, so the clients never share their interpreter. The engine row
+runs the same requests at the top concurrency through `add_request` / `get_result` in threads: the server's overhead
+is the ratio of the two (wall-clock tokens/s, and tokens per CPU-second, which other jobs on a shared machine do not
+move).
 """
 
 from __future__ import annotations
@@ -87,6 +89,11 @@ class Subprocess:
                 self.stop()
                 return
             time.sleep(0.5)
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds of the server process so far, all its threads (Linux /proc)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self):
         if self.proc.poll() is None:
@@ -166,14 +173,14 @@ def engine_alone(args, prompts: list[str], concurrency: int) -> dict:
                                           do_sample=False)
                 tokens.append(len(manager.get_result(rid).generated_tokens))
 
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        wall = time.perf_counter() - start
-    return {"tokens": sum(tokens), "wall_s": wall, "tokens_per_s": sum(tokens) / wall}
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return {"tokens": sum(tokens), "wall_s": wall, "tokens_per_s": sum(tokens) / wall, "cpu_s": cpu}
 
 
 def main(argv=None) -> int:
@@ -239,6 +246,7 @@ def main(argv=None) -> int:
             for c in contenders:
                 if c.name in skipped:
                     continue
+                cpu = c.cpu_seconds()
                 try:
                     r = asyncio.run(asyncio.wait_for(run_clients(c.url, c.model_id, prompts, level, args.requests,
                                                                  args.max_tokens, args.level_timeout),
@@ -246,6 +254,7 @@ def main(argv=None) -> int:
                 except asyncio.TimeoutError:
                     skipped[c.name] = f"concurrency {level} took over {args.level_timeout:.0f} s; later levels skipped"
                     continue
+                r["cpu_s"] = c.cpu_seconds() - cpu
                 results[c.name][level] = r
                 print(f"  {c.name:42s} c={level:<3d} {r['tokens_per_s']:7.1f} tok/s  "
                       f"ttft p50 {pct(r['ttft'], 50):.2f}s  itl p50 {pct(r['gaps'], 50) * 1e3:.0f}ms  "
@@ -260,21 +269,25 @@ def main(argv=None) -> int:
 
     print()
     print(f"{'server':42s} {'conc':>4s} {'req':>4s} {'fail':>4s} {'tok/s':>7s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
-          f"{'ITL p50':>8s} {'ITL p99':>8s}")
+          f"{'ITL p50':>8s} {'ITL p99':>8s} {'tok/CPU-s':>9s}")
     for name, by_level in results.items():
         for level, r in by_level.items():
             print(f"{name:42s} {level:4d} {r['requests']:4d} {len(r['failures']):4d} {r['tokens_per_s']:7.1f} "
                   f"{pct(r['ttft'], 50):8.2f}s {pct(r['ttft'], 99):8.2f}s {pct(r['gaps'], 50) * 1e3:6.0f}ms "
-                  f"{pct(r['gaps'], 99) * 1e3:6.0f}ms")
+                  f"{pct(r['gaps'], 99) * 1e3:6.0f}ms {r['tokens'] / r['cpu_s']:9.1f}")
     ours = results["hf_paged serve"]
     for name, why in skipped.items():
         print(f"{name}: {why}")
     if engine is not None:
         top = levels[-1]
         print(f"\nengine alone (add_request/get_result, {top} threads, same requests): {engine['tokens_per_s']:.1f} "
-              f"tok/s ({engine['tokens']} tokens in {engine['wall_s']:.1f} s)")
+              f"tok/s, {engine['tokens'] / engine['cpu_s']:.1f} tok/CPU-s ({engine['tokens']} tokens in "
+              f"{engine['wall_s']:.1f} s, {engine['cpu_s']:.1f} CPU-s)")
         if top in ours:
-            print(f"server / engine at concurrency {top}: {ours[top]['tokens_per_s'] / engine['tokens_per_s']:.2f}x")
+            mine = ours[top]
+            print(f"server / engine at concurrency {top}: {mine['tokens_per_s'] / engine['tokens_per_s']:.2f}x "
+                  f"tokens/s, {(mine['tokens'] / mine['cpu_s']) / (engine['tokens'] / engine['cpu_s']):.2f}x "
+                  "tokens per CPU-second (the load-independent figure on a shared machine)")
     other = next((n for n in results if n != "hf_paged serve"), None)
     if other:
         for level in levels:

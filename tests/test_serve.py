@@ -550,6 +550,7 @@ def test_load_concurrent_streams_on_a_small_pool_then_disconnects_free_blocks(to
         assert [r for r in results if not isinstance(r, list) or r] == []
         stats = wait_blocks_released(server.manager)
         assert stats.blocks_in_use == 0 and stats.failed == 0 and stats.finished == 128
+        assert server.manager.get_result(timeout=0) is None  # no engine result is left unread (kept forever)
 
         streams = []
         for i in range(6):

@@ -45,8 +45,9 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
                vocab_size: int | None = None) -> FastAPI:
     """An ASGI app serving ``manager`` (from ``hf_paged.init_continuous_batching``) with ``tokenizer``.
 
-    ``pool_tokens``: tokens the KV pool can hold at most (caps the default ``max_tokens``); ``None``: no cap known.
-    ``vocab_size``: the model's vocabulary (token-id prompts are checked against it); default ``len(tokenizer)``.
+    ``pool_tokens``: tokens the KV pool can hold at most (caps the default ``max_tokens``); default: read from
+    ``manager.pool`` (none for a pool that grows). ``vocab_size``: token-id prompts must be below it; default the
+    manager's ``vocab_size``, else ``len(tokenizer)``.
 
     Example::
 

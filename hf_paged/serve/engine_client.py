@@ -101,7 +101,8 @@ class AsyncEngine:
     Args:
         manager: the engine (``hf_paged.init_continuous_batching(model, ...)``), started by the caller.
         tokenizer: the model's tokenizer (a ``PreTrainedTokenizerBase``).
-        vocab_size: the model's vocabulary (prompt token ids must be below it); default ``len(tokenizer)``.
+        vocab_size: the model's vocabulary (prompt token ids must be below it); default the manager's, else
+            ``len(tokenizer)``.
         metrics: a :class:`~hf_paged.serve.metrics.ServerMetrics` or ``None``.
         tokenize_workers: threads for request parsing, prompt tokenization and chat templates (default 1: a fast
             tokenizer's encode can refuse concurrent use of one instance).
@@ -110,14 +111,14 @@ class AsyncEngine:
 
         engine = AsyncEngine(manager, tokenizer)
         ids = await engine.encode("Hello")
-        gen = engine.generate([ids], SamplingParams(max_tokens=8), n=1)
+        gen = engine.generate([ids], SamplingParams(), n=1, max_new_tokens=[8])
         async for piece in gen.pieces(): print(piece.text, end="")
     """
 
     def __init__(self, manager, tokenizer, metrics=None, vocab_size: int | None = None, tokenize_workers: int = 1):
         self.manager = manager
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
+        self.vocab_size = vocab_size or getattr(manager, "vocab_size", None) or len(tokenizer)
         self.metrics = metrics
         self._tokenize_pool = ThreadPoolExecutor(tokenize_workers, thread_name_prefix="hf_paged-tokenize")
         self._detok_pool = ThreadPoolExecutor(1, thread_name_prefix="hf_paged-detok")
@@ -177,9 +178,13 @@ class AsyncEngine:
                     gen.choices.append(choice)
                     gen.pending += 1
                     self._live[choice.request_id] = choice
-                    self.manager.add_request(list(ids), request_id=choice.request_id,
-                                             max_new_tokens=max_new_tokens[p], callback=self._callback(choice),
-                                             **params.engine_kwargs(i))
+                    try:
+                        self.manager.add_request(list(ids), request_id=choice.request_id,
+                                                 max_new_tokens=max_new_tokens[p], callback=self._callback(choice),
+                                                 **params.engine_kwargs(i))
+                    except Exception:
+                        self._live.pop(choice.request_id, None)
+                        raise
         except QueueFullError as exc:
             gen.cancel()
             raise APIError(429, f"the server's queue is full ({exc}); retry in {RETRY_AFTER_S} s.",
