@@ -106,6 +106,21 @@ def cycle_lm(tokenizer, cycle: list[int], **overrides) -> LlamaForCausalLM:
     return model
 
 
+class Switch(torch.nn.Module):
+    """Wraps a decoder layer's MLP: when set, ``error`` is raised and ``delay`` seconds slept in each forward."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp, self.error, self.delay = mlp, None, 0.0
+
+    def forward(self, x):
+        if self.error is not None:
+            raise self.error
+        if self.delay:
+            time.sleep(self.delay)
+        return self.mlp(x)
+
+
 class Server:
     """uvicorn serving a real engine in a background thread on a loopback socket; ``close()`` stops both."""
 
@@ -360,7 +375,7 @@ def test_models_health_and_metrics(served):
 def test_bad_requests_get_their_4xx_and_the_server_keeps_serving(served, tokenizer):
     """Malformed JSON, wrong types and ranges, unsupported features (named), an unknown model, a prompt that can
     never fit (sizes in the message), an oversized body and a wrong or missing key each get their status in the
-    OpenAI error shape; a normal request still succeeds after them."""
+    OpenAI error shape; a normal request (with an unknown field, ignored) still succeeds after them."""
     client = served.client()
 
     def status_of(**kwargs):
@@ -403,23 +418,11 @@ def test_bad_requests_get_their_4xx_and_the_server_keeps_serving(served, tokeniz
     r = httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=30)
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
 
-    ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0)
+    ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0,
+                                   extra_body={"a_field_from_the_future": {"x": 1}})  # unknown fields are ignored
     assert ok.usage.completion_tokens >= 1
     stats = wait_blocks_released(served.manager)
     assert stats.blocks_in_use == 0 and stats.failed == 0
-
-
-class Breakable(torch.nn.Module):
-    """Wraps a decoder layer's MLP; raises ``self.error`` (when set) in the engine's forward."""
-
-    def __init__(self, mlp):
-        super().__init__()
-        self.mlp, self.error = mlp, None
-
-    def forward(self, x):
-        if self.error is not None:
-            raise self.error
-        return self.mlp(x)
 
 
 def _stream_lines(server, prompt: str, after_first=None) -> list[str]:
@@ -440,7 +443,7 @@ def test_queue_full_engine_failures_and_a_dead_engine(tokenizer):
     requests 503."""
     model = tiny_lm(tokenizer, seed=3)
     model.generation_config.eos_token_id = None
-    breaker = model.model.layers[1].mlp = Breakable(model.model.layers[1].mlp)
+    breaker = model.model.layers[1].mlp = Switch(model.model.layers[1].mlp)
     server = Server(model, tokenizer, num_blocks=4, max_queue=1)
     try:
         async def flood():
@@ -518,6 +521,7 @@ def test_load_concurrent_streams_on_a_small_pool_then_disconnects_free_blocks(to
     num_blocks = -(-kv_tokens // 3 // BLOCK)
     model = tiny_lm(tokenizer, seed=5, num_hidden_layers=1)
     model.generation_config.eos_token_id = None  # every request runs its 32 tokens
+    slow = model.model.layers[0].mlp = Switch(model.model.layers[0].mlp)
     server = Server(model, tokenizer, num_blocks=num_blocks)
 
     async def one_client(client, i) -> list[str]:
@@ -552,6 +556,7 @@ def test_load_concurrent_streams_on_a_small_pool_then_disconnects_free_blocks(to
         assert stats.blocks_in_use == 0 and stats.failed == 0 and stats.finished == 128
         assert server.manager.get_result(timeout=0) is None  # no engine result is left unread (kept forever)
 
+        slow.delay = 0.02  # >= 8 s for 400 tokens: every leaving client's request is still running when it leaves
         streams = []
         for i in range(6):
             call = server.client().completions.with_streaming_response.create(
@@ -569,8 +574,8 @@ def test_load_concurrent_streams_on_a_small_pool_then_disconnects_free_blocks(to
         for call, response in streams:
             call.__exit__(None, None, None)
         stats = wait_blocks_released(server.manager, 2.0)
-        assert stats.blocks_in_use == 0 and stats.running == 0
-        assert stats.cancelled == 8 and stats.finished == 128
+        assert stats.blocks_in_use == 0 and stats.running == 0, stats
+        assert stats.cancelled == 8 and stats.finished == 128, stats
     finally:
         server.close()
 

@@ -56,7 +56,8 @@ class Shape:
         for c in sorted(choices, key=lambda c: c["index"]):
             if self.kind == "completion":
                 lp = completion_logprobs(c["logprobs"], c.get("offset", 0)) if c["logprobs"] is not None else None
-                out.append({"index": c["index"], "text": c["text"], "logprobs": lp, "finish_reason": c["finish_reason"]})
+                out.append({"index": c["index"], "text": c["text"], "logprobs": lp,
+                            "finish_reason": c["finish_reason"]})
             else:
                 lp = chat_logprobs(c["logprobs"]) if c["logprobs"] is not None else None
                 out.append({"index": c["index"], "message": {"role": "assistant", "content": c["text"],
