@@ -19,10 +19,18 @@ import pytest
 import torch
 
 from _engine_reference import TieCount, check_tokens, random_prompts, reference
+from _engine_shadow import one_thread
 from conftest import EOS, VOCAB, tiny_model
-from hf_paged import BlockPool, PagedCache, RequestStatus, enable_paged_attention, generate_batch, init_continuous_batching
+from hf_paged import BlockPool, RequestStatus, enable_paged_attention, generate_batch, init_continuous_batching
 from hf_paged.engine.sampling import SamplingParams
+from hf_paged.patches import layer_windows
 from test_models import AVAILABLE, tiny_family_model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    yield from one_thread()
+
 
 BLOCK = 4
 TIES = TieCount()
@@ -105,18 +113,22 @@ def test_tokens_equal_generate_alone(scenario):
     print(f"\n{scenario}: ties accepted so far {len(TIES.ties)} of {TIES.requests} requests")
 
 
-@pytest.mark.parametrize("model_type", [m for m in ("mistral", "qwen2", "gemma2", "gemma3_text", "gpt_oss", "phi3",
-                                                    "cohere2", "olmo2") if m in AVAILABLE])
+@pytest.mark.parametrize("model_type", AVAILABLE)
 def test_families_equal_generate_alone(model_type):
-    """Families with windows (one or mixed), soft-capping and sinks, through a pool that forces preemption and a budget
-    that forces chunked prefill. Mixed-window models run through their layer groups without prefix caching."""
+    """Every family ``python -m hf_paged models`` lists (windows, one or mixed, soft-capping, sinks, MoE), through a
+    pool that forces preemption and a budget that forces chunked prefill. Mixed-window models run through their layer
+    groups without prefix caching."""
     model = enable_paged_attention(tiny_family_model(model_type, seed=2), backend="torch")
-    prompts = random_prompts(6, VOCAB, (2, 26), seed=11)
-    specs = [(f"{model_type}{i}", p, 4 + i % 6) for i, p in enumerate(prompts)]
-    pool = BlockPool(block_size=BLOCK, num_blocks=40, prefix_caching=True)
-    manager, core = engine(model, pool, max_batch_tokens=12)
-    reqs = drive(core, specs, seed=5)
+    prompts = random_prompts(8, VOCAB, (12, 30), seed=11)
+    specs = [(f"{model_type}{i}", p, 6 + i % 6) for i, p in enumerate(prompts)]
+    sliding_only = None not in layer_windows(model.config)  # its blocks leave the window: a smaller pool for pressure
+    pool = BlockPool(block_size=BLOCK, num_blocks=10 if sliding_only else 20, prefix_caching=True)
+    manager, core = engine(model, pool, max_batch_tokens=16)
+    chunks = []
+    reqs = drive(core, specs, seed=5, chunks=chunks, steps_between=0)
     assert_like_generate(model, reqs, specs, model_type)
+    assert core.scheduler.counters.preemptions > 0
+    assert any(start + n < prompt_len for _, start, n, prompt_len in chunks)  # a prompt prefilled in chunks
     assert pool.allocator.blocks_in_use == 0
 
 
@@ -320,3 +332,55 @@ def test_stability_over_two_thousand_requests():
     del manager, pool
     gc.collect()
     assert ref() is None
+
+
+def test_forks_share_the_prompt_and_match_requests_seeded_alone():
+    """num_return_sequences=3 with a seed: three results (transformers' child ids), computed from one prefill whose
+    blocks they share; each fork's tokens equal a request run alone with that fork's seed (the sampler derives fork
+    k's seed from the request's)."""
+    from hf_paged.engine.sampling import _fork_seed
+
+    model = enable_paged_attention(tiny_model("llama", seed=10), backend="torch")
+    prompt = random_prompts(1, VOCAB, (21, 21), seed=23)[0]
+    sampling = dict(do_sample=True, temperature=0.9, max_new_tokens=6)
+    pool = BlockPool(block_size=BLOCK, num_blocks=64)
+    with init_continuous_batching(model, pool=pool) as manager:
+        rid = manager.add_request(prompt, seed=77, num_return_sequences=3, **sampling)
+        forks = [manager.get_result(i, timeout=60) for i in (rid, f"{rid}__child#0", f"{rid}__child#1")]
+        computed = manager.stats().prompt_tokens_computed
+        alone = [manager.get_result(manager.add_request(prompt, seed=_fork_seed(77, k), **sampling), timeout=60)
+                 for k in range(3)]
+    assert computed == len(prompt)  # one prefill for the three
+    assert [f.request_id for f in forks] == [rid, f"{rid}__child#0", f"{rid}__child#1"]
+    assert all(f.status == RequestStatus.FINISHED for f in forks)
+    assert [f.generated_tokens for f in forks] == [a.generated_tokens for a in alone]
+    assert len({tuple(f.generated_tokens) for f in forks}) > 1
+    assert pool.allocator.blocks_in_use == 0
+
+
+def test_logprobs_of_greedy_tokens():
+    """logprobs=2: per generated token its log-probability and the two most likely alternatives; for greedy decoding
+    the token is the first alternative, with the same value."""
+    model = enable_paged_attention(tiny_model("llama", seed=11), backend="torch")
+    with init_continuous_batching(model, pool=BlockPool(block_size=BLOCK, num_blocks=32)) as manager:
+        out = manager.get_result(manager.add_request([5, 9, 12, 7], max_new_tokens=5, logprobs=2), timeout=60)
+    assert len(out.logprobs) == len(out.top_logprobs) == len(out.generated_tokens) == 5
+    for token, lp, top in zip(out.generated_tokens, out.logprobs, out.top_logprobs):
+        assert len(top) == 2 and top[0][0] == token and top[0][1] == pytest.approx(lp) and lp <= 0
+
+
+def test_init_options_and_continuous_batching_config():
+    """transformers' ContinuousBatchingConfig sizes the default pool and the budget; explicit arguments win; sizing
+    it while passing pool= is refused; the default pool is fixed, with prefix caching; the context is the model's."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model = tiny_model("llama", seed=12)
+    cb = ContinuousBatchingConfig(page_size=8, num_blocks=64, max_batch_tokens=32, max_queue_size=3)
+    manager = init_continuous_batching(model, continuous_batching_config=cb, max_batch_tokens=24)
+    assert (manager.pool.block_size, manager.pool.allocator.max_blocks) == (8, 64)
+    assert manager._core.scheduler.max_batch_tokens == 24 and manager.max_queue_size == 3
+    assert manager.max_context == model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=r"sets \['block_size', 'num_blocks'\] but pool= was given"):
+        init_continuous_batching(model, continuous_batching_config=cb, pool=BlockPool())
+    default = init_continuous_batching(model).pool
+    assert default.fixed and default.prefix_caching and default.allocator.max_blocks > 0

@@ -115,7 +115,7 @@ class ContinuousBatchingManager:
                 deliveries = self._cancel_queued_locked()
             self._cond.notify_all()
         _call_back(deliveries)
-        if thread is None or not block:
+        if thread is None or not block or thread is threading.current_thread():  # (from a callback: no self-join)
             return
         thread.join(timeout)
         if thread.is_alive():
@@ -583,7 +583,8 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
         max_num_seqs: the most requests running at once (default ``max_batch_tokens``).
         max_unread_results: finished results kept until read; past it the oldest unread are dropped.
         watermark: share of the pool kept free when admitting new requests (default 1%).
-        backend: ``"auto"`` (Triton on CUDA, torch on CPU), ``"torch"`` or ``"triton"``.
+        backend: ``"auto"`` (Triton on CUDA, torch on CPU; a model already paged keeps its backend), ``"torch"`` or
+            ``"triton"``.
 
     Requires transformers >= 5.24 (the attention plumbing the packed forward needs); ``generate()`` with a
     ``PagedCache`` works from 4.56.
@@ -601,7 +602,8 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     from ..patches import check_model, layer_windows
     from .core import EngineCore
     from .kv import RequestKV
-    from .options import context_limit, default_batch_tokens, default_pool, from_continuous_batching_config
+    from .options import (DEFAULT_WATERMARK, context_limit, default_batch_tokens, default_pool,
+                          from_continuous_batching_config)
     from .runner import ModelRunner
     from .sampling import Sampler
     from .scheduler import Scheduler
@@ -621,7 +623,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     if watermark is not None:
         options["watermark"] = watermark
     check_model(model)
-    if not is_paged(model):
+    if not is_paged(model) or backend != "auto":  # a model paged before keeps its backend unless one is asked
         enable_paged_attention(model, backend=backend)
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     device = model.device
@@ -637,8 +639,9 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     _cap_pool(pool, config, model.dtype, groups)
     batch_tokens = options.pop("max_batch_tokens", None) or default_batch_tokens(device)
     kv = RequestKV(pool, groups, batch_tokens)
+    watermark = options.pop("watermark", None)
     scheduler = Scheduler(kv, batch_tokens, max_num_seqs=options.pop("max_num_seqs", None),
-                          watermark=options.pop("watermark", None) or 0.01)
+                          watermark=DEFAULT_WATERMARK if watermark is None else watermark)
     runner = ModelRunner(model, kv, model._hf_paged_state["decoder"]._hf_paged_backend, num_layers)
     limit, reason = context_limit(config)
     core = EngineCore(scheduler, runner, Sampler(device=device), max_context=limit, context_reason=reason)
