@@ -29,6 +29,8 @@ prometheus_parser = pytest.importorskip("prometheus_client.parser")
 import uvicorn  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
+from _engine_shadow import one_thread  # noqa: E402
+
 import hf_paged  # noqa: E402
 from hf_paged import BlockPool  # noqa: E402
 from hf_paged.serve import ServeSettings, create_app  # noqa: E402
@@ -157,6 +159,11 @@ class Server:
     def close(self):
         self.server.should_exit = True
         self.thread.join(30)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    yield from one_thread()
 
 
 @pytest.fixture(scope="module")
