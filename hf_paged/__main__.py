@@ -23,6 +23,10 @@ def main(argv=None) -> int:
         from .kernel_check import main as check_kernels
 
         return check_kernels(argv)
+    if command == "serve":
+        from .serve.cli import main as serve
+
+        return serve(argv)
     if command == "convert":
         from .embedded import local_model_dir
 
@@ -30,6 +34,7 @@ def main(argv=None) -> int:
         return 0
     print("usage: python -m hf_paged [demo|convert|models|check-kernels] [options]  (demo --help for its options)",
           file=sys.stderr)
+    print("       python -m hf_paged serve [options]  (serve --help for its options)", file=sys.stderr)
     return 2
 
 

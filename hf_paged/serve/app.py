@@ -1,0 +1,268 @@
+"""The FastAPI app: OpenAI's ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``, plus ``/health`` and
+``/metrics``, over one continuous-batching manager."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .engine_client import AsyncEngine, Generation
+from .errors import APIError, error_body
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .middleware import DEFAULT_MAX_BODY_BYTES, ServeMiddleware
+from .protocol import parse_chat, parse_completion, parse_json
+from .responses import DONE, Shape, sse
+
+log = logging.getLogger("hf_paged.serve")
+
+UNBOUNDED_CONTEXT = 1 << 20  # a model without max_position_embeddings: the pool is the only limit
+
+
+@dataclass
+class ServeSettings:
+    """Server options (the CLI's flags).
+
+    ``model_name``: the id clients send as ``model``; ``api_key``: required on ``/v1`` when set; ``max_body_bytes``:
+    larger bodies get a 413; ``drain_timeout``: seconds a shutdown waits for running requests before cancelling them;
+    ``cors_origins``: origins allowed to call from a browser; ``owns_engine``: stop the manager when the app shuts down.
+    """
+
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    drain_timeout: float = 30.0
+    cors_origins: tuple[str, ...] = ()
+    owns_engine: bool = True
+
+
+def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int | None = None,
+               vocab_size: int | None = None) -> FastAPI:
+    """An ASGI app serving ``manager`` (from ``hf_paged.init_continuous_batching``) with ``tokenizer``.
+
+    ``pool_tokens``: tokens the KV pool can hold at most (caps the default ``max_tokens``); default: read from
+    ``manager.pool`` (none for a pool that grows). ``vocab_size``: token-id prompts must be below it; default the
+    manager's ``vocab_size``, else ``len(tokenizer)``.
+
+    Example::
+
+        manager = hf_paged.init_continuous_batching(model, pool=BlockPool(max_memory="1GiB", prefix_caching=True))
+        manager.start()
+        app = create_app(manager, tokenizer, ServeSettings(model_name="my-model"))
+        uvicorn.run(app, host="127.0.0.1", port=8000)
+    """
+    metrics = ServerMetrics(manager)
+    engine = AsyncEngine(manager, tokenizer, metrics, vocab_size)
+    name = settings.model_name
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        manager.start()
+        watchdog = asyncio.ensure_future(engine.watch())
+        try:
+            yield
+        finally:
+            watchdog.cancel()
+            if settings.owns_engine:
+                # uvicorn has already waited (up to drain_timeout) for open responses; what is left is cancelled.
+                await asyncio.to_thread(manager.stop, block=True, timeout=settings.drain_timeout, drain=False)
+            engine.close()
+
+    app = FastAPI(title="hf_paged", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine = engine
+    app.state.metrics = metrics
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):
+        log.exception("unhandled error in %s", request.url.path)
+        return JSONResponse(error_body(500, f"internal server error: {type(exc).__name__}: {exc}"), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if not manager.is_running():
+            return JSONResponse(error_body(503, "the engine thread is not running; restart the server."),
+                                status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "hf_paged", "max_model_len": engine.max_context}]}
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != name:
+            raise APIError(404, f"the model '{model}' does not exist on this server; it serves '{name}'.",
+                           param="model", code="model_not_found")
+
+    if pool_tokens is None:
+        pool_tokens = _pool_tokens(manager)
+
+    def budgets(prompts: list[list[int]], max_tokens: int | None) -> list[int]:
+        """max_new_tokens per prompt: as asked, or the context left after the prompt (within what the pool holds)."""
+        ctx = engine.max_context if engine.max_context is not None else UNBOUNDED_CONTEXT
+        vocab = engine.vocab_size
+        out = []
+        for p, ids in enumerate(prompts):
+            where = f"prompt {p}" if len(prompts) > 1 else "the prompt"
+            if not ids:
+                raise APIError(400, f"{where} is empty; send at least one token.", param="prompt")
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"{where} holds token id {bad}, outside the vocabulary [0, {vocab}).",
+                               param="prompt")
+            if max_tokens is None:
+                room = ctx - len(ids)
+                if pool_tokens is not None:
+                    room = min(room, pool_tokens - len(ids))
+                if room < 1:
+                    raise APIError(400, f"{where} has {len(ids):,} tokens, leaving no room to generate: the model's "
+                                        f"context holds {ctx:,} tokens" + (f" and the KV pool {pool_tokens:,}"
+                                        if pool_tokens is not None else "") + ". Shorten the prompt.",
+                                   param="prompt", code="context_length_exceeded")
+                out.append(room)
+            elif len(ids) + max_tokens > ctx:
+                raise APIError(400, f"{where} has {len(ids):,} tokens and max_tokens asks for {max_tokens:,} more "
+                                    f"({len(ids) + max_tokens:,} in all), but the model's context holds {ctx:,} "
+                                    "tokens. Shorten the prompt or lower max_tokens.", param="max_tokens",
+                               code="context_length_exceeded")
+            else:
+                out.append(max_tokens)
+        return out
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        record = request.state.record
+        req = await engine.run(lambda raw: parse_completion(parse_json(raw)), await request.body())
+        check_model(req.model)
+        prompts = [p if isinstance(p, list) else await engine.encode(p) for p in req.prompts]
+        limits = await engine.run(budgets, prompts, req.params.max_tokens)
+        gen = engine.generate(prompts, req.params, req.n, limits, record.start)
+        record.generation = gen
+        echoes = None
+        if req.echo:
+            echoes = [p if isinstance(p, str) else await engine.decode(p) for p in req.prompts]
+        shape = Shape("completion", f"cmpl-{record.id}", int(time.time()), name, req.include_usage)
+        if req.stream:
+            return _stream(gen, shape, record, req.n, echoes)
+        return await _collect(gen, shape, request, record, req.n, echoes)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        record = request.state.record
+        req = await engine.run(lambda raw: parse_chat(parse_json(raw)), await request.body())
+        check_model(req.model)
+        prompt = await engine.chat_prompt(req.messages)
+        limits = await engine.run(budgets, [prompt], req.params.max_tokens)
+        gen = engine.generate([prompt], req.params, req.n, limits, record.start)
+        record.generation = gen
+        shape = Shape("chat", f"chatcmpl-{record.id}", int(time.time()), name, req.include_usage)
+        if req.stream:
+            return _stream(gen, shape, record, req.n, None)
+        return await _collect(gen, shape, request, record, req.n, None)
+
+    app.add_middleware(ServeMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
+                       on_done=lambda r: metrics.count_request(r.path, r.status or 499))
+    if settings.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"], expose_headers=["X-Request-Id"])
+    return app
+
+
+def _pool_tokens(manager) -> int | None:
+    """Tokens a capped pool holds (one request can never hold more); None for a pool that grows."""
+    pool = getattr(manager, "pool", None)
+    blocks = getattr(getattr(pool, "allocator", None), "max_blocks", None)
+    return None if blocks is None else blocks * pool.block_size
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(gen: Generation, shape: Shape, request: Request, record, n: int, echoes):
+    """A whole (non-streamed) response; a client that goes away meanwhile cancels its choices."""
+    texts: dict[int, list[str]] = {c.index: [] for c in gen.choices}
+    logprobs: dict[int, list | None] = {c.index: None for c in gen.choices}
+    finish: dict[int, str] = {}
+
+    async def gather():
+        async for piece in gen.pieces():
+            if piece.error is not None:
+                raise APIError(500, f"generation failed: {piece.error}")
+            texts[piece.index].append(piece.text)
+            if piece.logprobs:
+                logprobs[piece.index] = (logprobs[piece.index] or []) + piece.logprobs
+            if piece.finish_reason is not None:
+                finish[piece.index] = piece.finish_reason
+
+    work = asyncio.ensure_future(gather())
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            work.cancel()
+        watch.cancel()
+        gen.cancel()  # choices still running (client gone, or another choice failed); no-op for ended ones
+    if not work.done() or work.cancelled():
+        record.outcome = "disconnected"
+        return Response(status_code=499)
+    work.result()  # raises the engine's error, if any
+    choices = []
+    for c in gen.choices:
+        prefix = echoes[c.index // n] if echoes else ""
+        want = c.want_logprobs
+        choices.append({"index": c.index, "text": prefix + "".join(texts[c.index]),
+                        "finish_reason": finish.get(c.index, "stop"),
+                        "logprobs": (logprobs[c.index] or []) if want else None, "offset": len(prefix)})
+    return JSONResponse(shape.full(choices, gen.prompt_tokens, gen.completion_tokens))
+
+
+def _stream(gen: Generation, shape: Shape, record, n: int, echoes) -> StreamingResponse:
+    async def events():
+        offsets = {c.index: 0 for c in gen.choices}
+        try:
+            for c in gen.choices:
+                if shape.kind == "chat":
+                    yield shape.chunk(c.index, "", role=True)
+                elif echoes:
+                    offsets[c.index] = len(echoes[c.index // n])
+                    yield shape.chunk(c.index, echoes[c.index // n])
+            async for piece in gen.pieces():
+                if piece.error is not None:
+                    record.outcome = "error"
+                    yield sse(error_body(500, f"generation failed: {piece.error}"))
+                    yield DONE
+                    return
+                if piece.text or piece.logprobs:
+                    yield shape.chunk(piece.index, piece.text, logprobs=piece.logprobs, offset=offsets[piece.index])
+                    offsets[piece.index] += len(piece.text)
+                if piece.finish_reason is not None:
+                    yield shape.chunk(piece.index, None if shape.kind == "chat" else "", piece.finish_reason)
+            if shape.include_usage:
+                yield shape.usage_chunk(gen.prompt_tokens, gen.completion_tokens)
+            yield DONE
+        except BaseException:
+            record.outcome = "disconnected"
+            raise
+        finally:
+            gen.cancel()
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

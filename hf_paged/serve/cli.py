@@ -1,0 +1,109 @@
+"""``python -m hf_paged serve``: an OpenAI-compatible HTTP server on the continuous-batching engine.
+
+Without ``--model`` it serves the embedded SmolLM2-135M-Instruct. It binds to 127.0.0.1 unless told otherwise.
+SIGTERM (or Ctrl-C) stops accepting connections, lets running requests finish for up to ``--drain-timeout`` seconds,
+cancels what is left, and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m hf_paged serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="a local model directory (default: the embedded SmolLM2)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: the model directory's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-memory", default=None,
+                   help="KV pool size, e.g. 4GiB (default: the engine sizes it for the machine)")
+    p.add_argument("--kv-dtype", default="model", choices=["model", "fp8"],
+                   help="KV block dtype: the model's, or fp8 (e4m3, twice the tokens of bf16)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="weights' dtype (auto: bfloat16 on a GPU, float32 on the CPU)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="paged attention kernels")
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not keep finished prompts' blocks for reuse")
+    p.add_argument("--max-batch-tokens", type=int, default=None, help="token budget of one engine step")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="waiting requests beyond which new ones get 429 with Retry-After (default: unbounded)")
+    p.add_argument("--api-key", default=os.environ.get("HF_PAGED_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $HF_PAGED_API_KEY; none: open)")
+    p.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get 413 (default 8 MiB)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds a shutdown waits for running requests before cancelling them")
+    p.add_argument("--cors-origin", action="append", default=[], help="allow browser calls from this origin "
+                   "(repeatable; '*' for any)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def build(args):
+    """``(app, description)`` for parsed ``args``: loads the model, sizes the pool, starts nothing yet."""
+    import torch
+
+    from .. import BlockPool, embedded, enable_paged_attention, init_continuous_batching
+    from .app import ServeSettings, create_app
+    from .middleware import DEFAULT_MAX_BODY_BYTES
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = _device(args.device)
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    name = args.served_model_name or (Path(args.model).resolve().name if args.model else EMBEDDED_NAME)
+    print(f"loading {args.model or 'the embedded ' + EMBEDDED_NAME} ({dtype}, {device}) ...", flush=True)
+    model, tokenizer = embedded.load(args.model, dtype=dtype)
+    model.to(device)
+    enable_paged_attention(model, backend=args.backend)
+    pool = BlockPool(block_size=args.block_size, max_memory=args.max_memory,
+                     prefix_caching=not args.no_prefix_caching,
+                     kv_dtype=torch.float8_e4m3fn if args.kv_dtype == "fp8" else None)
+    manager = init_continuous_batching(model, pool=pool, max_batch_tokens=args.max_batch_tokens,
+                                       max_queue_size=args.max_queue)
+    settings = ServeSettings(model_name=name, api_key=args.api_key,
+                             max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+                             drain_timeout=args.drain_timeout, cors_origins=tuple(args.cors_origin))
+    app = create_app(manager, tokenizer, settings, vocab_size=model.config.vocab_size)
+    return app, f"{name} on {device} ({dtype}, KV {args.kv_dtype}, block {args.block_size})"
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        import uvicorn
+    except ImportError:
+        print("serving needs the 'serve' extra: pip install 'hf_paged[serve]' (fastapi, uvicorn, prometheus-client)",
+              file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        logging.getLogger("hf_paged.serve").warning("binding to %s without --api-key: anyone who can reach this "
+                                                    "port can use the model", args.host)
+    app, what = build(args)
+    print(f"serving {what} at http://{args.host}:{args.port}/v1 (SIGTERM or Ctrl-C drains and stops)", flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                            timeout_graceful_shutdown=args.drain_timeout)
+    uvicorn.Server(config).run()
+    return 0

@@ -1,0 +1,312 @@
+"""The bridge between the engine thread and the asyncio server.
+
+The engine calls back from its own thread with each step's new tokens. Those deltas go to one detokenizer thread
+(a single worker keeps each request's deltas in order), which turns ids into whole characters, checks stop strings,
+formats logprobs, and posts :class:`Piece` objects to the request's asyncio queue. Tokenizing prompts runs on a small
+thread pool. The event loop only moves finished pieces into HTTP chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from .detokenizer import IncrementalDetokenizer
+from .errors import APIError
+from .protocol import SamplingParams
+from .stops import StopChecker
+
+log = logging.getLogger("hf_paged.serve")
+
+RETRY_AFTER_S = 1
+_FINAL = ("FINISHED", "CANCELLED", "FAILED")
+
+
+@dataclass
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+@dataclass
+class Piece:
+    """What one engine delta adds to a choice: text safe to send, how many tokens it covers, and the end."""
+
+    index: int  # the choice's index in the response
+    text: str
+    num_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # set on a choice's last piece: "stop" / "length"
+    error: str | None = None  # set when the engine failed the request
+
+
+@dataclass
+class _Choice:
+    """One engine request's output state; touched only by the detokenizer thread after submission."""
+
+    index: int
+    request_id: str
+    detok: IncrementalDetokenizer
+    stops: StopChecker
+    want_logprobs: bool
+    sink: "Generation"
+    num_tokens: int = 0
+    done: bool = False
+    last_token_time: float | None = None
+
+
+@dataclass
+class Generation:
+    """The choices of one HTTP request (``n`` per prompt) and the queue their pieces arrive on."""
+
+    loop: asyncio.AbstractEventLoop
+    engine: "AsyncEngine"
+    start_time: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    choices: list[_Choice] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    first_token_time: float | None = None
+    pending: int = 0  # choices not finished yet (event-loop side)
+
+    async def pieces(self):
+        """Pieces in arrival order until every choice has finished (its ``finish_reason`` or ``error`` piece)."""
+        while self.pending:
+            piece = await self.queue.get()
+            self.completion_tokens += piece.num_tokens
+            if piece.finish_reason is not None or piece.error is not None:
+                self.pending -= 1
+            yield piece
+
+    def cancel(self) -> None:
+        """Cancel every choice still running (a client went away); their blocks go back at the next step."""
+        for choice in self.choices:
+            self.engine.cancel(choice)
+
+    def _post(self, piece: Piece) -> None:
+        if piece.num_tokens and self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.queue.put_nowait(piece)
+
+
+class AsyncEngine:
+    """Submits requests to a continuous-batching manager and streams their text back to the event loop.
+
+    Args:
+        manager: the engine (``hf_paged.init_continuous_batching(model, ...)``), started by the caller.
+        tokenizer: the model's tokenizer (a ``PreTrainedTokenizerBase``).
+        vocab_size: the model's vocabulary (prompt token ids must be below it); default the manager's, else
+            ``len(tokenizer)``.
+        metrics: a :class:`~hf_paged.serve.metrics.ServerMetrics` or ``None``.
+        tokenize_workers: threads for request parsing, prompt tokenization and chat templates (default 1: a fast
+            tokenizer's encode can refuse concurrent use of one instance).
+
+    Example::
+
+        engine = AsyncEngine(manager, tokenizer)
+        ids = await engine.encode("Hello")
+        gen = engine.generate([ids], SamplingParams(), n=1, max_new_tokens=[8])
+        async for piece in gen.pieces(): print(piece.text, end="")
+    """
+
+    def __init__(self, manager, tokenizer, metrics=None, vocab_size: int | None = None, tokenize_workers: int = 1):
+        self.manager = manager
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size or getattr(manager, "vocab_size", None) or len(tokenizer)
+        self.metrics = metrics
+        self._tokenize_pool = ThreadPoolExecutor(tokenize_workers, thread_name_prefix="hf_paged-tokenize")
+        self._detok_pool = ThreadPoolExecutor(1, thread_name_prefix="hf_paged-detok")
+        self._serial = itertools.count()
+        self._token_text: dict[int, str] = {}
+        self._live: dict[str, _Choice] = {}  # submitted, not ended (added on the loop, removed by the detok thread)
+
+    @property
+    def max_context(self) -> int:
+        return self.manager.max_context
+
+    def close(self) -> None:
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._detok_pool.shutdown(wait=True, cancel_futures=False)
+
+    # -- tokenization (thread pool) --------------------------------------------------------------------------------
+    async def _offload(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    async def run(self, fn, *args):
+        """``fn(*args)`` on the tokenizer threads (request parsing, anything that may take a while)."""
+        return await self._offload(fn, *args)
+
+    async def encode(self, text: str) -> list[int]:
+        return await self._offload(lambda: self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    async def decode(self, ids: list[int]) -> str:
+        return await self._offload(lambda: self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    async def chat_prompt(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions with a prompt.")
+
+        def render():
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+        return await self._offload(render)
+
+    # -- generation ------------------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int, max_new_tokens: list[int],
+                 start_time: float | None = None) -> Generation:
+        """Submit ``n`` choices per prompt (choice index ``prompt * n + i``). All or nothing: if the engine refuses
+        one (queue full, too large, stopped), those already submitted are cancelled and an :class:`APIError` raised."""
+        from .. import QueueFullError
+
+        gen = Generation(asyncio.get_running_loop(), self, start_time or time.perf_counter())
+        gen.prompt_tokens = sum(len(p) for p in prompts)
+        serial = next(self._serial)
+        try:
+            for p, ids in enumerate(prompts):
+                for i in range(n):
+                    index = p * n + i
+                    choice = _Choice(index, f"srv-{serial}-{index}-{uuid.uuid4().hex[:8]}",
+                                     IncrementalDetokenizer(self.tokenizer), StopChecker(params.stop),
+                                     params.logprobs is not None, gen)
+                    gen.choices.append(choice)
+                    gen.pending += 1
+                    self._live[choice.request_id] = choice
+                    try:
+                        self.manager.add_request(list(ids), request_id=choice.request_id,
+                                                 max_new_tokens=max_new_tokens[p], callback=self._callback(choice),
+                                                 **params.engine_kwargs(i))
+                    except Exception:
+                        self._live.pop(choice.request_id, None)
+                        raise
+        except QueueFullError as exc:
+            gen.cancel()
+            raise APIError(429, f"the server's queue is full ({exc}); retry in {RETRY_AFTER_S} s.",
+                           code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except ValueError as exc:  # RequestTooLargeError is one
+            gen.cancel()
+            raise APIError(400, str(exc)) from None
+        except RuntimeError as exc:
+            gen.cancel()
+            raise APIError(503, f"the engine is not running: {exc}") from None
+        return gen
+
+    async def watch(self, period_s: float = 0.5) -> None:
+        """Runs beside the server: if the engine thread dies, every choice still waiting ends with an error (an
+        engine that died cannot be trusted to report its requests), and /health answers 503."""
+        while True:
+            await asyncio.sleep(period_s)
+            if self._live and not self.manager.is_running():
+                for choice in list(self._live.values()):
+                    self._submit(self._fail, choice, "the engine thread stopped; restart the server")
+
+    def _submit(self, fn, *args) -> None:
+        try:
+            self._detok_pool.submit(fn, *args)
+        except RuntimeError:  # shutting down
+            pass
+
+    def _fail(self, choice: _Choice, message: str) -> None:
+        if choice.done:
+            return
+        choice.done = True
+        self._live.pop(choice.request_id, None)
+        choice.sink.loop.call_soon_threadsafe(choice.sink._post, Piece(choice.index, "", 0, error=message))
+
+    def cancel(self, choice: _Choice) -> None:
+        """Cancel a choice the client no longer waits for (no-op once it has ended)."""
+        if not choice.done:
+            self._cancel_now(choice)
+
+    def _cancel_now(self, choice: _Choice) -> None:
+        try:
+            self.manager.cancel_request(choice.request_id)
+        except KeyError:  # never queued, or already ended and read: nothing to give back
+            pass
+
+    def _callback(self, choice: _Choice):
+        def on_output(output) -> None:  # engine thread: hand over and return at once
+            self._submit(self._process, choice, output, time.perf_counter())
+
+        return on_output
+
+    def _token_str(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _process(self, choice: _Choice, output, now: float) -> None:
+        """Detokenizer thread: one engine delta -> one Piece posted to the event loop."""
+        final = getattr(output.status, "name", str(output.status)).upper() in _FINAL
+        if choice.done:  # ended here already (a stop string): only the engine's result is left to drop
+            if final:
+                self._drop_result(choice)
+                self._live.pop(choice.request_id, None)
+            return
+        try:
+            piece = self._piece(choice, output, now)
+        except Exception as exc:  # a tokenizer failure ends this choice, never the thread
+            log.exception("output processing failed for %s", choice.request_id)
+            choice.done = True
+            self._cancel_now(choice)
+            piece = Piece(choice.index, "", 0, error=f"output processing failed: {exc}")
+        if final:
+            self._drop_result(choice)
+        if choice.done:
+            self._live.pop(choice.request_id, None)
+        if piece is not None:
+            choice.sink.loop.call_soon_threadsafe(choice.sink._post, piece)
+
+    def _drop_result(self, choice: _Choice) -> None:
+        """The engine keeps each ended request's result until it is read; the pieces already carried it."""
+        try:
+            self.manager.get_result(choice.request_id, timeout=0)
+        except KeyError:  # already read or never queued
+            pass
+
+    def _piece(self, choice: _Choice, output, now: float) -> Piece | None:
+        new = list(output.generated_tokens or [])
+        status = getattr(output.status, "name", str(output.status)).upper()
+        if new and self.metrics is not None:
+            if choice.last_token_time is None:
+                self.metrics.observe_ttft(now - choice.sink.start_time)
+            else:
+                self.metrics.observe_inter_token(now - choice.last_token_time, len(new))
+        if new:
+            choice.last_token_time = now
+        choice.num_tokens += len(new)
+        logprobs = self._logprobs(output, new) if choice.want_logprobs and new else None
+        text, stopped = choice.stops.add(choice.detok.add(new))
+        if stopped:
+            choice.done = True
+            self._cancel_now(choice)
+            return Piece(choice.index, text, len(new), logprobs, finish_reason="stop")
+        if status in _FINAL:
+            choice.done = True
+            tail, stopped = choice.stops.add(choice.detok.finish())
+            rest, stopped = choice.stops.flush()
+            text += tail + rest
+            if status == "FAILED":
+                return Piece(choice.index, text, len(new), logprobs, error=output.error or "the engine failed")
+            reason = "stop" if stopped else (output.finish_reason or ("length" if status == "FINISHED" else "stop"))
+            return Piece(choice.index, text, len(new), logprobs, finish_reason=reason)
+        if not new:
+            return None
+        return Piece(choice.index, text, len(new), logprobs)
+
+
+    def _logprobs(self, output, new: list[int]) -> list[TokenLogprob] | None:
+        values = output.logprobs
+        if not values:
+            return None
+        values = values[-len(new):]
+        tops = (output.top_logprobs or [])[-len(new):] or [[] for _ in new]
+        return [TokenLogprob(self._token_str(t), float(lp), [(self._token_str(a), float(b)) for a, b in top])
+                for t, lp, top in zip(new, values, tops)]

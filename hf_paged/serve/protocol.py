@@ -1,0 +1,268 @@
+"""Request parsing for ``/v1/completions`` and ``/v1/chat/completions``: OpenAI's fields, checked.
+
+Unknown fields are ignored; a known field of the wrong type or out of range is a 400 naming it; a feature the engine
+does not have (tools, ``response_format``, ``logit_bias``, presence / frequency penalties, ``suffix``, ``best_of`` above
+``n``, non-text content parts) is a 400 naming it rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import APIError
+
+MAX_N = 16
+MAX_STOP = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+
+
+class _Common(_Strict):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(1, ge=1, le=MAX_N)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # Extensions other servers (vLLM, SGLang) accept too.
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+
+
+class CompletionFields(_Common):
+    echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    suffix: str | None = None
+
+
+class ChatFields(_Common):
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: dict | None = None
+
+
+@dataclass
+class SamplingParams:
+    """What the engine is asked, per choice (``seed`` is offset by the choice index so ``n`` samples differ)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob and k alternatives
+
+    def engine_kwargs(self, index: int) -> dict:
+        kwargs: dict[str, Any] = {}
+        if self.temperature is not None:
+            kwargs["do_sample"] = self.temperature > 0
+            if self.temperature > 0:
+                kwargs["temperature"] = self.temperature
+        for name in ("top_p", "top_k", "min_p", "repetition_penalty", "logprobs"):
+            if getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
+        if self.seed is not None:
+            kwargs["seed"] = self.seed + index
+        return kwargs
+
+
+@dataclass
+class CompletionRequest:
+    model: str | None
+    prompts: list[str | list[int]]  # text to tokenize, or token ids as given
+    params: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+    echo: bool
+
+
+@dataclass
+class ChatRequest:
+    model: str | None
+    messages: list[dict]  # {"role", "content": str}, ready for the chat template
+    params: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+
+
+def parse_json(raw: bytes) -> dict:
+    """The request body as a JSON object, or a 400 saying where it is malformed."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}.") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}.")
+    return body
+
+
+def _validate(model_cls, body: dict):
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [str(p) for p in err["loc"]]
+        param = loc[0] if loc else None
+        shown = repr(err.get("input"))
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise APIError(400, f"invalid value for '{'.'.join(loc)}': {err['msg']} (got {shown}).", param=param) from None
+
+
+def _unsupported(body: dict, fields: _Common) -> None:
+    named = []
+    if fields.logit_bias:
+        named.append("logit_bias")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(fields, name):
+            named.append(name)
+    for name in ("tools", "functions", "audio", "prediction"):
+        if body.get(name):
+            named.append(name)
+    if body.get("tool_choice") not in (None, "none"):
+        named.append("tool_choice")
+    if body.get("function_call") not in (None, "none"):
+        named.append("function_call")
+    if named:
+        raise APIError(400, f"this server's engine does not support {', '.join(named)}; remove "
+                            f"{'it' if len(named) == 1 else 'them'} from the request.", param=named[0])
+
+
+def _stop(value) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        if len(value) > MAX_STOP:
+            raise APIError(400, f"'stop' holds {len(value)} strings; at most {MAX_STOP} are accepted.", param="stop")
+        return value
+    raise APIError(400, f"'stop' must be a string or a list of strings, got {type(value).__name__}.", param="stop")
+
+
+def _common(body: dict, fields: _Common, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    _unsupported(body, fields)
+    if fields.stream_options is not None and not fields.stream:
+        raise APIError(400, "'stream_options' is only allowed with 'stream': true.", param="stream_options")
+    return SamplingParams(max_tokens=max_tokens, temperature=fields.temperature, top_p=fields.top_p,
+                          top_k=fields.top_k, min_p=fields.min_p, repetition_penalty=fields.repetition_penalty,
+                          seed=fields.seed, stop=_stop(body.get("stop")), logprobs=logprobs)
+
+
+def _include_usage(fields: _Common) -> bool:
+    return bool(fields.stream_options and fields.stream_options.include_usage)
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+
+
+def _prompts(value) -> list[str | list[int]]:
+    """``prompt`` as OpenAI allows it: a string, a list of strings, token ids, or a list of token-id lists."""
+    if isinstance(value, str):
+        return [value]
+    if _is_ids(value):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(p, str) or _is_ids(p) for p in value):
+        return list(value)
+    if value is None:
+        raise APIError(400, "'prompt' is required.", param="prompt")
+    raise APIError(400, "'prompt' must be a string, a list of strings, a list of token ids (integers) or a list of "
+                        f"token-id lists, got {type(value).__name__}{' (empty)' if value == [] else ''}.",
+                   param="prompt")
+
+
+def parse_completion(body: dict) -> CompletionRequest:
+    fields = _validate(CompletionFields, body)
+    if fields.suffix:
+        raise APIError(400, "this server's engine does not support 'suffix' (insertion); remove it.", param="suffix")
+    n = fields.n or 1
+    if fields.best_of is not None and fields.best_of != n:
+        raise APIError(400, f"'best_of' ({fields.best_of}) other than 'n' ({n}) is not supported: the engine does "
+                            "not rank samples; use 'n'.", param="best_of")
+    if fields.echo and fields.logprobs is not None:
+        raise APIError(400, "'echo' with 'logprobs' asks for prompt logprobs, which the engine does not give; drop "
+                            "one of them.", param="echo")
+    params = _common(body, fields, fields.max_tokens, fields.logprobs)
+    return CompletionRequest(fields.model, _prompts(body.get("prompt")), params, n, bool(fields.stream),
+                             _include_usage(fields), bool(fields.echo))
+
+
+_ROLES = ("system", "developer", "user", "assistant")
+
+
+def _content(value, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return ""
+    if isinstance(value, list):
+        texts = []
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                named = f"'{kind}' content parts are" if isinstance(kind, str) else "content parts other than text are"
+                raise APIError(400, f"{where}.content[{i}]: {named} not supported; send "
+                                    '{"type": "text", "text": "..."} parts or a string.', param="messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise APIError(400, f"{where}.content must be a string or a list of text parts, got {type(value).__name__}.",
+                   param="messages")
+
+
+def _messages(value) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise APIError(400, "'messages' must be a non-empty list of {\"role\", \"content\"} objects.",
+                       param="messages")
+    out = []
+    for i, msg in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise APIError(400, f"{where} must be an object, got {type(msg).__name__}.", param="messages")
+        role = msg.get("role")
+        if role == "tool" or msg.get("tool_calls"):
+            raise APIError(400, f"{where}: tool messages and tool calls are not supported by this server's engine.",
+                           param="messages")
+        if role not in _ROLES:
+            raise APIError(400, f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}.", param="messages")
+        out.append({"role": "system" if role == "developer" else role, "content": _content(msg.get("content"), where)})
+    return out
+
+
+def parse_chat(body: dict) -> ChatRequest:
+    fields = _validate(ChatFields, body)
+    fmt = fields.response_format
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise APIError(400, f"this server's engine does not support response_format {fmt.get('type')!r} "
+                            "(structured output); remove it.", param="response_format")
+    if fields.top_logprobs is not None and not fields.logprobs:
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
+    logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
+    max_tokens = fields.max_completion_tokens if fields.max_completion_tokens is not None else fields.max_tokens
+    params = _common(body, fields, max_tokens, logprobs)
+    return ChatRequest(fields.model, _messages(body.get("messages")), params, fields.n or 1, bool(fields.stream),
+                       _include_usage(fields))
