@@ -124,7 +124,7 @@ def test_stream_yields_only_new_tokens_each_step():
     assert all(isinstance(d, GenerationOutput) for d in deltas)
     assert [len(d.generated_tokens) for d in deltas] == [1] * 7
     assert [t for d in deltas for t in d.generated_tokens] == expected_tokens(prompt, 7)
-    assert deltas[-1].status == RequestStatus.FINISHED and not any(d.is_finished for d in deltas[:-1])
+    assert deltas[-1].status == RequestStatus.FINISHED and not any(d.is_finished() for d in deltas[:-1])
     assert [d.generated_tokens for d in seen] == [d.generated_tokens for d in deltas]
     with pytest.raises(KeyError):  # the stream carried the end: nothing left to read
         manager.get_result(rid)
@@ -185,7 +185,7 @@ def test_stop_drains_or_cancels_and_every_request_ends():
     manager.start()
     manager.stop(drain=True, timeout=0.05)
     outs = [manager.get_result(i) for i in ids]
-    assert all(o.is_finished for o in outs) and RequestStatus.CANCELLED in {o.status for o in outs}
+    assert all(o.is_finished() for o in outs) and RequestStatus.CANCELLED in {o.status for o in outs}
 
     manager = shadow_manager()  # never started: queued requests are cancelled
     rid = manager.add_request(prompt_of(4, 1))

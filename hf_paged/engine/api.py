@@ -348,12 +348,12 @@ class ContinuousBatchingManager:
                 if not stream:
                     return
                 out = stream.popleft()
-                if out.is_finished:  # the stream carried the end: its result is not kept for get_result
+                if out.is_finished():  # the stream carried the end: its result is not kept for get_result
                     self._streams.pop(request_id, None)
                     if self._results.pop(request_id, None) is not None:
                         self._forget_locked(request_id, "read")
             yield out
-            if out.is_finished:
+            if out.is_finished():
                 return
 
     def _check_known_locked(self, request_id: str) -> None:

@@ -47,9 +47,8 @@ class GenerationOutput:
     end_time: float | None = None
     timestamps: list[float] = field(default_factory=list)  # when each token of generated_tokens was generated
 
-    @property
     def is_finished(self) -> bool:
-        """Whether the status is final (finished, failed or cancelled)."""
+        """Whether the status is final (finished, failed or cancelled); a method, as on transformers' output."""
         return self.status >= RequestStatus.FINISHED
 
     @property
