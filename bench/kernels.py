@@ -4,18 +4,28 @@ Decode: GB/s of K/V (and query/output) traffic and % of peak memory bandwidth ov
 ``torch.nn.functional.scaled_dot_product_attention`` on the same data laid out contiguously. Prefill: TFLOP/s of the
 causal prefill kernel next to SDPA with ``is_causal=True``. Both on scrambled block tables, as in a real pool.
 
+Host: ``--host`` prints the host microseconds of one ``paged_attention`` (decode and prefill) and ``write_kv`` call,
+for the launchers alone and through the custom ops the model path calls (``torch.ops.hf_paged.*`` with a fixed layer
+step), next to an empty custom op of the same schema. Without CUDA (any CPU, no ``TRITON_INTERPRET``) the kernels are
+recorded instead of launched, as ``python -m hf_paged check-kernels`` does, so the figures are the Python launch path
+alone; on CUDA the kernels run (small shapes, so the GPU keeps up) and each call is timed on the host.
+
     python bench/kernels.py                          # H200 defaults: peak 4800 GB/s, bf16, 32 q / 8 kv heads, d=128
     python bench/kernels.py --batches 1,64 --contexts 1024,8192 --json results.json
     python bench/kernels.py --json                   # JSON on stdout after the tables
+    python bench/kernels.py --host                   # host us per call (CPU: kernels recorded; CUDA: real launches)
 
-Needs a CUDA device; prints the device, torch and triton versions with the tables.
+The kernel tables need a CUDA device; every table names the device, torch and triton versions.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -41,6 +51,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-batch", type=int, default=4)
     p.add_argument("--max-kv-gib", type=float, default=24.0, help="skip decode shapes whose K+V exceed this")
     p.add_argument("--sliding-window", type=int, default=None)
+    p.add_argument("--host", action="store_true", help="host us per call instead of the kernel tables")
+    p.add_argument("--host-batch", type=int, default=32, help="--host: decode sequences")
+    p.add_argument("--host-context", type=int, default=4096, help="--host: decode context (the table width)")
+    p.add_argument("--host-prefill", type=int, default=512, help="--host: prefill chunk, one sequence")
+    p.add_argument("--calls", type=int, default=None, help="--host: calls per row (default 10000 CUDA, 3000 CPU)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="also write the results as JSON to PATH (stdout without PATH)")
     return p.parse_args(argv)
@@ -155,6 +170,143 @@ def bench_prefill(args, do_bench, paged_attention_triton, device) -> list[dict]:
     return rows
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# Host cost per call (--host)
+# --------------------------------------------------------------------------------------------------------------------
+
+_EMPTY_OP = None
+
+
+def empty_op():
+    """``torch.ops.hf_paged_bench.empty_attention``: the paged-attention schema, doing nothing (returns the query):
+    what the dispatcher alone costs, to subtract from the real op."""
+    global _EMPTY_OP
+    if _EMPTY_OP is None:
+        from hf_paged.ops import custom_ops
+
+        lib = torch.library.Library("hf_paged_bench", "DEF")
+        schema = custom_ops.PAGED_ATTENTION_SCHEMA.replace("paged_attention(", "empty_attention(", 1)
+        lib.define(schema.replace("Tensor(a!)", "Tensor").replace("Tensor(b!)", "Tensor"))
+        lib.impl("empty_attention", lambda query, *args: query, "CompositeExplicitAutograd")
+        _EMPTY_OP = (lib, torch.ops.hf_paged_bench.empty_attention)
+    return _EMPTY_OP[1]
+
+
+def host_cases(args, device) -> dict:
+    """name -> zero-argument call, on tensors built once: decode, prefill and KV write through the launchers and
+    through the custom ops with a fixed layer step (the Triton backend), and the empty op."""
+    from hf_paged.ops import custom_ops, triton_kernels
+    from hf_paged.step import GroupStep, LayerStep
+
+    dtype = DTYPES[args.dtype]
+    hq, hkv, d, bs = args.num_q_heads, args.num_kv_heads, args.head_dim, args.block_size
+    batch, width = args.host_batch, -(-args.host_context // bs)
+    pool = torch.zeros(4 * width, bs, hkv, d, dtype=dtype, device=device)  # [num_blocks, block_size, Hkv, D]
+    table = torch.arange(batch * width, dtype=torch.int32, device=device).remainder(pool.shape[0])
+
+    def step(num_seqs: int, q_len: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor, LayerStep]:
+        q = torch.randn(num_seqs * q_len, hq, d, dtype=dtype, device=device)  # [num_tokens, Hq, D]
+        kv = torch.randn(num_seqs * q_len, hkv, d, dtype=dtype, device=device)  # [num_tokens, Hkv, D]
+        group = GroupStep(
+            slot_mapping=torch.arange(num_seqs * q_len, device=device),
+            block_tables=table[: num_seqs * blocks].view(num_seqs, blocks),
+            seq_lens=torch.full((num_seqs,), blocks * bs, dtype=torch.int32, device=device),
+            query_start_loc=torch.arange(0, num_seqs * q_len + 1, q_len, dtype=torch.int32, device=device),
+            window=None)
+        layer = LayerStep(pool, pool.clone(), None, None, group, None, None, False, q_len, "triton")
+        return q, kv, layer
+
+    q_dec, kv_dec, dec = step(batch, 1, width)
+    q_pre, kv_pre, pre = step(1, args.host_prefill, -(-args.host_prefill // bs))
+    scale = d**-0.5
+    empty = empty_op()
+    g = dec.group
+
+    def launcher(q, layer):
+        g = layer.group
+        return lambda: triton_kernels.paged_attention_triton(
+            q, layer.key_cache, layer.value_cache, g.block_tables, g.seq_lens, g.query_start_loc, scale, None,
+            layer.max_query_len, g.block_tables.shape[1] * bs)
+
+    splits = triton_kernels.attention_plan(q_dec, pool, g.block_tables, scale, None, 1, width * bs).launches
+    return {
+        f"launcher  paged_attention decode ({batch} seqs, {len(splits)} kernels)": launcher(q_dec, dec),
+        f"launcher  paged_attention prefill ({args.host_prefill} tokens)": launcher(q_pre, pre),
+        f"launcher  write_kv ({batch} tokens)": lambda: triton_kernels.write_kv_triton(
+            kv_dec, kv_dec, dec.key_cache, dec.value_cache, g.slot_mapping),
+        "op        paged_attention decode": lambda: custom_ops.paged_attention(q_dec, dec, scale, None, None, None),
+        "op        paged_attention prefill": lambda: custom_ops.paged_attention(q_pre, pre, scale, None, None, None),
+        "op        write_kv": lambda: custom_ops.write_kv(kv_dec, kv_dec, dec.key_cache, dec.value_cache,
+                                                          g.slot_mapping, None, None, "triton"),
+        "empty op  (same schema as paged_attention)": lambda: empty(
+            q_dec, pool, pool, g.block_tables, g.seq_lens, g.query_start_loc, *custom_ops.plan_arguments(None),
+            None, None, None, scale, 0, 0.0, 1, "triton"),
+    }
+
+
+def time_host(fn, calls: int, chunk: int, sync, clear=None) -> float:
+    """Median over chunks of ``chunk`` calls of the host microseconds per call (the device, if any, is synchronised
+    between chunks, not inside them: a chunk measures what the host spends enqueuing)."""
+    for _ in range(min(200, calls)):
+        fn()
+    per_call = []
+    for _ in range(max(1, calls // chunk)):
+        sync()
+        if clear is not None:
+            clear()
+        start = time.perf_counter()
+        for _ in range(chunk):
+            fn()
+        per_call.append((time.perf_counter() - start) / chunk * 1e6)
+    return statistics.median(per_call)
+
+
+def host_main(args) -> int:
+    from hf_paged.ops import triton_kernels
+    from hf_paged.report import cpu_name
+    from hf_paged.tools import kernel_check
+
+    cuda = torch.cuda.is_available()
+    if not cuda and triton_kernels._INTERPRETED:
+        print("--host records the kernels on CPU, which needs TRITON_INTERPRET unset: "
+              "env -u TRITON_INTERPRET python bench/kernels.py --host", file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if cuda else "cpu")
+    calls = args.calls or (10000 if cuda else 3000)
+    torch.manual_seed(0)
+    with torch.inference_mode(), (nullcontext((None, [])) if cuda else kernel_check._recording(triton_kernels, 90)) \
+            as (_, launches):
+        cases = host_cases(args, device)
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        rows = [dict(call=name, us=time_host(fn, calls, 100, sync, launches.clear)) for name, fn in cases.items()]
+    empty_us = rows[-1]["us"]
+    for row in rows[3:-1]:
+        row["minus_empty_op"] = row["us"] - empty_us
+    from triton import __version__ as triton_version
+
+    where = torch.cuda.get_device_name() if cuda else f"{cpu_name()}, kernels recorded (not launched)"
+    machine = dict(host=cpu_name(), device=where, torch=torch.__version__, triton=triton_version, dtype=args.dtype,
+                   num_q_heads=args.num_q_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+                   block_size=args.block_size, context=args.host_context, calls=calls,
+                   threads=torch.get_num_threads())
+    print(" | ".join(f"{k}={v}" for k, v in machine.items()))
+    print(f"\nHost us per call (median over chunks of 100 calls, {calls} calls a row)")
+    width = max(len(r["call"]) for r in rows)
+    print(f"{'call':<{width}}  {'us/call':>8}  {'minus empty op':>14}")
+    print("-" * (width + 26))
+    for r in rows:
+        minus = f"{r['minus_empty_op']:.1f}" if "minus_empty_op" in r else ""
+        print(f"{r['call']:<{width}}  {r['us']:>8.1f}  {minus:>14}")
+    if args.json is not None:
+        payload = json.dumps(dict(machine=machine, host=rows), indent=2)
+        if args.json == "-":
+            print(payload)
+        else:
+            Path(args.json).write_text(payload + "\n")
+            print(f"\nwrote {args.json}")
+    return 0
+
+
 def print_table(title: str, rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
     print(f"\n{title}")
     header = "  ".join(f"{label:>{len(label) if len(label) > 9 else 9}}" for _, label, _ in columns)
@@ -170,6 +322,8 @@ def print_table(title: str, rows: list[dict], columns: list[tuple[str, str, str]
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.host:
+        return host_main(args)
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU (the Triton kernels only run in the slow interpreter on CPU); "
               "no CUDA device is visible here.", file=sys.stderr)

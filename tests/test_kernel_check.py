@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from hf_paged import kernel_check as kc  # noqa: E402
+from hf_paged.tools import kernel_check as kc  # noqa: E402
 
 TINY_KERNELS = '''
 import triton

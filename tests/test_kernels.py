@@ -436,7 +436,7 @@ def test_bucketed_width_and_zero_padded_tables(decode, options):
     max_seq_len, max_query_len, num_tokens = width * block_size, max(q_lens), sum(q_lens)
     plan = plan_torch_attention(tables, case["seq_lens"], case["query_start_loc"], block_size, num_tokens,
                                 None, max_query_len, max_seq_len)
-    assert plan.context_len == max_seq_len > max(seq_lens)
+    assert (plan.mask if decode else plan.prefill_mask).shape[-1] == max_seq_len > max(seq_lens)
     extra = {k: case[k] for k in ("softcap", "sinks", "k_scale", "v_scale") if k in case}
     positional = [case[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens",
                                     "query_start_loc", "scale", "sliding_window")]

@@ -33,6 +33,8 @@ blocks: a ``torch.uint8`` pool holding float8 e4m3fn bits with per-KV-head ``k_s
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .reference import copy_blocks_torch, fp8_scales, paged_attention_torch, plan_torch_attention, write_kv_torch
@@ -43,6 +45,18 @@ __all__ = ["paged_attention", "write_kv", "copy_blocks", "fp8_scales", "plan_tor
 BACKENDS = ("auto", "torch", "triton")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _POOL_DTYPES = _FLOAT_DTYPES + (torch.uint8,)  # uint8: float8 e4m3fn bits, with k_scale / v_scale
+
+
+_TRITON_MODULE = __name__ + ".triton_kernels"
+
+
+def _triton_kernels():
+    """The Triton kernels module, imported on first use (triton is optional); found in ``sys.modules`` after that,
+    which costs far less per call than an import statement."""
+    module = sys.modules.get(_TRITON_MODULE)
+    if module is None:
+        from . import triton_kernels as module
+    return module
 
 
 def triton_available() -> bool:
@@ -177,17 +191,17 @@ def write_kv(
     if slot_mapping.shape[0] != key.shape[0]:
         _fail(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens.")
     _check_kv_scales(key_cache, k_scale, v_scale)
-    write_kv_unchecked(key, value, key_cache, value_cache, slot_mapping, resolve_backend(backend, key_cache.device),
-                       k_scale=k_scale, v_scale=v_scale)
+    write_kv_unchecked(key, value, key_cache, value_cache, slot_mapping.contiguous(),
+                       resolve_backend(backend, key_cache.device), k_scale=k_scale, v_scale=v_scale)
 
 
 def write_kv_unchecked(key, value, key_cache, value_cache, slot_mapping, backend: str, *, k_scale=None,
                        v_scale=None) -> None:
-    """:func:`write_kv` without argument checks or ``"auto"`` (the model path checks once per step)."""
+    """:func:`write_kv` without argument checks or ``"auto"`` (the model path checks once per step);
+    ``slot_mapping`` contiguous."""
     if backend == "triton":
-        from .triton_kernels import write_kv_triton
-
-        write_kv_triton(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        _triton_kernels().write_kv_triton(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale,
+                                          v_scale=v_scale)
     else:
         write_kv_torch(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
@@ -276,28 +290,28 @@ def paged_attention(
         _fail(f"max_seq_len={max_seq_len} exceeds what block_tables can address ({block_tables.shape[1]} blocks x "
               f"{block_size} = {block_tables.shape[1] * block_size}); pass a width <= that, or None.")
     return paged_attention_unchecked(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-        resolve_backend(backend, query.device), max_query_len, max_seq_len,
-        softcap=None if softcap is None else float(softcap), sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+        query, key_cache, value_cache, block_tables, seq_lens.contiguous(), query_start_loc.contiguous(), float(scale),
+        sliding_window, resolve_backend(backend, query.device), max_query_len, max_seq_len,
+        softcap=None if softcap is None else float(softcap),
+        sinks=None if sinks is None else sinks.to(torch.float32).contiguous(), k_scale=k_scale, v_scale=v_scale,
     )
 
 
 def paged_attention_unchecked(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                               sliding_window, backend: str, max_query_len=None, max_seq_len=None, plan=None, *,
                               softcap=None, sinks=None, k_scale=None, v_scale=None):
-    """:func:`paged_attention` without argument checks; ``backend`` is ``"torch"`` or ``"triton"``.
+    """:func:`paged_attention` without argument checks; ``backend`` is ``"torch"`` or ``"triton"``; ``seq_lens`` and
+    ``query_start_loc`` contiguous.
 
     ``plan`` (torch backend): a :class:`~hf_paged.ops.reference.TorchAttentionPlan` shared by the layers of a step.
     """
-    features = dict(softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     if backend == "triton":
-        from .triton_kernels import paged_attention_triton
-
-        return paged_attention_triton(
+        return _triton_kernels().paged_attention_triton(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-            max_query_len=max_query_len, max_seq_len=max_seq_len, **features,
+            max_query_len, max_seq_len, softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
         )
     return paged_attention_torch(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-        max_query_len=max_query_len, max_seq_len=max_seq_len, plan=plan, **features,
+        max_query_len=max_query_len, max_seq_len=max_seq_len, plan=plan, softcap=softcap, sinks=sinks,
+        k_scale=k_scale, v_scale=v_scale,
     )
