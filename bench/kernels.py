@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -174,22 +175,21 @@ def bench_prefill(args, do_bench, paged_attention_triton, device) -> list[dict]:
 # Host cost per call (--host)
 # --------------------------------------------------------------------------------------------------------------------
 
-_EMPTY_OP = None
+_EMPTY_LIB = None
 
 
-def empty_op():
-    """``torch.ops.hf_paged_bench.empty_attention``: the paged-attention schema, doing nothing (returns the query):
-    what the dispatcher alone costs, to subtract from the real op."""
-    global _EMPTY_OP
-    if _EMPTY_OP is None:
-        from hf_paged.ops import custom_ops
-
-        lib = torch.library.Library("hf_paged_bench", "DEF")
-        schema = custom_ops.PAGED_ATTENTION_SCHEMA.replace("paged_attention(", "empty_attention(", 1)
-        lib.define(schema.replace("Tensor(a!)", "Tensor").replace("Tensor(b!)", "Tensor"))
-        lib.impl("empty_attention", lambda query, *args: query, "CompositeExplicitAutograd")
-        _EMPTY_OP = (lib, torch.ops.hf_paged_bench.empty_attention)
-    return _EMPTY_OP[1]
+def empty_ops() -> dict:
+    """``torch.ops.hf_paged_bench.<op>`` for each ``hf_paged`` op: the same schema, doing nothing (returning the first
+    argument): what the dispatcher alone costs, to subtract from the real op."""
+    global _EMPTY_LIB
+    if _EMPTY_LIB is None:
+        _EMPTY_LIB = torch.library.Library("hf_paged_bench", "DEF")
+        for name in ("paged_attention", "write_kv"):
+            schema = str(getattr(torch.ops.hf_paged, name).default._schema).split("::", 1)[1]
+            _EMPTY_LIB.define(re.sub(r"\([a-z]!\)", "", schema))  # no mutation: nothing is written
+            impl = (lambda *args: args[0]) if schema.endswith("-> Tensor") else (lambda *args: None)
+            _EMPTY_LIB.impl(name, impl, "CompositeExplicitAutograd")
+    return {"paged_attention": torch.ops.hf_paged_bench.paged_attention, "write_kv": torch.ops.hf_paged_bench.write_kv}
 
 
 def host_cases(args, device) -> dict:
@@ -219,7 +219,7 @@ def host_cases(args, device) -> dict:
     q_dec, kv_dec, dec = step(batch, 1, width)
     q_pre, kv_pre, pre = step(1, args.host_prefill, -(-args.host_prefill // bs))
     scale = d**-0.5
-    empty = empty_op()
+    empty = empty_ops()
     g = dec.group
 
     def launcher(q, layer):
@@ -228,36 +228,40 @@ def host_cases(args, device) -> dict:
             q, layer.key_cache, layer.value_cache, g.block_tables, g.seq_lens, g.query_start_loc, scale, None,
             layer.max_query_len, g.block_tables.shape[1] * bs)
 
-    splits = triton_kernels.attention_plan(q_dec, pool, g.block_tables, scale, None, 1, width * bs).launches
-    return {
-        f"launcher  paged_attention decode ({batch} seqs, {len(splits)} kernels)": launcher(q_dec, dec),
-        f"launcher  paged_attention prefill ({args.host_prefill} tokens)": launcher(q_pre, pre),
-        f"launcher  write_kv ({batch} tokens)": lambda: triton_kernels.write_kv_triton(
-            kv_dec, kv_dec, dec.key_cache, dec.value_cache, g.slot_mapping),
-        "op        paged_attention decode": lambda: custom_ops.paged_attention(q_dec, dec, scale, None, None, None),
-        "op        paged_attention prefill": lambda: custom_ops.paged_attention(q_pre, pre, scale, None, None, None),
-        "op        write_kv": lambda: custom_ops.write_kv(kv_dec, kv_dec, dec.key_cache, dec.value_cache,
-                                                          g.slot_mapping, None, None, "triton"),
-        "empty op  (same schema as paged_attention)": lambda: empty(
-            q_dec, pool, pool, g.block_tables, g.seq_lens, g.query_start_loc, *custom_ops.plan_arguments(None),
-            None, None, None, scale, 0, 0.0, 1, "triton"),
+    def op_args(q, layer):  # torch.ops.hf_paged.paged_attention's arguments, as custom_ops.paged_attention makes them
+        g = layer.group
+        return (q, layer.key_cache, layer.value_cache, g.block_tables, g.seq_lens, g.query_start_loc,
+                *custom_ops.plan_arguments(None), None, None, None, scale, 0, 0.0, layer.max_query_len, "triton")
+
+    write_args = (kv_dec, kv_dec, dec.key_cache, dec.value_cache, g.slot_mapping, None, None, "triton")
+    kernels = len(triton_kernels.attention_plan(q_dec, pool, g.block_tables, scale, None, 1, width * bs).launches)
+    return {  # name -> (call, the empty op it is compared with)
+        f"launcher  paged_attention decode ({batch} seqs, {kernels} kernels)": (launcher(q_dec, dec), None),
+        f"launcher  paged_attention prefill ({args.host_prefill} tokens)": (launcher(q_pre, pre), None),
+        f"launcher  write_kv ({batch} tokens)": (lambda: triton_kernels.write_kv_triton(*write_args[:5]), None),
+        "op        paged_attention decode": (
+            lambda: custom_ops.paged_attention(q_dec, dec, scale, None, None, None), "empty paged_attention"),
+        "op        paged_attention prefill": (
+            lambda: custom_ops.paged_attention(q_pre, pre, scale, None, None, None), "empty paged_attention"),
+        "op        write_kv": (lambda: custom_ops.write_kv(*write_args), "empty write_kv"),
+        "empty paged_attention": (lambda: empty["paged_attention"](*op_args(q_dec, dec)), None),
+        "empty write_kv": (lambda: empty["write_kv"](*write_args), None),
     }
 
 
-def time_host(fn, calls: int, chunk: int, sync, clear=None) -> float:
+def time_host(fn, calls: int, chunk: int, sync, clock=time.perf_counter) -> float:
     """Median over chunks of ``chunk`` calls of the host microseconds per call (the device, if any, is synchronised
-    between chunks, not inside them: a chunk measures what the host spends enqueuing)."""
+    between chunks, not inside them: a chunk measures what the host spends enqueuing). ``clock``: wall time, or
+    ``time.thread_time`` (this thread's CPU time, which other processes on a shared CPU do not inflate)."""
     for _ in range(min(200, calls)):
         fn()
     per_call = []
     for _ in range(max(1, calls // chunk)):
         sync()
-        if clear is not None:
-            clear()
-        start = time.perf_counter()
+        start = clock()
         for _ in range(chunk):
             fn()
-        per_call.append((time.perf_counter() - start) / chunk * 1e6)
+        per_call.append((clock() - start) / chunk * 1e6)
     return statistics.median(per_call)
 
 
@@ -278,10 +282,16 @@ def host_main(args) -> int:
             as (_, launches):
         cases = host_cases(args, device)
         sync = torch.cuda.synchronize if cuda else (lambda: None)
-        rows = [dict(call=name, us=time_host(fn, calls, 100, sync, launches.clear)) for name, fn in cases.items()]
-    empty_us = rows[-1]["us"]
-    for row in rows[3:-1]:
-        row["minus_empty_op"] = row["us"] - empty_us
+        clock = time.perf_counter if cuda else time.thread_time  # CPU: immune to a busy machine's other processes
+        rows = []
+        for name, (fn, baseline) in cases.items():
+            if not cuda:  # a recorded launch keeps its arguments: let each call's go, as a real launch would
+                fn = (lambda fn=fn: (fn(), launches.clear()))
+            rows.append(dict(call=name, us=time_host(fn, calls, 100, sync, clock), baseline=baseline))
+    us = {r["call"]: r["us"] for r in rows}
+    for row in rows:
+        if row.pop("baseline") is not None:
+            row["minus_empty_op"] = row["us"] - us[cases[row["call"]][1]]
     from triton import __version__ as triton_version
 
     where = torch.cuda.get_device_name() if cuda else f"{cpu_name()}, kernels recorded (not launched)"
@@ -290,7 +300,8 @@ def host_main(args) -> int:
                    block_size=args.block_size, context=args.host_context, calls=calls,
                    threads=torch.get_num_threads())
     print(" | ".join(f"{k}={v}" for k, v in machine.items()))
-    print(f"\nHost us per call (median over chunks of 100 calls, {calls} calls a row)")
+    clock_name = "wall time" if cuda else "this thread's CPU time"
+    print(f"\nHost us per call ({clock_name}; median over chunks of 100 calls, {calls} calls a row)")
     width = max(len(r["call"]) for r in rows)
     print(f"{'call':<{width}}  {'us/call':>8}  {'minus empty op':>14}")
     print("-" * (width + 26))

@@ -27,8 +27,11 @@ blocks: a ``torch.uint8`` pool holding float8 e4m3fn bits with per-KV-head ``k_s
     value_cache = torch.zeros_like(key_cache)
     k_scale, v_scale = ops.fp8_scales(k_new), ops.fp8_scales(v_new)  # [num_kv_heads] float32, fixed from now on
     ops.write_kv(k_new, v_new, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
-    out = ops.paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale=0.125,
-                              k_scale=k_scale, v_scale=v_scale)
+    query = torch.randn(2, 8, 64)                              # [num_tokens, num_q_heads, head_dim]
+    out = ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale=0.125,
+                              k_scale=k_scale, v_scale=v_scale)  # [2, 8, 64]
+
+Every example in this package's docstrings runs as written (``tests/test_ops_api.py`` executes them).
 """
 
 from __future__ import annotations
@@ -172,6 +175,17 @@ def write_kv(
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
         k_scale, v_scale: uint8 pools only, ``[num_kv_heads]`` float32: stores ``x / scale`` clamped to +-448 and
             rounded to e4m3fn (see :func:`fp8_scales`).
+
+    Example::
+
+        import torch
+        from hf_paged import ops
+
+        key_cache = torch.zeros(8, 4, 2, 16)                # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache = torch.zeros_like(key_cache)
+        key, value = torch.randn(3, 2, 16), torch.randn(3, 2, 16)  # [num_tokens, num_kv_heads, head_dim]
+        ops.write_kv(key, value, key_cache, value_cache, torch.tensor([20, 21, 22]))  # block 5, offsets 0-2
+        assert torch.equal(key_cache[5, :3], key)
     """
     _check_pool(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -208,7 +222,18 @@ def write_kv_unchecked(key, value, key_cache, value_cache, slot_mapping, backend
 
 def copy_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy whole blocks ``src[i]`` to ``dst[i]`` in both caches (copy-on-write of shared blocks); any pool dtype,
-    uint8 (fp8) included: the bytes are copied, the scales are per head and shared."""
+    uint8 (fp8) included: the bytes are copied, the scales are per head and shared.
+
+    Example::
+
+        import torch
+        from hf_paged import ops
+
+        key_cache = torch.randn(8, 4, 2, 16)                # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache = torch.randn_like(key_cache)
+        ops.copy_blocks(key_cache, value_cache, torch.tensor([2]), torch.tensor([6]))  # int64 block ids
+        assert torch.equal(key_cache[6], key_cache[2]) and torch.equal(value_cache[6], value_cache[2])
+    """
     copy_blocks_torch(key_cache, value_cache, src, dst)
 
 
@@ -257,6 +282,20 @@ def paged_attention(
 
     Returns:
         ``[num_tokens, num_q_heads, head_dim]``, same dtype as ``query``.
+
+    Example (one step of continuous batching: a 5-token chunk of a prompt after 3 cached tokens, and a decode row)::
+
+        import torch
+        from hf_paged import ops
+
+        key_cache = torch.randn(8, 4, 2, 16)                # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache = torch.randn_like(key_cache)
+        block_tables = torch.tensor([[3, 1], [6, 0]], dtype=torch.int32)  # row 1 uses one block; 0 is padding
+        seq_lens = torch.tensor([8, 2], dtype=torch.int32)  # history + new tokens
+        query_start_loc = torch.tensor([0, 5, 6], dtype=torch.int32)  # 5 queries, then 1
+        query = torch.randn(6, 4, 16)                       # [num_tokens, num_q_heads, head_dim]: GQA, 2 per KV head
+        out = ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                  scale=16 ** -0.5)         # [6, 4, 16]
     """
     _check_pool(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape

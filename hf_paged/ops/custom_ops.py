@@ -2,9 +2,11 @@
 
 Defined with ``torch.library`` (a schema, one implementation for every device, and a fake, shape-only
 implementation), so ``torch.compile`` traces a model forward through them without graph breaks, whichever backend
-runs inside (the torch reference or the Triton kernels), and the model path calls the same operators in eager mode.
-The low-level ``Library.define``/``impl`` registration is used rather than ``torch.library.custom_op``: its dispatch
-costs ~6 us a call here against ~120 us (measured on this CPU), which matters at two calls per layer per step.
+runs inside (the torch reference or the Triton kernels). The low-level ``Library.define``/``impl`` registration is used
+rather than ``torch.library.custom_op``: its dispatch costs ~6 us a call here against ~120 us (measured on this CPU).
+In eager mode the model path (:func:`write_kv`, :func:`paged_attention` below) calls the same implementations without
+the dispatcher (two calls per layer per step: the round trip and the plan's conversion to a tensor list cost ~10 us a
+call on this CPU); while dynamo traces, it emits the operators.
 
 Only tensors and values that stay fixed over a generation cross the op boundary (a varying Python int would be
 baked into a compiled graph and force a recompile each step): the torch backend's plan travels as a list of tensors
@@ -78,6 +80,9 @@ def _(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, pl
 
 def write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, backend: str) -> None:
     """``[N, Hkv, D]`` new K/V into the pool at ``slot_mapping`` ``[N]`` (no argument checks: the model path)."""
+    if not torch.compiler.is_compiling():  # eager: the implementation itself, without the dispatcher's round trip
+        _write_kv_impl(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, backend)
+        return
     torch.ops.hf_paged.write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, backend)
 
 
@@ -90,6 +95,16 @@ def paged_attention(query, layer, scale: float, sliding_window: int | None, soft
                     sinks: torch.Tensor | None) -> torch.Tensor:
     """``[N, Hq, D]`` packed queries attending through ``layer`` (a :class:`~hf_paged.step.LayerStep`)."""
     g = layer.group
+    if not torch.compiler.is_compiling():  # eager: the implementation itself, the plan as it is
+        if layer.backend == "triton":
+            return _triton_kernels().paged_attention_triton(
+                query, layer.key_cache, layer.value_cache, g.block_tables, g.seq_lens, g.query_start_loc, float(scale),
+                sliding_window or None, layer.max_query_len, g.block_tables.shape[1] * layer.key_cache.shape[1],
+                softcap=softcap or None, sinks=sinks, k_scale=layer.k_scale, v_scale=layer.v_scale)
+        return paged_attention_torch(
+            query, layer.key_cache, layer.value_cache, g.block_tables, g.seq_lens, g.query_start_loc, float(scale),
+            sliding_window or None, layer.max_query_len, g.block_tables.shape[1] * layer.key_cache.shape[1], g.plan,
+            softcap=softcap or None, sinks=sinks, k_scale=layer.k_scale, v_scale=layer.v_scale)
     plan, decode_run, prefill_run = plan_arguments(g.plan)
     return torch.ops.hf_paged.paged_attention(
         query, layer.key_cache, layer.value_cache, g.block_tables, g.seq_lens, g.query_start_loc, plan, decode_run,

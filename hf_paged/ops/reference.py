@@ -36,8 +36,14 @@ def fp8_scales(x: torch.Tensor, headroom: float = 2.0) -> torch.Tensor:
 
     Example::
 
-        k_scale = fp8_scales(key)      # [num_kv_heads]
-        write_kv(key, value, key_cache_u8, value_cache_u8, slot_mapping, k_scale=k_scale, v_scale=fp8_scales(value))
+        import torch
+        from hf_paged import ops
+
+        key, value = torch.randn(3, 2, 64), torch.randn(3, 2, 64)  # the first keys/values [num_tokens, Hkv, D]
+        key_cache = torch.zeros(8, 16, 2, 64, dtype=torch.uint8)  # fp8 e4m3fn bits
+        value_cache = torch.zeros_like(key_cache)
+        k_scale, v_scale = ops.fp8_scales(key), ops.fp8_scales(value)  # [num_kv_heads] float32
+        ops.write_kv(key, value, key_cache, value_cache, torch.tensor([0, 1, 2]), k_scale=k_scale, v_scale=v_scale)
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or not x.is_floating_point():
         raise ValueError(
@@ -70,11 +76,12 @@ def write_kv_torch(key, value, key_cache, value_cache, slot_mapping, k_scale=Non
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     flat_k = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
     flat_v = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    slot_mapping = slot_mapping.to(torch.long)
+    if slot_mapping.dtype != torch.long:
+        slot_mapping = slot_mapping.to(torch.long)
     if key_cache.dtype == torch.uint8:
         key, value = quantize_fp8(key, k_scale), quantize_fp8(value, v_scale)
-    flat_k.index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    flat_v.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    flat_k.index_copy_(0, slot_mapping, key if key.dtype == key_cache.dtype else key.to(key_cache.dtype))
+    flat_v.index_copy_(0, slot_mapping, value if value.dtype == value_cache.dtype else value.to(value_cache.dtype))
 
 
 def copy_blocks_torch(key_cache, value_cache, src, dst) -> None:

@@ -645,8 +645,14 @@ def launch_choices(
 
     Example::
 
-        c = launch_choices(torch.bfloat16, torch.uint8, 128, 4, 16, split_kv=True, kind="decode", capability=80)
-        ASTSource(fn=getattr(triton_kernels, c[0].kernel), signature=c[0].signature, constexprs=c[0].constexprs)
+        import torch
+        from triton.compiler import ASTSource
+        from hf_paged.ops import triton_kernels
+
+        c = triton_kernels.launch_choices(torch.bfloat16, torch.uint8, 128, 4, 16, split_kv=True, kind="decode",
+                                          capability=80)
+        source = ASTSource(fn=getattr(triton_kernels, c[0].kernel), signature=c[0].signature,
+                           constexprs=c[0].constexprs)  # what triton.compile builds for sm_80
     """
     if kind not in _KINDS:
         raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}.")
@@ -752,7 +758,7 @@ def clear_launch_plans() -> None:
 
 
 def _check_runnable(t: torch.Tensor) -> None:
-    if t.device.type != "cuda" and not _INTERPRETED:
+    if t.device.type not in ("cuda", "meta") and not _INTERPRETED:  # meta: plans only (nothing runs there)
         raise ValueError(
             f"The Triton kernels need CUDA tensors, got tensors on {t.device}. Use backend='torch' on CPU, or set "
             "TRITON_INTERPRET=1 before hf_paged.ops.triton_kernels is first imported to run them in the (slow) "
@@ -867,6 +873,18 @@ def attention_plan(
     the block tables' shape and strides, ``scale``, ``sliding_window``, ``softcap``, whether sinks / fp8 scales are
     passed, ``max_query_len`` and (decode) ``max_seq_len`` and ``num_kv_splits``. ``max_seq_len`` may be None only
     when ``num_kv_splits`` is given or ``max_query_len != 1``. The value cache must share the key cache's layout.
+
+    Example (no launch: the plan of a decode step of 32 sequences over 4096 positions)::
+
+        import torch
+        from hf_paged.ops import triton_kernels
+
+        query = torch.empty(32, 32, 128, dtype=torch.bfloat16, device="meta")  # [num_tokens, num_q_heads, head_dim]
+        key_cache = torch.empty(8192, 16, 8, 128, dtype=torch.bfloat16, device="meta")
+        block_tables = torch.empty(32, 256, dtype=torch.int32, device="meta")
+        plan = triton_kernels.attention_plan(query, key_cache, block_tables, 128 ** -0.5, None, 1, 4096)
+        assert plan is triton_kernels.attention_plan(query, key_cache, block_tables, 128 ** -0.5, None, 1, 4096)
+        print([(launch.kernel, launch.grid) for launch in plan.launches])  # decode + merge: splits fill the SMs
     """
     decode = max_query_len == 1
     key = (query.device, query.dtype, query.shape, query.stride(), key_cache.dtype, key_cache.shape,
