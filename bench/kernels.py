@@ -4,9 +4,10 @@ Decode: GB/s of K/V (and query/output) traffic and % of peak memory bandwidth ov
 ``torch.nn.functional.scaled_dot_product_attention`` on the same data laid out contiguously. Prefill: TFLOP/s of the
 causal prefill kernel next to SDPA with ``is_causal=True``. Both on scrambled block tables, as in a real pool.
 
-Host: ``--host`` prints the host microseconds of one ``paged_attention`` (decode and prefill) and ``write_kv`` call,
-for the launchers alone and through the custom ops the model path calls (``torch.ops.hf_paged.*`` with a fixed layer
-step), next to an empty custom op of the same schema. Without CUDA (any CPU, no ``TRITON_INTERPRET``) the kernels are
+Host: ``--host`` prints the host microseconds of one ``paged_attention`` (decode and prefill) and ``write_kv`` call
+with a fixed layer step: the launchers alone ("launcher"), the model path's eager call (``custom_ops.paged_attention``
+/ ``write_kv``: "model"), and the ``torch.ops.hf_paged.*`` operators that compiled graphs call ("torch.ops"), next to
+an empty operator of the same schema ("empty", subtracted in the last column). Without CUDA (any CPU, no ``TRITON_INTERPRET``) the kernels are
 recorded instead of launched, as ``python -m hf_paged check-kernels`` does, so the figures are the Python launch path
 alone; on CUDA the kernels run (small shapes, so the GPU keeps up) and each call is timed on the host.
 
@@ -39,6 +40,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 def parse_args(argv=None) -> argparse.Namespace:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    pairs = lambda s: [tuple(int(y) for y in x.split(":")) for x in s.split(",") if x]  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--peak-gbps", type=float, default=4800.0, help="device memory bandwidth, GB/s (H200: 4800)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -49,7 +51,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batches", type=ints, default=[1, 8, 32, 128], help="decode batch sizes, comma separated")
     p.add_argument("--contexts", type=ints, default=[512, 2048, 8192, 32768], help="decode context lengths")
     p.add_argument("--prefill-lens", type=ints, default=[512, 2048, 8192], help="prefill prompt lengths")
-    p.add_argument("--prefill-batch", type=int, default=4)
+    p.add_argument("--prefill-batches", type=ints, default=[1, 8], help="prefill batch sizes")
+    p.add_argument("--extend", type=pairs, default=[(512, 2048)], metavar="NEW:HISTORY,...",
+                   help="extend rows: NEW queries over HISTORY cached tokens, vs SDPA with a lower-right causal mask")
+    p.add_argument("--mixed", type=ints, default=[512, 32, 2048], metavar="CHUNK,DECODES,CONTEXT",
+                   help="a mixed step in one launch (a CHUNK-token prefill over CONTEXT, DECODES decode rows at "
+                        "CONTEXT) vs its two kinds launched separately; empty: skip")
     p.add_argument("--max-kv-gib", type=float, default=24.0, help="skip decode shapes whose K+V exceed this")
     p.add_argument("--sliding-window", type=int, default=None)
     p.add_argument("--host", action="store_true", help="host us per call instead of the kernel tables")
@@ -62,8 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def scrambled_pool(num_seqs: int, seq_len: int, args, device) -> dict:
-    """``num_seqs`` sequences of ``seq_len`` tokens at random physical blocks, plus the same K/V contiguous."""
+def scrambled_pool(num_seqs: int, seq_len: int, args, device, contiguous: bool = True) -> dict:
+    """``num_seqs`` sequences of ``seq_len`` tokens at random physical blocks, plus (``contiguous``) the same K/V
+    laid out for SDPA."""
     dtype = DTYPES[args.dtype]
     bs, hkv, d = args.block_size, args.num_kv_heads, args.head_dim
     blocks_per_seq = -(-seq_len // bs)
@@ -71,15 +79,15 @@ def scrambled_pool(num_seqs: int, seq_len: int, args, device) -> dict:
     key_cache = torch.randn(num_blocks, bs, hkv, d, device=device, dtype=dtype)  # [num_blocks, block_size, Hkv, D]
     value_cache = torch.randn_like(key_cache)
     block_tables = torch.randperm(num_blocks, device=device).view(num_seqs, blocks_per_seq).to(torch.int32)
-    # contiguous copies for SDPA: [num_seqs, Hkv, seq_len, D]
-    def contiguous(cache):
+
+    def contiguous_copy(cache):  # [num_seqs, Hkv, seq_len, D]
         return cache[block_tables.long()].flatten(1, 2)[:, :seq_len].transpose(1, 2).contiguous()
 
-    return dict(
-        key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-        seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device),
-        k_contig=contiguous(key_cache), v_contig=contiguous(value_cache),
-    )
+    data = dict(key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+                seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device))
+    if contiguous:
+        data.update(k_contig=contiguous_copy(key_cache), v_contig=contiguous_copy(value_cache))
+    return data
 
 
 def bench_decode(args, do_bench, choose_num_kv_splits, paged_attention_triton, device, num_sms) -> list[dict]:
@@ -132,43 +140,100 @@ def bench_decode(args, do_bench, choose_num_kv_splits, paged_attention_triton, d
     return rows
 
 
+def sdpa_lower_right(q, k, v, scale: float):
+    """SDPA of ``q`` ``[B, Hq, Q, D]`` over ``k``/``v`` ``[B, Hkv, L, D]`` (``Q <= L``), query ``i`` at position
+    ``L - Q + i``: a lower-right causal mask (flash/efficient backends where torch supports it)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    mask = causal_lower_right(q.shape[2], k.shape[2])
+    try:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    except (TypeError, RuntimeError):  # a torch without GQA through the causal bias: repeat the KV heads
+        group = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                              attn_mask=mask, scale=scale)
+
+
 def bench_prefill(args, do_bench, paged_attention_triton, device) -> list[dict]:
+    """Prefill without history (batch x length, vs SDPA ``is_causal``) and extend rows (new tokens over a cached
+    history, vs SDPA with a lower-right causal mask)."""
     dtype = DTYPES[args.dtype]
     hq, hkv, d = args.num_q_heads, args.num_kv_heads, args.head_dim
-    batch = args.prefill_batch
+    scale = d**-0.5
+    shapes = [(b, n, 0) for b in args.prefill_batches for n in args.prefill_lens]
+    shapes += [(b, n, h) for b in args.prefill_batches for n, h in args.extend]
     rows = []
-    for length in args.prefill_lens:
+    for batch, new, history in shapes:
+        length = history + new
         data = scrambled_pool(batch, length, args, device)
-        query = torch.randn(batch * length, hq, d, device=device, dtype=dtype)  # [num_tokens, Hq, D]
-        query_start_loc = torch.arange(0, batch * length + 1, length, device=device, dtype=torch.int32)
-        scale = d**-0.5
+        query = torch.randn(batch * new, hq, d, device=device, dtype=dtype)  # [num_tokens, Hq, D]
+        query_start_loc = torch.arange(0, batch * new + 1, new, device=device, dtype=torch.int32)
 
         def paged():
             return paged_attention_triton(
                 query, data["key_cache"], data["value_cache"], data["block_tables"], data["seq_lens"],
-                query_start_loc, scale, None, max_query_len=length, max_seq_len=length,
+                query_start_loc, scale, None, max_query_len=new, max_seq_len=length,
             )
 
-        q4 = query.view(batch, length, hq, d).transpose(1, 2)  # [B, Hq, L, D]
+        q4 = query.view(batch, new, hq, d).transpose(1, 2)  # [B, Hq, new, D]
 
         def sdpa():
-            return F.scaled_dot_product_attention(
-                q4, data["k_contig"], data["v_contig"], is_causal=True, scale=scale, enable_gqa=hq != hkv
-            )
+            if history == 0:
+                return F.scaled_dot_product_attention(q4, data["k_contig"], data["v_contig"], is_causal=True,
+                                                      scale=scale, enable_gqa=hq != hkv)
+            return sdpa_lower_right(q4, data["k_contig"], data["v_contig"], scale)
 
-        expected = sdpa().transpose(1, 2).reshape(batch * length, hq, d)
+        expected = sdpa().transpose(1, 2).reshape(batch * new, hq, d)
         max_diff = (paged().float() - expected.float()).abs().max().item()
         t_paged = do_bench(paged) * 1e-3
         t_sdpa = do_bench(sdpa) * 1e-3
-        flops = 4 * batch * hq * d * length * (length + 1) / 2  # QK^T and PV over the causal half
+        flops = 4 * batch * hq * d * new * (history + (new + 1) / 2)  # QK^T and PV over the visible positions
         rows.append(dict(
-            kind="prefill", batch=batch, length=length,
+            kind="prefill" if history == 0 else "extend", batch=batch, length=new, new=new, history=history,
             paged_us=t_paged * 1e6, sdpa_us=t_sdpa * 1e6,
             paged_tflops=flops / t_paged / 1e12, sdpa_tflops=flops / t_sdpa / 1e12,
             paged_over_sdpa=t_paged / t_sdpa, max_abs_diff=max_diff,
         ))
-        torch.cuda.empty_cache()
+        del data
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return rows
+
+
+def bench_mixed(args, do_bench, paged_attention_triton, device) -> list[dict]:
+    """One continuous-batching step, a prefill chunk plus decode rows, in one launch vs its two kinds launched
+    separately (the prefill kernel on the chunk, the decode kernel on the decode rows)."""
+    if len(args.mixed) != 3:
+        return []
+    chunk, decodes, context = args.mixed
+    dtype = DTYPES[args.dtype]
+    hq, d = args.num_q_heads, args.head_dim
+    scale = d**-0.5
+    data = scrambled_pool(1 + decodes, context + chunk, args, device, contiguous=False)
+    seq_lens = data["seq_lens"].clone()
+    seq_lens[1:] = context  # decode rows: context tokens, the last one new
+    query = torch.randn(chunk + decodes, hq, d, device=device, dtype=dtype)  # [num_tokens, Hq, D]
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int32, device=device),
+                     torch.arange(chunk, chunk + decodes + 1, dtype=torch.int32, device=device)])
+    k, v, tables, width = data["key_cache"], data["value_cache"], data["block_tables"], context + chunk
+    decode_qsl = torch.arange(decodes + 1, dtype=torch.int32, device=device)
+    prefill_qsl = qsl[:2].contiguous()
+
+    def mixed():
+        return paged_attention_triton(query, k, v, tables, seq_lens, qsl, scale, None, max_query_len=chunk,
+                                      max_seq_len=width)
+
+    def separate():
+        first = paged_attention_triton(query[:chunk], k, v, tables[:1], seq_lens[:1], prefill_qsl, scale, None,
+                                       max_query_len=chunk, max_seq_len=width)
+        rest = paged_attention_triton(query[chunk:], k, v, tables[1:], seq_lens[1:], decode_qsl, scale, None,
+                                      max_query_len=1, max_seq_len=width)
+        return torch.cat([first, rest])
+
+    max_diff = (mixed().float() - separate().float()).abs().max().item()
+    t_mixed, t_separate = do_bench(mixed) * 1e-3, do_bench(separate) * 1e-3
+    return [dict(kind="mixed", chunk=chunk, decodes=decodes, context=context, mixed_us=t_mixed * 1e6,
+                 separate_us=t_separate * 1e6, mixed_over_separate=t_mixed / t_separate, max_abs_diff=max_diff)]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -234,18 +299,24 @@ def host_cases(args, device) -> dict:
                 *custom_ops.plan_arguments(None), None, None, None, scale, 0, 0.0, layer.max_query_len, "triton")
 
     write_args = (kv_dec, kv_dec, dec.key_cache, dec.value_cache, g.slot_mapping, None, None, "triton")
+    dec_args, pre_args = op_args(q_dec, dec), op_args(q_pre, pre)
     kernels = len(triton_kernels.attention_plan(q_dec, pool, g.block_tables, scale, None, 1, width * bs).launches)
     return {  # name -> (call, the empty op it is compared with)
         f"launcher  paged_attention decode ({batch} seqs, {kernels} kernels)": (launcher(q_dec, dec), None),
         f"launcher  paged_attention prefill ({args.host_prefill} tokens)": (launcher(q_pre, pre), None),
         f"launcher  write_kv ({batch} tokens)": (lambda: triton_kernels.write_kv_triton(*write_args[:5]), None),
-        "op        paged_attention decode": (
-            lambda: custom_ops.paged_attention(q_dec, dec, scale, None, None, None), "empty paged_attention"),
-        "op        paged_attention prefill": (
-            lambda: custom_ops.paged_attention(q_pre, pre, scale, None, None, None), "empty paged_attention"),
-        "op        write_kv": (lambda: custom_ops.write_kv(*write_args), "empty write_kv"),
-        "empty paged_attention": (lambda: empty["paged_attention"](*op_args(q_dec, dec)), None),
-        "empty write_kv": (lambda: empty["write_kv"](*write_args), None),
+        "model     paged_attention decode": (lambda: custom_ops.paged_attention(q_dec, dec, scale, None, None, None),
+                                               None),
+        "model     paged_attention prefill": (lambda: custom_ops.paged_attention(q_pre, pre, scale, None, None, None),
+                                                None),
+        "model     write_kv": (lambda: custom_ops.write_kv(*write_args), None),
+        "torch.ops paged_attention decode": (lambda: torch.ops.hf_paged.paged_attention(*dec_args),
+                                             "empty     paged_attention"),
+        "torch.ops paged_attention prefill": (lambda: torch.ops.hf_paged.paged_attention(*pre_args),
+                                              "empty     paged_attention"),
+        "torch.ops write_kv": (lambda: torch.ops.hf_paged.write_kv(*write_args), "empty     write_kv"),
+        "empty     paged_attention": (lambda: empty["paged_attention"](*dec_args), None),
+        "empty     write_kv": (lambda: empty["write_kv"](*write_args), None),
     }
 
 
@@ -362,14 +433,23 @@ def main(argv=None) -> int:
         ("max_abs_diff", "max|diff|", ".1e"),
     ])
     prefill = bench_prefill(args, do_bench, paged_attention_triton, device)
-    print_table(f"Prefill (causal, no history, batch {args.prefill_batch})", prefill, [
-        ("length", "length", "d"), ("paged_us", "paged us", ".1f"), ("paged_tflops", "paged TFLOP/s", ".1f"),
-        ("sdpa_us", "sdpa us", ".1f"), ("sdpa_tflops", "sdpa TFLOP/s", ".1f"), ("paged_over_sdpa", "paged/sdpa", ".2f"),
+    print_table(f"Prefill (causal, no history) and extend (new tokens over a cached history, vs SDPA with a "
+                f"lower-right causal mask)", prefill, [
+        ("kind", "kind", "s"), ("batch", "batch", "d"), ("new", "new", "d"), ("history", "history", "d"),
+        ("paged_us", "paged us", ".1f"), ("paged_tflops", "paged TFLOP/s", ".1f"), ("sdpa_us", "sdpa us", ".1f"),
+        ("sdpa_tflops", "sdpa TFLOP/s", ".1f"), ("paged_over_sdpa", "paged/sdpa", ".2f"),
         ("max_abs_diff", "max|diff|", ".1e"),
     ])
+    mixed = bench_mixed(args, do_bench, paged_attention_triton, device)
+    if mixed:
+        print_table("Mixed step: one launch vs prefill and decode launched separately", mixed, [
+            ("chunk", "chunk", "d"), ("decodes", "decodes", "d"), ("context", "context", "d"),
+            ("mixed_us", "one launch us", ".1f"), ("separate_us", "two launches us", ".1f"),
+            ("mixed_over_separate", "one/two", ".2f"), ("max_abs_diff", "max|diff|", ".1e"),
+        ])
 
     if args.json is not None:
-        payload = json.dumps(dict(machine=machine, decode=decode, prefill=prefill), indent=2)
+        payload = json.dumps(dict(machine=machine, decode=decode, prefill=prefill, mixed=mixed), indent=2)
         if args.json == "-":
             print(payload)
         else:
