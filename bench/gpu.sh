@@ -15,6 +15,8 @@
 #   e2e-*       generate() on random-weight bf16 models of real shapes built on the GPU (Llama-3.2-1B; MODELS="1b 8b"
 #                  adds Llama-3.1-8B): DynamicCache, PagedCache eager (the eager ratio), StaticCache + compile, PagedCache
 #                  compiled; tokens/s, KV bytes, peak memory, tokens equal to DynamicCache's
+#   calls-*     (CALLS=1 only) bench/gpu_calls.py auto / explicit: compiled generate() call after call on one pool,
+#                  transformers' default compile config vs an explicit CompileConfig(mode="reduce-overhead")
 #   kernels-1b  bench/kernels.py at Llama-3.2-1B's shape (d 64)
 #   triton-e2e  tests/test_triton_e2e.py (tiny models through the Triton backend)
 #
@@ -27,7 +29,8 @@
 # Exit status 0 when every stage passed. Environment: PYTHON (python3; .venv/bin/python for DRY when present),
 # BUDGET (seconds for everything: 450; DRY 360), BATCH / PROMPT / NEW_TOKENS (generate() shape: 8 / 512 / 128),
 # KERNELS_ARGS (extra bench/kernels.py arguments), TESTS_K (pytest -k for the kernel tests), MODELS (1b),
-# COMPILE_BACKEND (inductor; DRY eager), SITE (where .whl/ is installed: /tmp/site), SKIP (stage names not to run).
+# COMPILE_BACKEND (inductor; DRY eager), SITE (where .whl/ is installed: /tmp/site), SKIP (stage names not to run),
+# CALLS (1: add the calls-* stages).
 # Each stage's cap is also cut so that triton-e2e, last, keeps its share of the budget (RESERVE).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -283,6 +286,11 @@ for model in $MODELS; do
     stage "e2e-$model-static-compiled" "${caps[2]}" "$PY" "$E2E" "$model" static-compiled
     stage "e2e-$model-paged-compiled" "${caps[3]}" "$PY" "$E2E" "$model" paged-compiled
 done
+
+if [ "${CALLS:-0}" = 1 ] && [ "$DRY" != 1 ]; then  # opt-in: the explicit reduce-overhead slowdown, call after call
+    stage calls-auto 120 "$PY" bench/gpu_calls.py auto
+    stage calls-explicit 120 "$PY" bench/gpu_calls.py explicit
+fi
 
 if [ "$DRY" != 1 ]; then  # (DRY: the kernels-8b stage already drove the same functions at tiny shapes)
     # shellcheck disable=SC2086
