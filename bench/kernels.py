@@ -7,9 +7,10 @@ causal prefill kernel next to SDPA with ``is_causal=True``. Both on scrambled bl
 Host: ``--host`` prints the host microseconds of one ``paged_attention`` (decode and prefill) and ``write_kv`` call
 with a fixed layer step: the launchers alone ("launcher"), the model path's eager call (``custom_ops.paged_attention``
 / ``write_kv``: "model"), and the ``torch.ops.hf_paged.*`` operators that compiled graphs call ("torch.ops"), next to
-an empty operator of the same schema ("empty", subtracted in the last column). Without CUDA (any CPU, no ``TRITON_INTERPRET``) the kernels are
-recorded instead of launched, as ``python -m hf_paged check-kernels`` does, so the figures are the Python launch path
-alone; on CUDA the kernels run (small shapes, so the GPU keeps up) and each call is timed on the host.
+an empty operator of the same schema ("empty", subtracted in the last column). Without CUDA (any CPU, no
+``TRITON_INTERPRET``) the kernels are recorded instead of launched, as ``python -m hf_paged check-kernels`` does, so
+the figures are the Python launch path alone; on CUDA the kernels run (small shapes, so the GPU keeps up) and each
+call is timed on the host.
 
     python bench/kernels.py                          # H200 defaults: peak 4800 GB/s, bf16, 32 q / 8 kv heads, d=128
     python bench/kernels.py --batches 1,64 --contexts 1024,8192 --json results.json
@@ -291,7 +292,7 @@ def host_cases(args, device) -> dict:
         g = layer.group
         return lambda: triton_kernels.paged_attention_triton(
             q, layer.key_cache, layer.value_cache, g.block_tables, g.seq_lens, g.query_start_loc, scale, None,
-            layer.max_query_len, g.block_tables.shape[1] * bs)
+            layer.max_query_len, g.block_tables.shape[1] * bs, reuse_partials=True)
 
     def op_args(q, layer):  # torch.ops.hf_paged.paged_attention's arguments, as custom_ops.paged_attention makes them
         g = layer.group

@@ -100,7 +100,8 @@ def paged_attention(query, layer, scale: float, sliding_window: int | None, soft
             return _triton_kernels().paged_attention_triton(
                 query, layer.key_cache, layer.value_cache, g.block_tables, g.seq_lens, g.query_start_loc, float(scale),
                 sliding_window or None, layer.max_query_len, g.block_tables.shape[1] * layer.key_cache.shape[1],
-                softcap=softcap or None, sinks=sinks, k_scale=layer.k_scale, v_scale=layer.v_scale)
+                softcap=softcap or None, sinks=sinks, k_scale=layer.k_scale, v_scale=layer.v_scale,
+                reuse_partials=True)
         return paged_attention_torch(
             query, layer.key_cache, layer.value_cache, g.block_tables, g.seq_lens, g.query_start_loc, float(scale),
             sliding_window or None, layer.max_query_len, g.block_tables.shape[1] * layer.key_cache.shape[1], g.plan,

@@ -706,8 +706,8 @@ def launch_choices(
 # kernels, grids, constexprs, warps and stages, the split count, the integer and float arguments) is a LaunchPlan,
 # built on the first call with a given key and kept. A later call with the same key reads its tensors' shapes and
 # strides, looks the plan up and launches: no tensor value is read on the host (when the maxima are given), nothing is
-# allocated but the output (split-KV partials come from scratch kept per device and stream), and nothing is checked
-# (hf_paged.ops checks the arguments of its public functions once, on the way in).
+# allocated but the output (in the eager model path split-KV partials come from scratch kept per device and stream),
+# and nothing is checked (hf_paged.ops checks the arguments of its public functions once, on the way in).
 
 _MAX_PLANS = 512  # per kind; past it the cache starts over (an engine with ever-new prefill shapes stays bounded)
 _MAX_SCRATCH = 16
@@ -961,6 +961,7 @@ def paged_attention_triton(
     sinks: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    reuse_partials: bool = False,
 ) -> torch.Tensor:
     """Triton paged attention; same contract as ``hf_paged.ops.paged_attention``, which checks the arguments (here
     nothing is checked: ``seq_lens``/``query_start_loc`` contiguous, caches of one layout, as that function makes them).
@@ -969,6 +970,8 @@ def paged_attention_triton(
     ``choose_num_kv_splits`` asks for it, or ``num_kv_splits`` forces a count); anything else the prefill kernel.
     With ``max_query_len`` and ``max_seq_len`` given nothing here waits for the device (CUDA-graph capturable): the
     grid depends only on tensor shapes and those ints, and the launches come from :func:`attention_plan`'s cache.
+    ``reuse_partials``: take the split-KV partials from scratch kept per device, stream and shape instead of allocating
+    them (the eager model path; a compiled graph's call allocates, so its memory stays the graph's).
 
     Returns:
         ``[num_tokens, num_q_heads, head_dim]``, same dtype as ``query``.
@@ -990,32 +993,39 @@ def paged_attention_triton(
     placeholder = plan.placeholder
     pointers = (placeholder if sinks is None else sinks, placeholder if k_scale is None else k_scale,
                 placeholder if v_scale is None else v_scale)
+    tensors = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out)
     if plan.device_index is not None and plan.device_index != torch.cuda.current_device():
         with torch.cuda.device(plan.device_index):
-            _launch_attention(plan, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
-                              pointers)
+            _launch_attention(plan, tensors, pointers, reuse_partials)
     else:
-        _launch_attention(plan, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, pointers)
+        _launch_attention(plan, tensors, pointers, reuse_partials)
     return out
 
 
-def _launch_attention(plan, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, pointers):
+def _launch_attention(plan, tensors, pointers, reuse_partials: bool):
+    """``tensors``: query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out; ``pointers``: sinks,
+    k_scale, v_scale (or the placeholder)."""
     first = plan.launches[0]
-    tables = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out)
+    out, query_start_loc, device = tensors[6], tensors[5], tensors[0].device
     if first.kernel == "_prefill_kernel":
-        _prefill_kernel[first.grid](*tables, *pointers, *first.scalars, **first.options)
+        _prefill_kernel[first.grid](*tensors, *pointers, *first.scalars, **first.options)
         return
     if plan.partial_shape is None:
-        _decode_kernel[first.grid](*tables, out, out, *pointers, *first.scalars, **first.options)  # partials unused
+        _decode_kernel[first.grid](*tensors, out, out, *pointers, *first.scalars, **first.options)  # partials unused
         return
-    partial_out, partial_lse = _partials(query.device, plan.partial_shape)
-    _decode_kernel[first.grid](*tables, partial_out, partial_lse, *pointers, *first.scalars, **first.options)
+    if reuse_partials:
+        partial_out, partial_lse = _partials(device, plan.partial_shape)
+    else:
+        partial_out = torch.empty(plan.partial_shape, dtype=torch.float32, device=device)  # [S, Hq, splits, D]
+        partial_lse = torch.empty(plan.partial_shape[:3], dtype=torch.float32, device=device)  # [S, Hq, splits]
+    _decode_kernel[first.grid](*tensors, partial_out, partial_lse, *pointers, *first.scalars, **first.options)
     merge = plan.launches[1]
     _merge_splits_kernel[merge.grid](out, partial_out, partial_lse, pointers[0], query_start_loc, *merge.scalars,
                                      **merge.options)
 
 
-def write_kv_plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, kv_scales: bool = False) -> LaunchPlan:
+def write_kv_plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                  kv_scales: bool = False) -> LaunchPlan:
     """The (cached) plan of a :func:`write_kv_triton` call: keyed by the device, the dtypes, shapes and strides of
     ``key``, ``value`` and the pool (the value cache shares the key cache's layout), and whether scales are passed."""
     cache_key = (key.device, key.dtype, key.shape, key.stride(), value.stride(), key_cache.dtype, key_cache.shape,
@@ -1052,8 +1062,8 @@ def write_kv_triton(
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the pool at ``slot_mapping``, in place.
 
     Tokens whose slot is negative (padding) are skipped. A uint8 (fp8) pool stores ``x / scale`` rounded to e4m3fn,
-    with ``k_scale``/``v_scale`` ``[num_kv_heads]`` float32. ``slot_mapping`` must be contiguous (``hf_paged.ops.write_kv``
-    makes it so); nothing is checked here.
+    with ``k_scale``/``v_scale`` ``[num_kv_heads]`` float32. ``slot_mapping`` must be contiguous
+    (``hf_paged.ops.write_kv`` makes it so); nothing is checked here.
     """
     plan = write_kv_plan(key, value, key_cache, k_scale is not None)
     if not plan.launches:
