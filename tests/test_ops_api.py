@@ -545,3 +545,37 @@ def test_docstring_examples_run_as_written(name, capsys):
     namespace: dict = {}
     for block in _literal_blocks(DOCSTRINGS[name]):
         exec(compile(block, f"<{name} docstring>", "exec"), namespace)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The torch backend's plan in a model
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_one_torch_plan_per_step_shared_by_every_layer(monkeypatch):
+    """In generate(), each forward's layers read through one plan object (built once per step on the host, not per
+    layer), and a decode step's plan is one batched decode part with no index to scatter through."""
+    from conftest import dynamic, generate, left_padded, tiny_model
+
+    from hf_paged import PagedCache, enable_paged_attention
+    from hf_paged.ops import custom_ops
+
+    model = tiny_model("llama", num_hidden_layers=3)
+    inputs = left_padded([3, 7])
+    expected = generate(model, inputs, dynamic(model), max_new_tokens=4)
+    enable_paged_attention(model, backend="torch")
+    plans, real = [], custom_ops.paged_attention_torch
+
+    def recording(*args, **kwargs):
+        plans.append(args[10])  # the plan argument
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(custom_ops, "paged_attention_torch", recording)
+    out = generate(model, inputs, PagedCache(model.config, block_size=4), max_new_tokens=4)
+    assert torch.equal(out, expected)
+    per_step = [plans[i:i + 3] for i in range(0, len(plans), 3)]
+    assert len(per_step) == 3 and all(len(step) == 3 for step in per_step)  # 3 decode steps (the prefill: no history)
+    for step in per_step:
+        assert step[0] is step[1] is step[2]
+        assert step[0].tables.shape == (2 * step[0].mask.shape[-1] // 4,) and step[0].decode_index is None
+    assert len({id(step[0]) for step in per_step}) == 3
