@@ -1,27 +1,36 @@
 #!/usr/bin/env bash
-# hf_paged on the GPU machine, one command, nothing downloaded (at most ~6 minutes; every stage is capped and
-# guarded, so one failing stage does not stop the others):
+# hf_paged on the GPU machine, one command, nothing downloaded (at most ~7.5 minutes, BUDGET; every stage is capped
+# and guarded, so one failing stage does not stop the others), in this order:
 #   wheels      (not DRY) when .whl/ holds wheels (e.g. a newer transformers than the machine's), installs them with
 #                  pip --no-index --no-deps into /tmp/site (SITE), put on PYTHONPATH after the repo root
 #   env         versions, GPU, nvidia-smi
 #   kernel-tests   tests/test_kernels.py on the GPU (not the interpreter)
-#   kernels-8b / kernels-1b   bench/kernels.py: decode GB/s and % of peak over batch x context, paged vs contiguous
-#                  SDPA, prefill vs SDPA, at Llama-3.1-8B's (32 q / 8 kv heads, d 128) and Llama-3.2-1B's (d 64) shapes
-#   e2e-*       generate() on random-weight bf16 models of real shapes built on the GPU (Llama-3.2-1B, then Llama-3.1-8B):
-#                  DynamicCache, StaticCache + compile, PagedCache eager, PagedCache compiled; tokens/s, KV bytes,
-#                  peak memory, tokens equal to DynamicCache's
+#   host        bench/kernels.py --host: host us per paged_attention (decode, prefill) and write_kv call, launcher
+#                  alone, eager model path and torch.ops.hf_paged.* op (median of 10k calls, minus an empty op of the
+#                  same schema); DRY: kernels recorded instead of launched (TRITON_INTERPRET unset for this stage)
+#   kernels-8b  bench/kernels.py at Llama-3.1-8B's shape (32 q / 8 kv heads, d 128, bf16, block 16): the decode table
+#                  (batch x context: us, GB/s, % of peak, x SDPA on a contiguous cache), prefill (batch 1 and 8, no
+#                  history, vs SDPA is_causal), extend (512 over 2048, vs SDPA with a lower-right causal mask) and a
+#                  mixed step (a 512-token chunk + 32 decode rows in one launch vs two launches)
+#   e2e-*       generate() on random-weight bf16 models of real shapes built on the GPU (Llama-3.2-1B; MODELS="1b 8b"
+#                  adds Llama-3.1-8B): DynamicCache, PagedCache eager (the eager ratio), StaticCache + compile, PagedCache
+#                  compiled; tokens/s, KV bytes, peak memory, tokens equal to DynamicCache's
+#   calls-*     (CALLS=1 only) bench/gpu_calls.py auto / explicit: compiled generate() call after call on one pool,
+#                  transformers' default compile config vs an explicit CompileConfig(mode="reduce-overhead")
+#   kernels-1b  bench/kernels.py at Llama-3.2-1B's shape (d 64)
 #   triton-e2e  tests/test_triton_e2e.py (tiny models through the Triton backend)
 #
 #   bash bench/gpu.sh                  # on the GPU machine: python3 with torch (CUDA), triton, transformers
-#   DRY=1 bash bench/gpu.sh            # the same stages on CPU, Triton interpreter, tiny shapes (~2-4 minutes)
+#   DRY=1 bash bench/gpu.sh            # the same stages on CPU, Triton interpreter, tiny shapes (~3-5 minutes)
 #   OUT=/tmp/gpu bash bench/gpu.sh     # where results go (default bench/out/gpu, or bench/out/dry)
 #
 # Results in $OUT: summary.txt (stage, exit code, seconds), results.md (the tables), env.txt, nvidia-smi.txt,
-# e2e.jsonl (one JSON object per generate() run), kernels-8b.json, kernels-1b.json, and one .log per stage.
+# e2e.jsonl (one JSON object per generate() run), host.json, kernels-8b.json, kernels-1b.json, one .log per stage.
 # Exit status 0 when every stage passed. Environment: PYTHON (python3; .venv/bin/python for DRY when present),
-# BUDGET (seconds for everything: 330; DRY 300), BATCH / PROMPT / NEW_TOKENS (generate() shape: 8 / 512 / 128),
-# KERNELS_ARGS (extra bench/kernels.py arguments), TESTS_K (pytest -k for the kernel tests), MODELS (1b 8b),
-# COMPILE_BACKEND (inductor; DRY eager), SITE (where .whl/ is installed: /tmp/site), SKIP (stage names not to run).
+# BUDGET (seconds for everything: 450; DRY 360), BATCH / PROMPT / NEW_TOKENS (generate() shape: 8 / 512 / 128),
+# KERNELS_ARGS (extra bench/kernels.py arguments), TESTS_K (pytest -k for the kernel tests), MODELS (1b),
+# COMPILE_BACKEND (inductor; DRY eager), SITE (where .whl/ is installed: /tmp/site), SKIP (stage names not to run),
+# CALLS (1: add the calls-* stages).
 # Each stage's cap is also cut so that triton-e2e, last, keeps its share of the budget (RESERVE).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,15 +41,15 @@ if [ "$DRY" = 1 ]; then
     OUT=${OUT:-bench/out/dry}
     [ -x .venv/bin/python ] && PYTHON=${PYTHON:-.venv/bin/python}
     export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-    BUDGET=${BUDGET:-300} BATCH=${BATCH:-2} PROMPT=${PROMPT:-12} NEW_TOKENS=${NEW_TOKENS:-4}
+    BUDGET=${BUDGET:-360} BATCH=${BATCH:-2} PROMPT=${PROMPT:-12} NEW_TOKENS=${NEW_TOKENS:-4}
     MODELS=${MODELS:-tiny}
     COMPILE_BACKEND=${COMPILE_BACKEND:-eager}  # dynamo traces the compiled path; inductor on CPU takes minutes
     TESTS_K=${TESTS_K:-"fp32-d64-bs16-gqa4 or prefill_matches_float64 and fp32-d64-bs16-gqa2 or skips_negative"}
 else
     OUT=${OUT:-bench/out/gpu}
     export TRITON_INTERPRET=0
-    BUDGET=${BUDGET:-330} BATCH=${BATCH:-8} PROMPT=${PROMPT:-512} NEW_TOKENS=${NEW_TOKENS:-128}
-    MODELS=${MODELS:-1b 8b}
+    BUDGET=${BUDGET:-450} BATCH=${BATCH:-8} PROMPT=${PROMPT:-512} NEW_TOKENS=${NEW_TOKENS:-128}
+    MODELS=${MODELS:-1b}
     COMPILE_BACKEND=${COMPILE_BACKEND:-inductor}
     TESTS_K=${TESTS_K:-}
 fi
@@ -228,7 +237,14 @@ open(os.path.join(os.environ["OUT"], "env.txt"), "w").write("\n".join(lines) + "
 EOF
 command -v nvidia-smi >/dev/null && nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 
-stage kernel-tests "$(cap 150 120)" "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py ${TESTS_K:+-k "$TESTS_K"}
+stage kernel-tests "$(cap 150 90)" "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py ${TESTS_K:+-k "$TESTS_K"}
+
+if [ "$DRY" = 1 ]; then  # kernels recorded on CPU: the launcher's own cost, which needs the compiler, not the interpreter
+    stage host 60 env -u TRITON_INTERPRET "$PY" bench/kernels.py --host --calls 300 --host-batch 4 --host-context 64 \
+        --host-prefill 16 --num-q-heads 4 --num-kv-heads 2 --head-dim 32 --json "$OUT/host.json"
+else
+    stage host 60 "$PY" bench/kernels.py --host --json "$OUT/host.json"
+fi
 
 if [ "$DRY" = 1 ]; then  # bench/kernels.py's own main needs CUDA: drive its functions on CPU with tiny shapes
     cat >"$DRY_KERNELS" <<'EOF'
@@ -238,8 +254,8 @@ import torch
 import kernels as bk
 from hf_paged.ops.triton_kernels import choose_num_kv_splits, paged_attention_triton
 name, extra = sys.argv[1], sys.argv[2:]
-args = bk.parse_args(["--batches", "2", "--contexts", "32", "--prefill-lens", "16", "--prefill-batch", "1",
-                      "--num-q-heads", "4", "--num-kv-heads", "2", *extra])
+args = bk.parse_args(["--batches", "2", "--contexts", "32", "--prefill-lens", "16", "--prefill-batches", "1",
+                      "--extend", "4:12", "--mixed", "8,2,16", "--num-q-heads", "4", "--num-kv-heads", "2", *extra])
 def do_bench(fn):  # one warm call, one timed (triton.testing.do_bench needs CUDA)
     fn()
     start = time.perf_counter()
@@ -247,19 +263,16 @@ def do_bench(fn):  # one warm call, one timed (triton.testing.do_bench needs CUD
     return (time.perf_counter() - start) * 1e3
 cpu = torch.device("cpu")
 result = dict(decode=bk.bench_decode(args, do_bench, choose_num_kv_splits, paged_attention_triton, cpu, 132),
-              prefill=bk.bench_prefill(args, do_bench, paged_attention_triton, cpu))
+              prefill=bk.bench_prefill(args, do_bench, paged_attention_triton, cpu),
+              mixed=bk.bench_mixed(args, do_bench, paged_attention_triton, cpu))
 print(json.dumps(result, indent=1))
 with open(os.path.join(os.environ["OUT"], f"kernels-{name}.json"), "w") as f:
     json.dump(result, f)
 EOF
     stage kernels-8b 60 "$PY" "$DRY_KERNELS" 8b --head-dim 32
-    stage kernels-1b 60 "$PY" "$DRY_KERNELS" 1b --head-dim 16
 else
     # shellcheck disable=SC2086  # KERNELS_ARGS is a word list on purpose
-    stage kernels-8b 60 "$PY" bench/kernels.py --json "$OUT/kernels-8b.json" ${KERNELS_ARGS:-}
-    # shellcheck disable=SC2086
-    stage kernels-1b 40 "$PY" bench/kernels.py --head-dim 64 --batches 1,32,128 --contexts 1024,8192 \
-        --prefill-lens 2048 --json "$OUT/kernels-1b.json" ${KERNELS_ARGS:-}
+    stage kernels-8b 90 "$PY" bench/kernels.py --json "$OUT/kernels-8b.json" ${KERNELS_ARGS:-}
 fi
 
 for model in $MODELS; do
@@ -274,6 +287,17 @@ for model in $MODELS; do
     stage "e2e-$model-paged-compiled" "${caps[3]}" "$PY" "$E2E" "$model" paged-compiled
 done
 
+if [ "${CALLS:-0}" = 1 ] && [ "$DRY" != 1 ]; then  # opt-in: the explicit reduce-overhead slowdown, call after call
+    stage calls-auto 120 "$PY" bench/gpu_calls.py auto
+    stage calls-explicit 120 "$PY" bench/gpu_calls.py explicit
+fi
+
+if [ "$DRY" != 1 ]; then  # (DRY: the kernels-8b stage already drove the same functions at tiny shapes)
+    # shellcheck disable=SC2086
+    stage kernels-1b 40 "$PY" bench/kernels.py --head-dim 64 --batches 1,32,128 --contexts 1024,8192 \
+        --prefill-lens 2048 --prefill-batches 8 --mixed "" --json "$OUT/kernels-1b.json" ${KERNELS_ARGS:-}
+fi
+
 RESERVE=0
 stage triton-e2e "$TRITON_E2E_CAP" "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_triton_e2e.py ${DRY_E2E_K:+-k "$DRY_E2E_K"}
 
@@ -285,32 +309,53 @@ def table(title, columns):
     print(f"\n### {title}\n\n| " + " | ".join(columns) + " |\n|" + "|".join("---" for _ in columns) + "|")
 
 
+def load(name):
+    path = os.path.join(out, name)
+    return json.load(open(path)) if os.path.exists(path) else None
+
+
 if os.path.exists(os.path.join(out, "env.txt")):
     print(open(os.path.join(out, "env.txt")).read().strip())
+host = load("host.json")
+if host:
+    m = host["machine"]
+    table(f"Host us per call ({m['device']}; {m['dtype']}, {m['num_q_heads']} q / {m['num_kv_heads']} kv heads, "
+          f"d {m['head_dim']}, context {m['context']}; median of {m['calls']} calls)", ["call", "us", "minus empty op"])
+    for r in host["host"]:
+        minus = f"{r['minus_empty_op']:.1f}" if "minus_empty_op" in r else ""
+        print(f"| {r['call'].strip()} | {r['us']:.1f} | {minus} |")
 for name in ("8b", "1b"):
-    path = os.path.join(out, f"kernels-{name}.json")
-    if not os.path.exists(path):
+    data = load(f"kernels-{name}.json")
+    if data is None:
         continue
-    data = json.load(open(path))
     table(f"Decode kernel, {name} shape", ["batch", "context", "splits", "paged us", "GB/s", "% peak", "SDPA us",
                                           "paged/SDPA"])
     for r in data.get("decode", []):
         print(f"| {r['batch']} | {r['context']} | {r['splits']} | {r['paged_us']:.1f} | {r['paged_gbps']:.0f} | "
               f"{r['paged_pct_peak']:.1f} | {r['sdpa_us']:.1f} | {r['paged_over_sdpa']:.2f} |")
-    table(f"Prefill kernel, {name} shape", ["batch", "length", "paged us", "TFLOP/s", "SDPA us", "paged/SDPA"])
+    table(f"Prefill / extend kernel, {name} shape", ["kind", "batch", "new", "history", "paged us", "TFLOP/s",
+                                                    "SDPA us", "paged/SDPA"])
     for r in data.get("prefill", []):
-        print(f"| {r['batch']} | {r['length']} | {r['paged_us']:.1f} | {r['paged_tflops']:.1f} | {r['sdpa_us']:.1f} | "
-              f"{r['paged_over_sdpa']:.2f} |")
+        print(f"| {r.get('kind', 'prefill')} | {r['batch']} | {r.get('new', r['length'])} | {r.get('history', 0)} | "
+              f"{r['paged_us']:.1f} | {r['paged_tflops']:.1f} | {r['sdpa_us']:.1f} | {r['paged_over_sdpa']:.2f} |")
+    if data.get("mixed"):
+        table(f"Mixed step, {name} shape", ["chunk", "decode rows", "context", "one launch us", "two launches us",
+                                            "one / two"])
+        for r in data["mixed"]:
+            print(f"| {r['chunk']} | {r['decodes']} | {r['context']} | {r['mixed_us']:.1f} | {r['separate_us']:.1f} | "
+                  f"{r['mixed_over_separate']:.2f} |")
 rows = [json.loads(l) for l in open(os.path.join(out, "e2e.jsonl")) if l.strip()]
 if rows:
-    table("generate()", ["model", "cache", "batch x prompt + new", "tokens/s", "ms/step", "warm-up s", "KV MiB",
-                         "peak GiB", "rows equal to Dynamic", "graphs / CUDA-graph skips"])
+    reference = {r["model"]: r["tokens_per_s"] for r in rows if r["contender"] == "dynamic"}
+    table("generate()", ["model", "cache", "batch x prompt + new", "tokens/s", "x DynamicCache", "ms/step",
+                         "warm-up s", "KV MiB", "peak GiB", "rows equal to Dynamic", "graphs / CUDA-graph skips"])
     for r in rows:
         eq = r["equal_to_dynamic"]
         eq = "reference" if r["contender"] == "dynamic" else ("-" if eq is None else f"{eq['rows']}/{eq['of']}")
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+        ratio = f"{r['tokens_per_s'] / reference[r['model']]:.2f}" if r["model"] in reference else "-"
         print(f"| {r['model']} | {r['contender']} | {r['batch']} x {r['prompt']} + {r['new_tokens']} | "
-              f"{r['tokens_per_s']:.0f} | {r['ms_per_step']:.1f} | {r['warmup_s']:.1f} | "
+              f"{r['tokens_per_s']:.0f} | {ratio} | {r['ms_per_step']:.1f} | {r['warmup_s']:.1f} | "
               f"{r['kv_reserved_bytes'] / 2**20:.2f} | {peak} | {eq} | "
               f"{r.get('compiled_graphs', '-')} / {r.get('cudagraph_skips', '-')} |")
 EOF

@@ -2,7 +2,8 @@
 
 A random-weight bf16 model of Llama-3.2-1B's shape, 8 prompts x 512 tokens; five calls (4, 128, 128, 128 new tokens,
 then 128 after a gc.collect()) on one BlockPool. Prints one JSON line per call: seconds, ms per step, whether the
-step buffers came back to the pool, the dynamo graph count and inductor's CUDA-graph counters.
+step buffers came back to the pool, the dynamo graph count, inductor's CUDA-graph counters and the CUDA memory
+allocated / reserved after the call (memory that grows call after call points at graphs recorded again into new pools).
 
     python bench/gpu_calls.py auto       # transformers' own compile (its default CompileConfig)
     python bench/gpu_calls.py explicit   # compile_config=CompileConfig(mode="reduce-overhead") passed in
@@ -50,6 +51,8 @@ def call(label: str, new: int) -> None:
     print(json.dumps(dict(label=label, new_tokens=new, seconds=round(seconds, 3), ms_per_step=round(1e3 * seconds / new, 2),
                           step_buffers=buffers, free_step_buffers=len(pool._free_step_buffers),
                           graphs=counters["stats"]["unique_graphs"],
+                          allocated_mib=round(torch.cuda.memory_allocated() / 2**20, 1),
+                          reserved_mib=round(torch.cuda.memory_reserved() / 2**20, 1),
                           cudagraph={k: v for k, v in counters["inductor"].items() if "cudagraph" in k})), flush=True)
 
 

@@ -20,7 +20,7 @@ def main(argv=None) -> int:
         print(format_models_table())
         return 0
     if command == "check-kernels":
-        from .kernel_check import main as check_kernels
+        from .tools.kernel_check import main as check_kernels
 
         return check_kernels(argv)
     if command == "serve":

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from hf_paged import kernel_check as kc  # noqa: E402
+from hf_paged.tools import kernel_check as kc  # noqa: E402
 
 TINY_KERNELS = '''
 import triton
@@ -143,3 +143,21 @@ def test_capture_specialises_like_the_jit():
     assert {"query_ptr", "k_cache_ptr", "stride_ch"} <= set(decode.aligned)  # multiples of 16: tt.divisibility
     assert "stride_bt_seq" not in decode.aligned  # the block table's width is odd here
     assert len(kc.plan(captured)) == 3
+
+
+def test_check_kernels_ships_in_the_wheel_and_runs_from_main(capsys):
+    """``hf_paged.tools`` is one of pyproject's packages (every package directory is), so ``python -m hf_paged
+    check-kernels`` finds its module in an installed wheel; the command reaches it."""
+    import tomllib
+    from pathlib import Path
+
+    from hf_paged.__main__ import main
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "hf_paged").rglob("__init__.py")
+             if "patches" not in p.parts}
+    assert "hf_paged.tools" in found and found <= listed
+    with pytest.raises(SystemExit) as exit_info:
+        main(["check-kernels", "--help"])
+    assert exit_info.value.code == 0 and "check-kernels" in capsys.readouterr().out

@@ -436,7 +436,7 @@ def test_bucketed_width_and_zero_padded_tables(decode, options):
     max_seq_len, max_query_len, num_tokens = width * block_size, max(q_lens), sum(q_lens)
     plan = plan_torch_attention(tables, case["seq_lens"], case["query_start_loc"], block_size, num_tokens,
                                 None, max_query_len, max_seq_len)
-    assert plan.context_len == max_seq_len > max(seq_lens)
+    assert (plan.mask if decode else plan.prefill_mask).shape[-1] == max_seq_len > max(seq_lens)
     extra = {k: case[k] for k in ("softcap", "sinks", "k_scale", "v_scale") if k in case}
     positional = [case[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens",
                                     "query_start_loc", "scale", "sliding_window")]
@@ -614,3 +614,107 @@ def test_launchers_do_not_sync_when_maxima_are_given(monkeypatch, decode):
         assert name == choice.kernel
         assert {k: kwargs[k] for k in choice.constexprs} == choice.constexprs
         assert (kwargs["num_warps"], kwargs["num_stages"]) == (choice.num_warps, choice.num_stages)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Launch plans: decisions made once per key
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_launch_plan_cache_returns_the_same_plan_per_key(monkeypatch):
+    """Same shapes, dtypes, device and options: the very same plan, and no decision work (launch_choices, the split
+    count) on the way; a changed shape, dtype or option: another plan, whose launches follow the change."""
+    case = make_case([600, 20], [1, 1], num_kv_heads=2, group=4, head_dim=64, block_size=16, dtype=torch.float32)
+    q, kc, bt = case["query"], case["key_cache"], case["block_tables"]
+    plan = triton_kernels.attention_plan(q, kc, bt, 0.125, None, 1, 640)
+    with monkeypatch.context() as m:
+        for name in ("launch_choices", "choose_num_kv_splits", "_build_attention_plan"):
+            m.setattr(triton_kernels, name, lambda *a, **k: pytest.fail("a cached plan was worked out again"))
+        assert triton_kernels.attention_plan(q.clone(), kc, bt.clone(), 0.125, None, 1, 640) is plan
+        calls = _record_launches(m)
+        paged_attention_triton(**case, max_query_len=1, max_seq_len=640)  # the launcher too: from the cache
+    assert [(name, grid) for name, grid, _, _ in calls] == [(launch.kernel, launch.grid) for launch in plan.launches]
+
+    three = make_case([600, 20, 7], [1, 1, 1], num_kv_heads=2, group=4, head_dim=64, block_size=16,
+                      dtype=torch.float32)
+    other_batch = triton_kernels.attention_plan(three["query"], three["key_cache"], three["block_tables"], 0.125,
+                                                None, 1, 640)
+    assert other_batch is not plan and other_batch.launches[0].grid[0] == 3
+    half = triton_kernels.attention_plan(q.half(), kc.half(), bt, 0.125, None, 1, 640)
+    assert half is not plan and half.launches[0].options["DOT_PRECISION"] == "tf32"
+    windowed = triton_kernels.attention_plan(q, kc, bt, 0.125, 64, 1, 640)
+    assert windowed is not plan and windowed.launches[0].scalars[2] == 64  # the window argument
+    short = triton_kernels.attention_plan(q, kc, bt, 0.125, None, 1, 32)  # too short to split
+    assert len(plan.launches) == 2 and len(short.launches) == 1
+    prefill = triton_kernels.attention_plan(q, kc, bt, 0.125, None, 5, None)
+    assert [launch.kernel for launch in prefill.launches] == ["_prefill_kernel"]
+    assert triton_kernels.attention_plan(q, kc, bt, 0.125, None, 5, 999) is prefill  # max_seq_len: decode only
+
+    key = case["query"][:, :2].contiguous()  # [2, Hkv, D]: two tokens written
+    write = triton_kernels.write_kv_plan(key, key, kc)
+    assert triton_kernels.write_kv_plan(key.clone(), key.clone(), kc) is write
+    more = triton_kernels.write_kv_plan(torch.cat([key, key]), torch.cat([key, key]), kc)
+    assert more is not write and more.launches[0].grid == (4,) and write.launches[0].grid == (2,)
+    strided = case["query"][:, :2]  # a view with other strides: another plan, launched with its strides
+    assert triton_kernels.write_kv_plan(strided, strided, kc).launches[0].scalars[1:4] == strided.stride()
+
+
+def test_split_kv_partials_are_reused():
+    """Split-KV scratch comes back for the same device and shape (nothing allocated per call) and is another buffer
+    for another shape; results stay exact call after call."""
+    device = torch.device(DEVICE)
+    first = triton_kernels._partials(device, (2, 8, 3, 64))
+    assert triton_kernels._partials(device, (2, 8, 3, 64)) is first
+    assert triton_kernels._partials(device, (2, 8, 4, 64))[0].data_ptr() != first[0].data_ptr()
+    case = make_case([300, 90], [1, 1], num_kv_heads=1, group=4, head_dim=32, block_size=16, dtype=torch.float32)
+    for _ in range(2):
+        assert_close_to_float64(case, triton_direct(num_kv_splits=3, max_query_len=1, max_seq_len=304))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The torch backend's plan: rows grouped by query count, runs of blocks read as views
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_torch_plan_groups_rows_by_query_count():
+    """A mixed step (a 40-token chunk over a long history, three decode rows, an idle row): the decode rows are one
+    call over their own longest context, the chunk another, padded to nothing; the result is the float64 one."""
+    seq_lens, q_lens, block_size = [200, 30, 45, 12, 70], [40, 1, 1, 0, 1], 16
+    case = make_case(seq_lens, q_lens, num_kv_heads=2, group=3, head_dim=32, block_size=block_size,
+                     dtype=torch.float32, seed=9)
+    num_tokens = sum(q_lens)
+    plan = plan_torch_attention(case["block_tables"], case["seq_lens"], case["query_start_loc"], block_size,
+                                num_tokens, None, max(q_lens), zero_unowned=True)  # NaN pool: unowned slots zeroed
+    assert plan.prefill_q_index.shape == (1, 40) and plan.prefill_mask.shape == (1, 1, 40, 208)
+    assert plan.tables.shape == (3 * 5,) and plan.mask.shape == (3, 1, 1, 80)  # 70 tokens -> 5 blocks, not 13
+    assert plan.decode_index.tolist() == [40, 41, 42] and plan.prefill_index.tolist() == list(range(40))
+    expected = attention_float64(**case)
+    out = paged_attention_torch(**case, plan=plan)
+    assert (out.double() - expected).abs().max() < 1e-5
+    decode_only = plan_torch_attention(case["block_tables"][1:], case["seq_lens"][1:],
+                                       case["query_start_loc"][1:] - 40, block_size, 3, None, 1)
+    assert decode_only.decode_index is None and decode_only.prefill_tables is None  # rows in order: no scatter
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_torch_plan_reads_a_run_of_blocks_as_a_view(decode):
+    """One row whose blocks are consecutive in the pool is read as a view of it (nothing gathered), at the right
+    place: every other block holds large finite garbage, which would show. A compiled step's plan never does."""
+    q_len = 1 if decode else 6
+    case = make_case([45], [q_len], num_kv_heads=2, group=2, head_dim=32, block_size=8, dtype=torch.float32, seed=10)
+    blocks = case["block_tables"][0, :6].long()
+    pool_k, pool_v = torch.full_like(case["key_cache"], 7.0), torch.full_like(case["value_cache"], -7.0)
+    pool_k[2:8], pool_v[2:8] = case["key_cache"][blocks], case["value_cache"][blocks]  # the row at blocks 2..7
+    pool_k[7, 5:], pool_v[7, 5:] = 0.0, 0.0  # past the row's 45 tokens: zeros, as hf_paged's own pools hold
+    tables = torch.arange(2, 8, dtype=torch.int32, device=DEVICE)[None]
+    case = dict(case, key_cache=pool_k, value_cache=pool_v, block_tables=tables)
+    plan = plan_torch_attention(tables, case["seq_lens"], case["query_start_loc"], 8, q_len, None, q_len)
+    assert (plan.decode_run if decode else plan.prefill_run) == 2
+    out = paged_attention_torch(**case, plan=plan)
+    assert (out.double() - attention_float64(**case)).abs().max() < 1e-5
+    compiled = plan_torch_attention(tables, case["seq_lens"], case["query_start_loc"], 8, q_len, None, q_len,
+                                    always_mask=True)
+    assert compiled.decode_run is None and compiled.prefill_run is None
+    scrambled = tables.flip(1)
+    assert plan_torch_attention(scrambled, case["seq_lens"], case["query_start_loc"], 8, q_len, None,
+                                q_len).decode_run is None

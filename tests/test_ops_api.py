@@ -7,7 +7,10 @@ idle sequences) must run and match a float64 per-sequence computation done from 
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import sys
+import textwrap
 import types
 from contextlib import contextmanager
 
@@ -489,3 +492,90 @@ def test_copy_blocks_on_fp8_pool():
     ops.copy_blocks(key_cache, value_cache, torch.tensor([3, 0]), torch.tensor([1, 2]))
     assert torch.equal(key_cache[[1, 2]], before_k[[3, 0]]) and torch.equal(value_cache[[1, 2]], before_v[[3, 0]])
     assert torch.equal(key_cache[[0, 3]], before_k[[0, 3]])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Docstring examples
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _literal_blocks(doc: str) -> list[str]:
+    """The code blocks of a docstring: each indented block after a paragraph ending in ``::``, dedented."""
+    lines = inspect.cleandoc(doc).splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        if not lines[i].rstrip().endswith("::"):
+            i += 1
+            continue
+        j = i + 1
+        block = []
+        while j < len(lines) and (not lines[j].strip() or lines[j].startswith(" ")):
+            block.append(lines[j])
+            j += 1
+        blocks.append(textwrap.dedent("\n".join(block)).strip())
+        i = j
+    return [b for b in blocks if b]
+
+
+def _public_docstrings() -> dict:
+    """name -> docstring of hf_paged.ops and everything its ``__all__`` (and the Triton module's) exports."""
+    objects = {"hf_paged.ops": ops}
+    objects.update({f"ops.{name}": getattr(ops, name) for name in ops.__all__})
+    if ops.triton_available() or importlib.util.find_spec("triton") is not None:
+        from hf_paged.ops import triton_kernels
+
+        objects.update({f"triton_kernels.{name}": getattr(triton_kernels, name) for name in triton_kernels.__all__})
+    return {name: obj.__doc__ or "" for name, obj in objects.items()}
+
+
+DOCSTRINGS = _public_docstrings()
+WITH_EXAMPLES = sorted(name for name, doc in DOCSTRINGS.items() if _literal_blocks(doc))
+
+
+def test_public_docstrings_have_examples():
+    """The public functions carry runnable examples (the ones the next test runs)."""
+    assert {"hf_paged.ops", "ops.paged_attention", "ops.write_kv", "ops.copy_blocks", "ops.fp8_scales"} <= set(
+        WITH_EXAMPLES)
+
+
+@pytest.mark.parametrize("name", WITH_EXAMPLES)
+def test_docstring_examples_run_as_written(name, capsys):
+    """Each docstring's code blocks, run in order in one fresh namespace (as a reader would paste them), raise
+    nothing: no undefined name, no wrong shape."""
+    namespace: dict = {}
+    for block in _literal_blocks(DOCSTRINGS[name]):
+        exec(compile(block, f"<{name} docstring>", "exec"), namespace)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The torch backend's plan in a model
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_one_torch_plan_per_step_shared_by_every_layer(monkeypatch):
+    """In generate(), each forward's layers read through one plan object (built once per step on the host, not per
+    layer), and a decode step's plan is one batched decode part with no index to scatter through."""
+    from conftest import dynamic, generate, left_padded, tiny_model
+
+    from hf_paged import PagedCache, enable_paged_attention
+    from hf_paged.ops import custom_ops
+
+    model = tiny_model("llama", num_hidden_layers=3)
+    inputs = left_padded([3, 7])
+    expected = generate(model, inputs, dynamic(model), max_new_tokens=4)
+    enable_paged_attention(model, backend="torch")
+    plans, real = [], custom_ops.paged_attention_torch
+
+    def recording(*args, **kwargs):
+        plans.append(args[10])  # the plan argument
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(custom_ops, "paged_attention_torch", recording)
+    out = generate(model, inputs, PagedCache(model.config, block_size=4), max_new_tokens=4)
+    assert torch.equal(out, expected)
+    per_step = [plans[i:i + 3] for i in range(0, len(plans), 3)]
+    assert len(per_step) == 3 and all(len(step) == 3 for step in per_step)  # 3 decode steps (the prefill: no history)
+    for step in per_step:
+        assert step[0] is step[1] is step[2]
+        assert step[0].tables.shape == (2 * step[0].mask.shape[-1] // 4,) and step[0].decode_index is None
+    assert len({id(step[0]) for step in per_step}) == 3

@@ -27,11 +27,16 @@ blocks: a ``torch.uint8`` pool holding float8 e4m3fn bits with per-KV-head ``k_s
     value_cache = torch.zeros_like(key_cache)
     k_scale, v_scale = ops.fp8_scales(k_new), ops.fp8_scales(v_new)  # [num_kv_heads] float32, fixed from now on
     ops.write_kv(k_new, v_new, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
-    out = ops.paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale=0.125,
-                              k_scale=k_scale, v_scale=v_scale)
+    query = torch.randn(2, 8, 64)                              # [num_tokens, num_q_heads, head_dim]
+    out = ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale=0.125,
+                              k_scale=k_scale, v_scale=v_scale)  # [2, 8, 64]
+
+Every example in this package's docstrings runs as written (``tests/test_ops_api.py`` executes them).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -43,6 +48,18 @@ __all__ = ["paged_attention", "write_kv", "copy_blocks", "fp8_scales", "plan_tor
 BACKENDS = ("auto", "torch", "triton")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _POOL_DTYPES = _FLOAT_DTYPES + (torch.uint8,)  # uint8: float8 e4m3fn bits, with k_scale / v_scale
+
+
+_TRITON_MODULE = __name__ + ".triton_kernels"
+
+
+def _triton_kernels():
+    """The Triton kernels module, imported on first use (triton is optional); found in ``sys.modules`` after that,
+    which costs far less per call than an import statement."""
+    module = sys.modules.get(_TRITON_MODULE)
+    if module is None:
+        from . import triton_kernels as module
+    return module
 
 
 def triton_available() -> bool:
@@ -158,6 +175,17 @@ def write_kv(
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
         k_scale, v_scale: uint8 pools only, ``[num_kv_heads]`` float32: stores ``x / scale`` clamped to +-448 and
             rounded to e4m3fn (see :func:`fp8_scales`).
+
+    Example::
+
+        import torch
+        from hf_paged import ops
+
+        key_cache = torch.zeros(8, 4, 2, 16)                # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache = torch.zeros_like(key_cache)
+        key, value = torch.randn(3, 2, 16), torch.randn(3, 2, 16)  # [num_tokens, num_kv_heads, head_dim]
+        ops.write_kv(key, value, key_cache, value_cache, torch.tensor([20, 21, 22]))  # block 5, offsets 0-2
+        assert torch.equal(key_cache[5, :3], key)
     """
     _check_pool(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -177,24 +205,35 @@ def write_kv(
     if slot_mapping.shape[0] != key.shape[0]:
         _fail(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens.")
     _check_kv_scales(key_cache, k_scale, v_scale)
-    write_kv_unchecked(key, value, key_cache, value_cache, slot_mapping, resolve_backend(backend, key_cache.device),
-                       k_scale=k_scale, v_scale=v_scale)
+    write_kv_unchecked(key, value, key_cache, value_cache, slot_mapping.contiguous(),
+                       resolve_backend(backend, key_cache.device), k_scale=k_scale, v_scale=v_scale)
 
 
 def write_kv_unchecked(key, value, key_cache, value_cache, slot_mapping, backend: str, *, k_scale=None,
                        v_scale=None) -> None:
-    """:func:`write_kv` without argument checks or ``"auto"`` (the model path checks once per step)."""
+    """:func:`write_kv` without argument checks or ``"auto"`` (the model path checks once per step);
+    ``slot_mapping`` contiguous."""
     if backend == "triton":
-        from .triton_kernels import write_kv_triton
-
-        write_kv_triton(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        _triton_kernels().write_kv_triton(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale,
+                                          v_scale=v_scale)
     else:
         write_kv_torch(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def copy_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy whole blocks ``src[i]`` to ``dst[i]`` in both caches (copy-on-write of shared blocks); any pool dtype,
-    uint8 (fp8) included: the bytes are copied, the scales are per head and shared."""
+    uint8 (fp8) included: the bytes are copied, the scales are per head and shared.
+
+    Example::
+
+        import torch
+        from hf_paged import ops
+
+        key_cache = torch.randn(8, 4, 2, 16)                # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache = torch.randn_like(key_cache)
+        ops.copy_blocks(key_cache, value_cache, torch.tensor([2]), torch.tensor([6]))  # int64 block ids
+        assert torch.equal(key_cache[6], key_cache[2]) and torch.equal(value_cache[6], value_cache[2])
+    """
     copy_blocks_torch(key_cache, value_cache, src, dst)
 
 
@@ -243,6 +282,20 @@ def paged_attention(
 
     Returns:
         ``[num_tokens, num_q_heads, head_dim]``, same dtype as ``query``.
+
+    Example (one step of continuous batching: a 5-token chunk of a prompt after 3 cached tokens, and a decode row)::
+
+        import torch
+        from hf_paged import ops
+
+        key_cache = torch.randn(8, 4, 2, 16)                # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache = torch.randn_like(key_cache)
+        block_tables = torch.tensor([[3, 1], [6, 0]], dtype=torch.int32)  # row 1 uses one block; 0 is padding
+        seq_lens = torch.tensor([8, 2], dtype=torch.int32)  # history + new tokens
+        query_start_loc = torch.tensor([0, 5, 6], dtype=torch.int32)  # 5 queries, then 1
+        query = torch.randn(6, 4, 16)                       # [num_tokens, num_q_heads, head_dim]: GQA, 2 per KV head
+        out = ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                  scale=16 ** -0.5)         # [6, 4, 16]
     """
     _check_pool(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -276,28 +329,28 @@ def paged_attention(
         _fail(f"max_seq_len={max_seq_len} exceeds what block_tables can address ({block_tables.shape[1]} blocks x "
               f"{block_size} = {block_tables.shape[1] * block_size}); pass a width <= that, or None.")
     return paged_attention_unchecked(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-        resolve_backend(backend, query.device), max_query_len, max_seq_len,
-        softcap=None if softcap is None else float(softcap), sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+        query, key_cache, value_cache, block_tables, seq_lens.contiguous(), query_start_loc.contiguous(), float(scale),
+        sliding_window, resolve_backend(backend, query.device), max_query_len, max_seq_len,
+        softcap=None if softcap is None else float(softcap),
+        sinks=None if sinks is None else sinks.to(torch.float32).contiguous(), k_scale=k_scale, v_scale=v_scale,
     )
 
 
 def paged_attention_unchecked(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                               sliding_window, backend: str, max_query_len=None, max_seq_len=None, plan=None, *,
                               softcap=None, sinks=None, k_scale=None, v_scale=None):
-    """:func:`paged_attention` without argument checks; ``backend`` is ``"torch"`` or ``"triton"``.
+    """:func:`paged_attention` without argument checks; ``backend`` is ``"torch"`` or ``"triton"``; ``seq_lens`` and
+    ``query_start_loc`` contiguous.
 
     ``plan`` (torch backend): a :class:`~hf_paged.ops.reference.TorchAttentionPlan` shared by the layers of a step.
     """
-    features = dict(softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     if backend == "triton":
-        from .triton_kernels import paged_attention_triton
-
-        return paged_attention_triton(
+        return _triton_kernels().paged_attention_triton(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-            max_query_len=max_query_len, max_seq_len=max_seq_len, **features,
+            max_query_len, max_seq_len, softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
         )
     return paged_attention_torch(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-        max_query_len=max_query_len, max_seq_len=max_seq_len, plan=plan, **features,
+        max_query_len=max_query_len, max_seq_len=max_seq_len, plan=plan, softcap=softcap, sinks=sinks,
+        k_scale=k_scale, v_scale=v_scale,
     )

@@ -36,8 +36,14 @@ def fp8_scales(x: torch.Tensor, headroom: float = 2.0) -> torch.Tensor:
 
     Example::
 
-        k_scale = fp8_scales(key)      # [num_kv_heads]
-        write_kv(key, value, key_cache_u8, value_cache_u8, slot_mapping, k_scale=k_scale, v_scale=fp8_scales(value))
+        import torch
+        from hf_paged import ops
+
+        key, value = torch.randn(3, 2, 64), torch.randn(3, 2, 64)  # the first keys/values [num_tokens, Hkv, D]
+        key_cache = torch.zeros(8, 16, 2, 64, dtype=torch.uint8)  # fp8 e4m3fn bits
+        value_cache = torch.zeros_like(key_cache)
+        k_scale, v_scale = ops.fp8_scales(key), ops.fp8_scales(value)  # [num_kv_heads] float32
+        ops.write_kv(key, value, key_cache, value_cache, torch.tensor([0, 1, 2]), k_scale=k_scale, v_scale=v_scale)
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or not x.is_floating_point():
         raise ValueError(
@@ -70,11 +76,12 @@ def write_kv_torch(key, value, key_cache, value_cache, slot_mapping, k_scale=Non
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     flat_k = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
     flat_v = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    slot_mapping = slot_mapping.to(torch.long)
+    if slot_mapping.dtype != torch.long:
+        slot_mapping = slot_mapping.to(torch.long)
     if key_cache.dtype == torch.uint8:
         key, value = quantize_fp8(key, k_scale), quantize_fp8(value, v_scale)
-    flat_k.index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    flat_v.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    flat_k.index_copy_(0, slot_mapping, key if key.dtype == key_cache.dtype else key.to(key_cache.dtype))
+    flat_v.index_copy_(0, slot_mapping, value if value.dtype == value_cache.dtype else value.to(value_cache.dtype))
 
 
 def copy_blocks_torch(key_cache, value_cache, src, dst) -> None:
@@ -85,21 +92,54 @@ def copy_blocks_torch(key_cache, value_cache, src, dst) -> None:
 
 @dataclass
 class TorchAttentionPlan:
-    """Index and mask tensors of one batch's attention, shared by every layer with the same pool shape."""
+    """How :func:`paged_attention_torch` reads one batch: built once per step and shared by its layers.
 
-    tables: torch.Tensor  # [S * nb] int64, physical block of each context block
-    context_len: int  # L: the longest sequence
-    num_ctx_blocks: int
-    q_index: torch.Tensor | None  # [S, Q] int64 into the packed queries; None for decode
-    q_valid: torch.Tensor | None  # [S * Q] int64: flat positions of the real query slots
-    mask: torch.Tensor | None  # [S, 1, Q, L] bool; None when every query sees its whole (equal-length) context
-    kv_valid: torch.Tensor | None = None  # [S, L, 1, 1] bool: slots holding a token (others zeroed: may be NaN)
+    Rows are grouped by their query count, so no row is padded to another kind's length: the rows with one query
+    (decode) form one batched call, those with several (prefill, chunked prefill, extend, verification) another,
+    padded to the longest query among them; a row with none takes no part. Each part gathers its rows' blocks up to
+    its own longest context, in whole blocks (``L = nb * block_size``), or reads them as a view of the pool when the
+    part is a single row whose blocks are consecutive (``*_run``: the first block). Index tensors exist only when
+    both parts do (each part's rows are otherwise the packed batch, in order).
+
+    Every field is a tensor, an int or None (the step planner moves the tensors to the model's device), and every
+    size the attention needs is a tensor's shape (a compiled graph sees no varying Python int): see
+    :meth:`arguments` and :meth:`from_arguments`, through which the plan crosses the custom-op boundary.
+    """
+
+    # rows with one query: the query heads of a KV head become its queries (one SDPA call, no repeated K/V)
+    tables: torch.Tensor | None  # [Sd * nb] int64, physical block of each context block
+    mask: torch.Tensor | None = None  # [Sd, 1, 1, L] bool; None: every row sees all L positions
+    decode_index: torch.Tensor | None = None  # [Sd] int64, each row's query in the packed batch (mixed steps)
+    decode_run: int | None = None  # Sd == 1 and its blocks are decode_run .. decode_run + nb - 1
+    # rows with several queries
+    prefill_tables: torch.Tensor | None = None  # [Sp * nbp] int64
+    prefill_mask: torch.Tensor | None = None  # [Sp, 1, Qp, Lp] bool: causal, window; padded query slots see all
+    prefill_q_index: torch.Tensor | None = None  # [Sp, Qp] int64 into the packed queries (padding clamped)
+    prefill_q_valid: torch.Tensor | None = None  # [Np] int64, the real slots among the Sp * Qp
+    prefill_index: torch.Tensor | None = None  # [Np] int64, their queries in the packed batch (mixed steps)
+    prefill_run: int | None = None
+    # slots holding a token (others zeroed: a caller's pool may hold NaN there); built for the public entry only
+    kv_valid: torch.Tensor | None = None  # [Sd, L, 1, 1] bool
+    prefill_kv_valid: torch.Tensor | None = None  # [Sp, Lp, 1, 1] bool
+
+    TENSORS = ("tables", "mask", "decode_index", "prefill_tables", "prefill_mask", "prefill_q_index",
+               "prefill_q_valid", "prefill_index", "kv_valid", "prefill_kv_valid")
+
+    def arguments(self) -> tuple[list, int, int]:
+        """``(tensors, decode_run, prefill_run)``: the tensor fields in ``TENSORS`` order, runs as ints (-1: none)."""
+        return ([getattr(self, n) for n in self.TENSORS], -1 if self.decode_run is None else self.decode_run,
+                -1 if self.prefill_run is None else self.prefill_run)
+
+    @classmethod
+    def from_arguments(cls, tensors, decode_run: int, prefill_run: int) -> "TorchAttentionPlan":
+        return cls(**dict(zip(cls.TENSORS, tensors)), decode_run=None if decode_run < 0 else decode_run,
+                   prefill_run=None if prefill_run < 0 else prefill_run)
 
 
 def plan_torch_attention(
     block_tables, seq_lens, query_start_loc, block_size: int, num_tokens: int,
     sliding_window: int | None = None, max_query_len: int | None = None, max_seq_len: int | None = None,
-    always_mask: bool = False,
+    always_mask: bool = False, *, zero_unowned: bool = False,
 ) -> TorchAttentionPlan:
     """Index and mask tensors for :func:`paged_attention_torch`, built once per step and shared by its layers.
 
@@ -107,46 +147,130 @@ def plan_torch_attention(
     block_size``), and table columns past a sequence's blocks may hold any valid block id (e.g. 0): positions at or
     past ``seq_lens[s]`` are masked, so what those slots hold never reaches the output unless it is NaN/inf.
 
-    ``always_mask``: build the mask even where every sequence fills ``max_seq_len`` (a compiled step's plan then
-    holds the same tensors, of shapes fixed by the table width, every step).
+    ``always_mask``: build the decode mask even where every sequence fills its context (a compiled step's plan then
+    holds the same tensors, of shapes fixed by the context, every step), and never read blocks as views.
+    ``zero_unowned``: also mark the slots no sequence wrote (a caller's pool; hf_paged's own pools hold zeros there).
+    Reads ``seq_lens`` and ``query_start_loc`` on the host (they are host tensors in a step plan).
     """
-    device = block_tables.device
     seq_lens_l = seq_lens.to(torch.long)
+    num_seqs = seq_lens.shape[0]
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.long)  # [S]
     if max_query_len is None:
-        max_query_len = int(q_lens.max())
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens_l.max())
-    max_seq_len = max(max_seq_len, 1)
-    num_ctx_blocks = -(-max_seq_len // block_size)
-    if num_ctx_blocks > block_tables.shape[1]:
+        max_query_len = int(q_lens.max()) if num_seqs else 0
+    if max_seq_len is not None and -(-max_seq_len // block_size) > block_tables.shape[1]:
         raise ValueError(
-            f"max_seq_len={max_seq_len} needs {num_ctx_blocks} blocks per sequence but block_tables has "
-            f"{block_tables.shape[1]} columns; pass max_seq_len <= block_tables.shape[1] * block_size."
+            f"max_seq_len={max_seq_len} needs {-(-max_seq_len // block_size)} blocks per sequence but block_tables "
+            f"has {block_tables.shape[1]} columns; pass max_seq_len <= block_tables.shape[1] * block_size."
         )
-    tables = block_tables[:, :num_ctx_blocks].to(torch.long).clamp_min(0).flatten()
+    part = dict(block_tables=block_tables, seq_lens=seq_lens_l, block_size=block_size, window=sliding_window,
+                always_mask=always_mask, zero_unowned=zero_unowned)
+    if max_query_len == 1 and num_tokens == num_seqs:  # every row decodes: one part, rows as they are
+        plan = TorchAttentionPlan(None)
+        _decode_part(plan, None, max_seq_len, **part)
+        return plan
+    decode_rows = (q_lens == 1).nonzero().flatten()
+    prefill_rows = (q_lens > 1).nonzero().flatten()
+    mixed = decode_rows.numel() > 0 and prefill_rows.numel() > 0
+    plan = TorchAttentionPlan(None)
+    if decode_rows.numel():
+        _decode_part(plan, decode_rows, max_seq_len if not mixed else None, **part)
+        if mixed:
+            plan.decode_index = query_start_loc.to(torch.long)[decode_rows]
+    if prefill_rows.numel():
+        _prefill_part(plan, prefill_rows, q_lens, query_start_loc, num_tokens, max_seq_len if not mixed else None,
+                      mixed, **part)
+    return plan
 
-    num_seqs = seq_lens.shape[0]
-    decode = max_query_len == 1 and num_tokens == num_seqs
-    q_index = q_valid = None
-    if decode:
-        queries = 1
-        if not always_mask and sliding_window is None and bool((seq_lens_l == max_seq_len).all()):
-            return TorchAttentionPlan(tables, max_seq_len, num_ctx_blocks, None, None, None)
+
+def _context_blocks(seq_lens, max_seq_len, block_size: int) -> int:
+    longest = max(int(seq_lens.max()) if max_seq_len is None else max_seq_len, 1)
+    return -(-longest // block_size)
+
+
+def _part_tables(block_tables, rows, num_ctx_blocks: int, always_mask: bool) -> tuple[torch.Tensor, int | None]:
+    """The part's flat block ids (-1 clamped to 0: masked positions) and, for one row of consecutive blocks, the
+    first (read as a view)."""
+    raw = block_tables[:, :num_ctx_blocks] if rows is None else block_tables[rows, :num_ctx_blocks]  # [Sx, nb]
+    tables = raw.to(torch.long).clamp_min(0).flatten()
+    run = None
+    if raw.shape[0] == 1 and not always_mask and int(raw[0, 0]) >= 0:
+        if num_ctx_blocks == 1 or bool((raw[0, 1:] - raw[0, :-1] == 1).all()):
+            run = int(raw[0, 0])
+    return tables, run
+
+
+def _owned(block_tables, rows, seq_lens, num_ctx_blocks: int, block_size: int) -> torch.Tensor:
+    """``[Sx, L, 1, 1]`` bool: positions below the row's length in a block the table names."""
+    raw = block_tables[:, :num_ctx_blocks] if rows is None else block_tables[rows, :num_ctx_blocks]
+    length = num_ctx_blocks * block_size
+    pos = torch.arange(length, device=raw.device)
+    owned = raw.repeat_interleave(block_size, 1) >= 0  # [Sx, L]
+    return ((pos[None, :] < seq_lens[:, None]) & owned)[:, :, None, None]
+
+
+def _decode_part(plan, rows, max_seq_len, *, block_tables, seq_lens, block_size, window, always_mask, zero_unowned):
+    lens = seq_lens if rows is None else seq_lens[rows]  # [Sd]
+    nb = _context_blocks(lens, max_seq_len, block_size)
+    length = nb * block_size
+    plan.tables, plan.decode_run = _part_tables(block_tables, rows, nb, always_mask)
+    if always_mask or window is not None or not bool((lens == length).all()):
+        kv_pos = torch.arange(length, device=lens.device)
+        q_pos = lens[:, None] - 1  # [Sd, 1]
+        mask = kv_pos[None, :] <= q_pos  # [Sd, L]
+        if window is not None:
+            mask &= kv_pos[None, :] > q_pos - window
+        plan.mask = mask[:, None, None, :]  # [Sd, 1, 1, L]
+    if zero_unowned:
+        plan.kv_valid = _owned(block_tables, rows, lens, nb, block_size)
+
+
+def _prefill_part(plan, rows, q_lens, query_start_loc, num_tokens, max_seq_len, mixed, *, block_tables, seq_lens,
+                  block_size, window, always_mask, zero_unowned):
+    lens, counts = seq_lens[rows], q_lens[rows]  # [Sp]
+    nb = _context_blocks(lens, max_seq_len, block_size)
+    length = nb * block_size
+    plan.prefill_tables, plan.prefill_run = _part_tables(block_tables, rows, nb, always_mask)
+    queries = int(counts.max())
+    offs = torch.arange(queries, device=lens.device)
+    q_index = query_start_loc.to(torch.long)[rows][:, None] + offs  # [Sp, Qp]
+    valid = offs[None, :] < counts[:, None]  # [Sp, Qp]
+    q_valid = valid.flatten().nonzero().flatten()
+    plan.prefill_q_index = q_index.clamp(max=max(num_tokens - 1, 0))
+    plan.prefill_q_valid = q_valid
+    if mixed:
+        plan.prefill_index = q_index.flatten()[q_valid]
+    q_pos = (lens - counts)[:, None] + offs  # [Sp, Qp]
+    kv_pos = torch.arange(length, device=lens.device)
+    mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # [Sp, Qp, Lp]
+    if window is not None:
+        mask &= kv_pos[None, None, :] > (q_pos[:, :, None] - window)
+    mask |= ~valid[:, :, None]  # padded query slots: any finite row, discarded afterwards
+    plan.prefill_mask = mask[:, None]
+    if zero_unowned:
+        plan.prefill_kv_valid = _owned(block_tables, rows, lens, nb, block_size)
+
+
+def _read_blocks(cache, tables, run, num_rows: int, kv_valid):
+    """``[Sx, L, Hkv, D]`` K or V of a part: a view of ``cache`` for a run of blocks, else gathered. index_select
+    copies whole blocks; advanced indexing (``cache[tables]``) is ~20x slower on CPU."""
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    num_blocks = tables.shape[0] // num_rows
+    shape = (num_rows, num_blocks * block_size, num_kv_heads, head_dim)
+    if run is not None:
+        out = cache[run : run + num_blocks].view(shape)
     else:
-        queries = max_query_len
-        offs = torch.arange(queries, device=device)
-        q_index = (query_start_loc[:-1].to(torch.long)[:, None] + offs).clamp(max=max(num_tokens - 1, 0))
-        valid = offs[None, :] < q_lens[:, None]
-        q_valid = valid.flatten().nonzero().flatten()
-    q_pos = (seq_lens_l - q_lens)[:, None] + torch.arange(queries, device=device)  # [S, Q]
-    kv_pos = torch.arange(max_seq_len, device=device)
-    mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # [S, Q, L]
-    if sliding_window is not None:
-        mask &= kv_pos[None, None, :] > (q_pos[:, :, None] - sliding_window)
-    if q_valid is not None:
-        mask |= ~valid[:, :, None]  # padded query slots: any finite row, discarded afterwards
-    return TorchAttentionPlan(tables, max_seq_len, num_ctx_blocks, q_index, q_valid, mask[:, None])
+        out = cache.index_select(0, tables).view(shape)
+    return out if kv_valid is None else out.masked_fill(~kv_valid, 0)
+
+
+def _read_kv(key_cache, value_cache, tables, run, num_rows, kv_valid, dtype, k_scale, v_scale):
+    keys = _read_blocks(key_cache, tables, run, num_rows, kv_valid)  # [Sx, L, Hkv, D]
+    values = _read_blocks(value_cache, tables, run, num_rows, kv_valid)
+    if key_cache.dtype == torch.uint8:
+        return dequantize_fp8(keys, k_scale, dtype), dequantize_fp8(values, v_scale, dtype)
+    if keys.dtype != dtype:
+        keys, values = keys.to(dtype), values.to(dtype)
+    return keys, values
 
 
 def paged_attention_torch(
@@ -167,55 +291,66 @@ def paged_attention_torch(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Gather each sequence's blocks, then one batched SDPA call with a causal (and window) mask.
+    """Gather each part's blocks (:class:`TorchAttentionPlan`), then one batched SDPA call per part: the decode
+    rows with the query heads of each KV head as its queries, the others with a causal (and window) mask.
 
     With ``softcap`` or ``sinks`` (which SDPA cannot express) the scores take an explicit fp32 softmax instead. A uint8
     (fp8) pool is dequantized with ``k_scale``/``v_scale`` after the gather.
     """
     num_tokens, num_q_heads, head_dim = query.shape
-    num_seqs = seq_lens.shape[0]
-    _, block_size, num_kv_heads, _ = key_cache.shape
     if num_tokens == 0:
         return query.new_empty(query.shape)
     if plan is None:
-        plan = plan_torch_attention(block_tables, seq_lens, query_start_loc, block_size, num_tokens,
-                                    sliding_window, max_query_len, max_seq_len)
         # A caller's pool may hold NaN in slots no sequence owns (torch.empty); masked scores still multiply them,
         # so zero them. hf_paged's own pools start zeroed and only hold written tokens, so the model path skips it.
-        pos = torch.arange(plan.context_len, device=block_tables.device)
-        owned = block_tables[:, : plan.num_ctx_blocks].repeat_interleave(block_size, 1)[:, : plan.context_len] >= 0
-        plan.kv_valid = ((pos[None, :] < seq_lens[:, None].to(torch.long)) & owned)[:, :, None, None]
-
-    # index_select copies whole blocks; advanced indexing (key_cache[tables]) is ~20x slower on CPU.
-    ctx_shape = (num_seqs, plan.num_ctx_blocks * block_size, num_kv_heads, head_dim)
-    keys = key_cache.index_select(0, plan.tables).view(ctx_shape)[:, : plan.context_len]  # [S, L, Hkv, D]
-    values = value_cache.index_select(0, plan.tables).view(ctx_shape)[:, : plan.context_len]
-    if plan.kv_valid is not None:
-        keys, values = keys.masked_fill(~plan.kv_valid, 0), values.masked_fill(~plan.kv_valid, 0)
-
+        plan = plan_torch_attention(block_tables, seq_lens, query_start_loc, key_cache.shape[1], num_tokens,
+                                    sliding_window, max_query_len, max_seq_len, zero_unowned=True)
     explicit = softcap is not None or sinks is not None
-    if key_cache.dtype == torch.uint8:
-        kv_dtype = torch.float32 if explicit else query.dtype
-        keys, values = dequantize_fp8(keys, k_scale, kv_dtype), dequantize_fp8(values, v_scale, kv_dtype)
+    kv_dtype = torch.float32 if explicit else query.dtype
+    features = (scale, softcap, sinks, explicit)
+    decode = prefill = None
+    if plan.tables is not None:
+        q = query if plan.decode_index is None else query.index_select(0, plan.decode_index)  # [Sd, Hq, D]
+        keys, values = _read_kv(key_cache, value_cache, plan.tables, plan.decode_run, q.shape[0], plan.kv_valid,
+                                kv_dtype, k_scale, v_scale)
+        decode = _decode_attention(q, keys, values, plan.mask, *features)  # [Sd, Hq, D]
+        if plan.prefill_tables is None:
+            return decode
+    if plan.prefill_tables is not None:
+        q_index = plan.prefill_q_index  # [Sp, Qp]
+        q = query.index_select(0, q_index.flatten()).view(*q_index.shape, num_q_heads, head_dim)  # [Sp, Qp, Hq, D]
+        keys, values = _read_kv(key_cache, value_cache, plan.prefill_tables, plan.prefill_run, q_index.shape[0],
+                                plan.prefill_kv_valid, kv_dtype, k_scale, v_scale)
+        padded = _prefill_attention(q, keys, values, plan.prefill_mask, *features)  # [Sp, Qp, Hq, D]
+        prefill = padded.reshape(-1, num_q_heads, head_dim).index_select(0, plan.prefill_q_valid)  # [Np, Hq, D]
+        if decode is None:
+            return prefill
+    out = query.new_empty(query.shape)  # [num_tokens, Hq, D]
+    out.index_copy_(0, plan.decode_index, decode)
+    return out.index_copy_(0, plan.prefill_index, prefill)
 
-    if plan.q_index is None:
-        q = query.unsqueeze(1)  # [S, 1, Hq, D]
-    else:  # index_select: advanced indexing is many times slower on CPU
-        q = query.index_select(0, plan.q_index.flatten()).view(*plan.q_index.shape, num_q_heads, head_dim)
-    if not explicit:
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            keys.transpose(1, 2).to(q.dtype),
-            values.transpose(1, 2).to(q.dtype),
-            attn_mask=plan.mask,
-            scale=scale,
-            enable_gqa=num_q_heads != num_kv_heads,
-        ).transpose(1, 2)  # [S, Q, Hq, D]
-    else:
-        out = _explicit_attention(q, keys, values, plan.mask, scale, softcap, sinks)  # [S, Q, Hq, D]
-    if plan.q_index is None:
-        return out.reshape(num_tokens, num_q_heads, head_dim)
-    return out.reshape(-1, num_q_heads, head_dim).index_select(0, plan.q_valid)
+
+def _decode_attention(q, keys, values, mask, scale, softcap, sinks, explicit) -> torch.Tensor:
+    """q ``[Sd, Hq, D]``, keys/values ``[Sd, L, Hkv, D]``, mask ``[Sd, 1, 1, L]`` or None -> ``[Sd, Hq, D]``."""
+    num_rows, num_q_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[2]
+    if explicit:
+        return _explicit_attention(q[:, None], keys, values, mask, scale, softcap, sinks)[:, 0]
+    # one query, so the query heads of a KV head can be that head's queries: GQA without repeating K/V
+    packed = q.reshape(num_rows, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # [Sd, Hkv, G, D]
+    out = F.scaled_dot_product_attention(packed, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+                                         scale=scale)  # [Sd, Hkv, G, D]
+    return out.reshape(num_rows, num_q_heads, head_dim)
+
+
+def _prefill_attention(q, keys, values, mask, scale, softcap, sinks, explicit) -> torch.Tensor:
+    """q ``[Sp, Qp, Hq, D]``, keys/values ``[Sp, Lp, Hkv, D]``, mask ``[Sp, 1, Qp, Lp]`` -> ``[Sp, Qp, Hq, D]``."""
+    if explicit:
+        return _explicit_attention(q, keys, values, mask, scale, softcap, sinks)
+    return F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale,
+        enable_gqa=q.shape[2] != keys.shape[2],
+    ).transpose(1, 2)
 
 
 def _explicit_attention(q, keys, values, mask, scale: float, softcap: float | None, sinks: torch.Tensor | None):

@@ -28,8 +28,10 @@ Optional features, each a constexpr switch so a kernel built without it carries 
   ``FP8_NATIVE`` converts with Triton's ``float8e4nv`` (sm_89+); otherwise by bit manipulation (sm_80, and the
   interpreter's write, whose fp32 -> fp8 rounding does not carry into the exponent in Triton 3.9).
 
-``launch_choices`` is the one place that picks tile sizes, warps and stages; the launchers and the ahead-of-time build
-check (``hf_paged/kernel_check.py``) both call it.
+``launch_choices`` is the one place that picks tile sizes, warps and stages; the launch plans and the ahead-of-time
+build check (``hf_paged/tools/kernel_check.py``) both call it. A launcher call looks its ``LaunchPlan`` up by the
+shapes, strides, dtypes, device and options of its arguments (``attention_plan``, ``write_kv_plan``): choices, grids
+and scalar arguments are worked out once per key, so an eager call costs little more than Triton's own launch.
 
 Runs on CUDA, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before this module is first
 imported: triton decides interpreter or compiler when the kernels are defined).
@@ -37,7 +39,6 @@ imported: triton decides interpreter or compiler when the kernels are defined).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -48,7 +49,8 @@ try:
 except ImportError as e:  # hf_paged.ops.triton_available() turns this into False
     raise ImportError("hf_paged's Triton kernels need the `triton` package: pip install triton") from e
 
-__all__ = ["paged_attention_triton", "write_kv_triton", "choose_num_kv_splits", "launch_choices", "LaunchChoice"]
+__all__ = ["paged_attention_triton", "write_kv_triton", "choose_num_kv_splits", "launch_choices", "LaunchChoice",
+           "attention_plan", "write_kv_plan", "LaunchPlan", "Launch", "clear_launch_plans"]
 
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30  # "window" wider than any context: the window test is always true
@@ -643,8 +645,14 @@ def launch_choices(
 
     Example::
 
-        c = launch_choices(torch.bfloat16, torch.uint8, 128, 4, 16, split_kv=True, kind="decode", capability=80)
-        ASTSource(fn=getattr(triton_kernels, c[0].kernel), signature=c[0].signature, constexprs=c[0].constexprs)
+        import torch
+        from triton.compiler import ASTSource
+        from hf_paged.ops import triton_kernels
+
+        c = triton_kernels.launch_choices(torch.bfloat16, torch.uint8, 128, 4, 16, split_kv=True, kind="decode",
+                                          capability=80)
+        source = ASTSource(fn=getattr(triton_kernels, c[0].kernel), signature=c[0].signature,
+                           constexprs=c[0].constexprs)  # what triton.compile builds for sm_80
     """
     if kind not in _KINDS:
         raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}.")
@@ -691,12 +699,66 @@ def launch_choices(
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Host side
+# Host side: launch plans
 # --------------------------------------------------------------------------------------------------------------------
+#
+# Everything a call's launches need that depends only on shapes, strides, dtypes, the device and the options (the
+# kernels, grids, constexprs, warps and stages, the split count, the integer and float arguments) is a LaunchPlan,
+# built on the first call with a given key and kept. A later call with the same key reads its tensors' shapes and
+# strides, looks the plan up and launches: no tensor value is read on the host (when the maxima are given), nothing is
+# allocated but the output (in the eager model path split-KV partials come from scratch kept per device and stream),
+# and nothing is checked (hf_paged.ops checks the arguments of its public functions once, on the way in).
+
+_MAX_PLANS = 512  # per kind; past it the cache starts over (an engine with ever-new prefill shapes stays bounded)
+_MAX_SCRATCH = 16
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of a plan: ``kernel[grid](*tensors, *scalars, **options)``.
+
+    The tensors (pointers) are the call's own and come first; ``scalars`` are the kernel's other runtime arguments in
+    order (scales, window, counts, strides); ``options`` holds every constexpr plus ``num_warps`` and ``num_stages``.
+    """
+
+    kernel: str  # the @triton.jit function's name in this module (looked up at launch: recorders may replace it)
+    grid: tuple
+    scalars: tuple
+    options: dict = field(hash=False)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What a call launches, for one key (see :func:`attention_plan` and :func:`write_kv_plan`).
+
+    ``launches`` is empty when there is nothing to compute (no tokens). ``partial_shape``: the split-KV partial
+    outputs ``[num_seqs, num_q_heads, num_splits, head_dim]`` (None without split-KV). ``device_index``: the CUDA
+    device launched on (None off CUDA). ``placeholder``: the tensor passed for pointers a kernel does not read.
+    """
+
+    launches: tuple
+    partial_shape: tuple | None = None
+    device_index: int | None = None
+    placeholder: torch.Tensor | None = field(default=None, hash=False, compare=False)
+
+
+_ATTENTION_PLANS: dict = {}
+_WRITE_PLANS: dict = {}
+_SCRATCH: dict = {}
+_CAPABILITIES: dict = {}
+_NUM_SMS: dict = {}
+
+
+def clear_launch_plans() -> None:
+    """Forget every cached plan and scratch buffer (after changing what ``_capability`` reports, as the build check
+    does, or to give the memory back)."""
+    _ATTENTION_PLANS.clear()
+    _WRITE_PLANS.clear()
+    _SCRATCH.clear()
 
 
 def _check_runnable(t: torch.Tensor) -> None:
-    if t.device.type != "cuda" and not _INTERPRETED:
+    if t.device.type not in ("cuda", "meta") and not _INTERPRETED:  # meta: plans only (nothing runs there)
         raise ValueError(
             f"The Triton kernels need CUDA tensors, got tensors on {t.device}. Use backend='torch' on CPU, or set "
             "TRITON_INTERPRET=1 before hf_paged.ops.triton_kernels is first imported to run them in the (slow) "
@@ -705,16 +767,20 @@ def _check_runnable(t: torch.Tensor) -> None:
 
 
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return _DEFAULT_NUM_SMS
+    if device.type != "cuda":
+        return _DEFAULT_NUM_SMS
+    if device not in _NUM_SMS:
+        _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _NUM_SMS[device]
 
 
 def _capability(device: torch.device | None) -> int:
     """Compute capability as major * 10 + minor of ``device`` (None: the current CUDA device, if any)."""
     if device is not None and device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return major * 10 + minor
+        if device not in _CAPABILITIES:
+            major, minor = torch.cuda.get_device_capability(device)
+            _CAPABILITIES[device] = major * 10 + minor
+        return _CAPABILITIES[device]
     if device is None and not _INTERPRETED and torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         return major * 10 + minor
@@ -729,6 +795,29 @@ def _placeholder(device: torch.device) -> torch.Tensor:
     if device not in _PLACEHOLDERS:
         _PLACEHOLDERS[device] = torch.zeros(1, dtype=torch.float32, device=device)
     return _PLACEHOLDERS[device]
+
+
+def _partials(device: torch.device, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV scratch ``[num_seqs, num_q_heads, num_splits, head_dim]`` and ``[..., num_splits]`` fp32.
+
+    Kept per (device, stream, shape): launches on one stream run in order, so the next call may overwrite what the
+    merge kernel of this one has read. While a CUDA graph is being captured the buffers come from the graph's own
+    memory pool instead (a fresh allocation, not kept).
+    """
+    stream = None
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return (torch.empty(shape, dtype=torch.float32, device=device),
+                    torch.empty(shape[:3], dtype=torch.float32, device=device))
+        stream = torch._C._cuda_getCurrentRawStream(device.index)
+    key = (device, stream, shape)
+    found = _SCRATCH.get(key)
+    if found is None:
+        if len(_SCRATCH) >= _MAX_SCRATCH:
+            _SCRATCH.clear()
+        found = _SCRATCH[key] = (torch.empty(shape, dtype=torch.float32, device=device),  # [S, Hq, splits, D]
+                                 torch.empty(shape[:3], dtype=torch.float32, device=device))  # [S, Hq, splits]
+    return found
 
 
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, num_sms: int) -> int:
@@ -760,6 +849,101 @@ def _score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
     return float(scale) / float(softcap), float(softcap) * _LOG2E
 
 
+def _options(choice: LaunchChoice) -> dict:
+    return dict(choice.constexprs, num_warps=choice.num_warps, num_stages=choice.num_stages)
+
+
+def attention_plan(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    max_query_len: int,
+    max_seq_len: int | None,
+    num_kv_splits: int | None = None,
+    *,
+    softcap: float | None = None,
+    sinks: bool = False,
+    kv_scales: bool = False,
+) -> LaunchPlan:
+    """The (cached) plan of a :func:`paged_attention_triton` call on tensors shaped like these.
+
+    The key is everything the launches depend on: the device, the query's and the pool's dtype, shape and strides,
+    the block tables' shape and strides, ``scale``, ``sliding_window``, ``softcap``, whether sinks / fp8 scales are
+    passed, ``max_query_len`` and (decode) ``max_seq_len`` and ``num_kv_splits``. ``max_seq_len`` may be None only
+    when ``num_kv_splits`` is given or ``max_query_len != 1``. The value cache must share the key cache's layout.
+
+    Example (no launch: the plan of a decode step of 32 sequences over 4096 positions)::
+
+        import torch
+        from hf_paged.ops import triton_kernels
+
+        query = torch.empty(32, 32, 128, dtype=torch.bfloat16, device="meta")  # [num_tokens, num_q_heads, head_dim]
+        key_cache = torch.empty(8192, 16, 8, 128, dtype=torch.bfloat16, device="meta")
+        block_tables = torch.empty(32, 256, dtype=torch.int32, device="meta")
+        plan = triton_kernels.attention_plan(query, key_cache, block_tables, 128 ** -0.5, None, 1, 4096)
+        assert plan is triton_kernels.attention_plan(query, key_cache, block_tables, 128 ** -0.5, None, 1, 4096)
+        print([(launch.kernel, launch.grid) for launch in plan.launches])  # decode + merge: splits fill the SMs
+    """
+    decode = max_query_len == 1
+    key = (query.device, query.dtype, query.shape, query.stride(), key_cache.dtype, key_cache.shape,
+           key_cache.stride(), block_tables.shape, block_tables.stride(), max_query_len,
+           max_seq_len if decode else None, num_kv_splits, sliding_window, scale, softcap, sinks, kv_scales)
+    plan = _ATTENTION_PLANS.get(key)
+    if plan is None:
+        plan = _build_attention_plan(query, key_cache, block_tables, scale, sliding_window, max_query_len,
+                                     max_seq_len, num_kv_splits, softcap, sinks)
+        if len(_ATTENTION_PLANS) >= _MAX_PLANS:
+            _ATTENTION_PLANS.clear()
+        _ATTENTION_PLANS[key] = plan
+    return plan
+
+
+def _build_attention_plan(query, key_cache, block_tables, scale, sliding_window, max_query_len, max_seq_len,
+                          num_kv_splits, softcap, sinks) -> LaunchPlan:
+    _check_runnable(query)
+    device = query.device
+    num_tokens, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    num_seqs = block_tables.shape[0]
+    if num_kv_splits is not None and num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be >= 1 (or None to choose), got {num_kv_splits}.")
+    device_index = device.index if device.type == "cuda" else None
+    if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
+        return LaunchPlan((), device_index=device_index)
+    qk_scale, softcap_arg = _score_scales(scale, softcap)
+    window = _NO_WINDOW if sliding_window is None else int(sliding_window)
+    out_strides = (num_q_heads * head_dim, head_dim, 1)  # the output is a fresh contiguous tensor
+    strides = (*query.stride(), *out_strides, *block_tables.stride(), *key_cache.stride())
+    choose = dict(
+        query_dtype=query.dtype, kv_dtype=key_cache.dtype, head_dim=head_dim, group=num_q_heads // num_kv_heads,
+        block_size=block_size, softcap=softcap is not None, sinks=sinks, capability=_capability(device),
+    )
+    placeholder = _placeholder(device)
+    if max_query_len != 1:
+        (prefill,) = launch_choices(kind="prefill", max_query_len=max_query_len, **choose)
+        grid = (triton.cdiv(max_query_len, prefill.constexprs["BLOCK_Q"]), num_kv_heads, num_seqs)
+        launch = Launch("_prefill_kernel", grid, (qk_scale, softcap_arg, window, *strides), _options(prefill))
+        return LaunchPlan((launch,), None, device_index, placeholder)
+
+    if num_kv_splits is None:
+        if max_seq_len is None:
+            raise ValueError("a decode plan needs max_seq_len (the longest context) or num_kv_splits.")
+        max_kv_len = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
+        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_kv_len, _num_sms(device))
+    split_kv = num_kv_splits > 1
+    choices = launch_choices(kind="decode", split_kv=split_kv, num_splits=num_kv_splits, **choose)
+    launches = [Launch("_decode_kernel", (num_seqs, num_kv_heads, num_kv_splits),
+                       (qk_scale, softcap_arg, window, num_kv_splits, num_q_heads, *strides), _options(choices[0]))]
+    partial_shape = None
+    if split_kv:
+        partial_shape = (num_seqs, num_q_heads, num_kv_splits, head_dim)
+        launches.append(Launch("_merge_splits_kernel", (num_seqs, num_q_heads),
+                               (num_kv_splits, num_q_heads, *out_strides), _options(choices[1])))
+    return LaunchPlan(tuple(launches), partial_shape, device_index, placeholder)
+
+
 def paged_attention_triton(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -777,97 +961,92 @@ def paged_attention_triton(
     sinks: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    reuse_partials: bool = False,
 ) -> torch.Tensor:
-    """Triton paged attention; same contract as ``hf_paged.ops.paged_attention`` (which checks the arguments).
+    """Triton paged attention; same contract as ``hf_paged.ops.paged_attention``, which checks the arguments (here
+    nothing is checked: ``seq_lens``/``query_start_loc`` contiguous, caches of one layout, as that function makes them).
 
     A batch whose sequences have at most one query each runs the decode kernel (split-KV when
     ``choose_num_kv_splits`` asks for it, or ``num_kv_splits`` forces a count); anything else the prefill kernel.
     With ``max_query_len`` and ``max_seq_len`` given nothing here waits for the device (CUDA-graph capturable): the
-    grid depends only on tensor shapes and those ints.
+    grid depends only on tensor shapes and those ints, and the launches come from :func:`attention_plan`'s cache.
+    ``reuse_partials``: take the split-KV partials from scratch kept per device, stream and shape instead of allocating
+    them (the eager model path; a compiled graph's call allocates, so its memory stays the graph's).
 
     Returns:
         ``[num_tokens, num_q_heads, head_dim]``, same dtype as ``query``.
     """
-    _check_runnable(query)
-    num_tokens, num_q_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    num_seqs = seq_lens.shape[0]
-    assert key_cache.stride() == value_cache.stride(), "key_cache and value_cache must share strides"
-    assert num_q_heads % num_kv_heads == 0
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [num_tokens, num_q_heads, head_dim]
-    if num_tokens == 0 or num_seqs == 0:
-        return out
+    device = query.device
+    out = torch.empty(query.shape, dtype=query.dtype, device=device)  # [num_tokens, num_q_heads, head_dim]
     if max_query_len is None:
+        if query.shape[0] == 0 or seq_lens.shape[0] == 0:
+            return out
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    if max_query_len == 0:
+    if max_query_len == 1 and max_seq_len is None and num_kv_splits is None:
+        max_seq_len = int(seq_lens.max())
+    if sinks is not None and sinks.dtype != torch.float32:
+        sinks = sinks.float()
+    plan = attention_plan(query, key_cache, block_tables, scale, sliding_window, max_query_len, max_seq_len,
+                          num_kv_splits, softcap=softcap, sinks=sinks is not None, kv_scales=k_scale is not None)
+    if not plan.launches:
         return out
-    if num_kv_splits is not None and num_kv_splits < 1:
-        raise ValueError(f"num_kv_splits must be >= 1 (or None to choose), got {num_kv_splits}.")
-
-    placeholder = _placeholder(query.device)
-    qk_scale, softcap_arg = _score_scales(scale, softcap)
-    args = dict(
-        query_ptr=query, k_cache_ptr=key_cache, v_cache_ptr=value_cache, block_tables_ptr=block_tables,
-        seq_lens_ptr=seq_lens.contiguous(), query_start_loc_ptr=query_start_loc.contiguous(), out_ptr=out,
-        sinks_ptr=placeholder if sinks is None else sinks.to(torch.float32).contiguous(),
-        k_scale_ptr=placeholder if k_scale is None else k_scale,
-        v_scale_ptr=placeholder if v_scale is None else v_scale,
-        qk_scale=qk_scale, softcap=softcap_arg,
-        sliding_window=_NO_WINDOW if sliding_window is None else int(sliding_window),
-        stride_qt=query.stride(0), stride_qh=query.stride(1), stride_qd=query.stride(2),
-        stride_ot=out.stride(0), stride_oh=out.stride(1), stride_od=out.stride(2),
-        stride_bt_seq=block_tables.stride(0), stride_bt_block=block_tables.stride(1),
-        stride_cb=key_cache.stride(0), stride_ct=key_cache.stride(1),
-        stride_ch=key_cache.stride(2), stride_cd=key_cache.stride(3),
-    )
-    choose = dict(
-        query_dtype=query.dtype, kv_dtype=key_cache.dtype, head_dim=head_dim, group=num_q_heads // num_kv_heads,
-        block_size=block_size, softcap=softcap is not None, sinks=sinks is not None,
-        capability=_capability(query.device),
-    )
-    device_ctx = torch.cuda.device(query.device) if query.device.type == "cuda" else nullcontext()
-    with device_ctx:
-        if max_query_len == 1:
-            if num_kv_splits is None:
-                if max_seq_len is None:
-                    max_seq_len = int(seq_lens.max())
-                max_kv_len = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
-                num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_kv_len, _num_sms(query.device))
-            _launch_decode(args, choose, num_seqs, num_kv_heads, num_q_heads, head_dim, num_kv_splits)
-        else:
-            _launch_prefill(args, choose, num_seqs, num_kv_heads, max_query_len)
+    placeholder = plan.placeholder
+    pointers = (placeholder if sinks is None else sinks, placeholder if k_scale is None else k_scale,
+                placeholder if v_scale is None else v_scale)
+    tensors = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out)
+    if plan.device_index is not None and plan.device_index != torch.cuda.current_device():
+        with torch.cuda.device(plan.device_index):
+            _launch_attention(plan, tensors, pointers, reuse_partials)
+    else:
+        _launch_attention(plan, tensors, pointers, reuse_partials)
     return out
 
 
-def _launch_decode(args, choose, num_seqs, num_kv_heads, num_q_heads, head_dim, num_splits):
-    split_kv = num_splits > 1
-    choices = launch_choices(kind="decode", split_kv=split_kv, num_splits=num_splits, **choose)
-    out = args["out_ptr"]
-    if split_kv:
-        partial_out = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=out.device)
-        partial_lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=out.device)
+def _launch_attention(plan, tensors, pointers, reuse_partials: bool):
+    """``tensors``: query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out; ``pointers``: sinks,
+    k_scale, v_scale (or the placeholder)."""
+    first = plan.launches[0]
+    out, query_start_loc, device = tensors[6], tensors[5], tensors[0].device
+    if first.kernel == "_prefill_kernel":
+        _prefill_kernel[first.grid](*tensors, *pointers, *first.scalars, **first.options)
+        return
+    if plan.partial_shape is None:
+        _decode_kernel[first.grid](*tensors, out, out, *pointers, *first.scalars, **first.options)  # partials unused
+        return
+    if reuse_partials:
+        partial_out, partial_lse = _partials(device, plan.partial_shape)
     else:
-        partial_out = partial_lse = out  # unused
-    decode = choices[0]
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        partial_out_ptr=partial_out, partial_lse_ptr=partial_lse, num_splits=num_splits, num_q_heads=num_q_heads,
-        num_warps=decode.num_warps, num_stages=decode.num_stages, **args, **decode.constexprs,
-    )
-    if split_kv:
-        merge = choices[1]
-        _merge_splits_kernel[(num_seqs, num_q_heads)](
-            out, partial_out, partial_lse, args["sinks_ptr"], args["query_start_loc_ptr"], num_splits, num_q_heads,
-            out.stride(0), out.stride(1), out.stride(2),
-            num_warps=merge.num_warps, num_stages=merge.num_stages, **merge.constexprs,
-        )
+        partial_out = torch.empty(plan.partial_shape, dtype=torch.float32, device=device)  # [S, Hq, splits, D]
+        partial_lse = torch.empty(plan.partial_shape[:3], dtype=torch.float32, device=device)  # [S, Hq, splits]
+    _decode_kernel[first.grid](*tensors, partial_out, partial_lse, *pointers, *first.scalars, **first.options)
+    merge = plan.launches[1]
+    _merge_splits_kernel[merge.grid](out, partial_out, partial_lse, pointers[0], query_start_loc, *merge.scalars,
+                                     **merge.options)
 
 
-def _launch_prefill(args, choose, num_seqs, num_kv_heads, max_query_len):
-    (prefill,) = launch_choices(kind="prefill", max_query_len=max_query_len, **choose)
-    grid = (triton.cdiv(max_query_len, prefill.constexprs["BLOCK_Q"]), num_kv_heads, num_seqs)
-    _prefill_kernel[grid](
-        num_warps=prefill.num_warps, num_stages=prefill.num_stages, **args, **prefill.constexprs,
-    )
+def write_kv_plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                  kv_scales: bool = False) -> LaunchPlan:
+    """The (cached) plan of a :func:`write_kv_triton` call: keyed by the device, the dtypes, shapes and strides of
+    ``key``, ``value`` and the pool (the value cache shares the key cache's layout), and whether scales are passed."""
+    cache_key = (key.device, key.dtype, key.shape, key.stride(), value.stride(), key_cache.dtype, key_cache.shape,
+                 key_cache.stride(), kv_scales)
+    plan = _WRITE_PLANS.get(cache_key)
+    if plan is None:
+        _check_runnable(key)
+        device = key.device
+        num_tokens, num_kv_heads, head_dim = key.shape
+        device_index = device.index if device.type == "cuda" else None
+        launches = ()
+        if num_tokens:
+            (choice,) = launch_choices(key.dtype, key_cache.dtype, head_dim, 1, key_cache.shape[1], kind="write_kv",
+                                       num_kv_heads=num_kv_heads, capability=_capability(device))
+            scalars = (num_kv_heads, *key.stride(), *value.stride(), *key_cache.stride())
+            launches = (Launch("_write_kv_kernel", (num_tokens,), scalars, _options(choice)),)
+        plan = LaunchPlan(launches, None, device_index, _placeholder(device))
+        if len(_WRITE_PLANS) >= _MAX_PLANS:
+            _WRITE_PLANS.clear()
+        _WRITE_PLANS[cache_key] = plan
+    return plan
 
 
 def write_kv_triton(
@@ -883,26 +1062,18 @@ def write_kv_triton(
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the pool at ``slot_mapping``, in place.
 
     Tokens whose slot is negative (padding) are skipped. A uint8 (fp8) pool stores ``x / scale`` rounded to e4m3fn,
-    with ``k_scale``/``v_scale`` ``[num_kv_heads]`` float32.
+    with ``k_scale``/``v_scale`` ``[num_kv_heads]`` float32. ``slot_mapping`` must be contiguous
+    (``hf_paged.ops.write_kv`` makes it so); nothing is checked here.
     """
-    _check_runnable(key)
-    num_tokens, num_kv_heads, head_dim = key.shape
-    if num_tokens == 0:
+    plan = write_kv_plan(key, value, key_cache, k_scale is not None)
+    if not plan.launches:
         return
-    assert key_cache.stride() == value_cache.stride(), "key_cache and value_cache must share strides"
-    (choice,) = launch_choices(
-        key.dtype, key_cache.dtype, head_dim, 1, key_cache.shape[1], kind="write_kv", num_kv_heads=num_kv_heads,
-        capability=_capability(key.device),
-    )
-    placeholder = _placeholder(key.device)
-    device_ctx = torch.cuda.device(key.device) if key.device.type == "cuda" else nullcontext()
-    with device_ctx:
-        _write_kv_kernel[(num_tokens,)](
-            key, value, key_cache, value_cache, slot_mapping.contiguous(),
-            placeholder if k_scale is None else k_scale, placeholder if v_scale is None else v_scale,
-            num_kv_heads,
-            key.stride(0), key.stride(1), key.stride(2),
-            value.stride(0), value.stride(1), value.stride(2),
-            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.stride(3),
-            num_warps=choice.num_warps, num_stages=choice.num_stages, **choice.constexprs,
-        )
+    (launch,) = plan.launches
+    placeholder = plan.placeholder
+    args = (key, value, key_cache, value_cache, slot_mapping, placeholder if k_scale is None else k_scale,
+            placeholder if v_scale is None else v_scale, *launch.scalars)
+    if plan.device_index is not None and plan.device_index != torch.cuda.current_device():
+        with torch.cuda.device(plan.device_index):
+            _write_kv_kernel[launch.grid](*args, **launch.options)
+    else:
+        _write_kv_kernel[launch.grid](*args, **launch.options)

@@ -371,14 +371,17 @@ def _recording(module, arch: int):
     if hasattr(module, "launch_choices") and "_capability" not in saved:
         raise RuntimeError(f"{module.__name__} has launch_choices but no _capability(device): the check pins the "
                            "target's compute capability through it; update kernel_check._recording to the new name.")
+    clear = getattr(module, "clear_launch_plans", lambda: None)  # cached plans hold the capability they were made for
     try:
         for name, value in stand_ins.items():
             if name in saved:
                 setattr(module, name, value)
+        clear()
         yield kernels, launches
     finally:
         for name, value in saved.items():
             setattr(module, name, value)
+        clear()
 
 
 def capture_variants(module_ref: str, configs: list[Config], archs) -> list[tuple[Config, int, list[Variant]]]:
