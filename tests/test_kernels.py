@@ -4,6 +4,7 @@ Runs on CPU under the Triton interpreter (TRITON_INTERPRET=1, set here when ther
 multiple of the same-dtype torch reference's error, with a floor of one ulp at 1.0.
 """
 
+import functools
 import os
 
 import torch
@@ -26,6 +27,7 @@ from hf_paged.ops.reference import (  # noqa: E402
     fp8_scales, paged_attention_torch, plan_torch_attention, quantize_fp8, write_kv_torch,
 )
 from hf_paged.ops.triton_kernels import choose_num_kv_splits, paged_attention_triton, write_kv_triton  # noqa: E402
+from helpers import attention_float64, scrambled_case  # noqa: E402
 
 if triton_kernels._INTERPRETED:
     DEVICE = "cpu"
@@ -43,119 +45,10 @@ REF_ULPS = 8  # sanity bound on the reference itself: <= REF_ULPS x eps(dtype) x
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Case construction and the float64 oracle
+# Cases (tests/helpers/attention.py: scrambled block tables, NaN in unwritten slots) and the float64 oracle
 # ---------------------------------------------------------------------------------------------------------------------
 
-
-def make_case(seq_lens, q_lens, *, num_kv_heads, group, head_dim, block_size, dtype, window=None, seed=0,
-              kv_fp8=False, softcap=None, sinks=False):
-    """A pool with each sequence's blocks at random physical places; everything never written is NaN.
-
-    Table entries past a sequence's last block are -1, and so are blocks that slid out of the window of the
-    sequence's first query. A kernel that reads an unwritten slot returns NaN; one that dereferences a -1 reads
-    outside the pool. ``kv_fp8``: a uint8 pool of e4m3fn bits (NaN bits 0x7F where unwritten) with per-head scales;
-    ``softcap``/``sinks``: the options turned on (sinks drawn at random, of the size of the scores).
-    """
-    gen = torch.Generator().manual_seed(seed)
-    num_seqs = len(seq_lens)
-    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
-    width = max(blocks_per_seq) + 2  # spare -1 columns
-    num_blocks = sum(blocks_per_seq) + 3  # a few blocks nobody owns
-    physical = torch.randperm(num_blocks, generator=gen)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    pool_dtype = torch.uint8 if kv_fp8 else dtype
-    garbage = 0x7F if kv_fp8 else float("nan")  # 0x7F is e4m3fn NaN
-    key_cache = torch.full(shape, garbage, dtype=pool_dtype)  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache = torch.full(shape, garbage, dtype=pool_dtype)
-    block_tables = torch.full((num_seqs, width), -1, dtype=torch.int32)  # [num_seqs, width]
-    # fp8: heads of different ranges, so that a wrong head's scale shows
-    head_gain = torch.linspace(0.25, 2.0, num_kv_heads)[:, None] if kv_fp8 else torch.ones(num_kv_heads, 1)
-    k_new = [torch.randn(n, num_kv_heads, head_dim, generator=gen) * head_gain for n in seq_lens]  # [n, Hkv, D]
-    v_new = [torch.randn(n, num_kv_heads, head_dim, generator=gen) * head_gain for n in seq_lens]
-    if kv_fp8:
-        k_scale, v_scale = fp8_scales(torch.cat(k_new)), fp8_scales(torch.cat(v_new))  # [Hkv]
-    taken = 0
-    for s, (seq_len, n_blocks) in enumerate(zip(seq_lens, blocks_per_seq)):
-        block_tables[s, :n_blocks] = physical[taken : taken + n_blocks].to(torch.int32)
-        taken += n_blocks
-        pos = torch.arange(seq_len)
-        blocks, offsets = block_tables[s, pos // block_size].long(), pos % block_size
-        if kv_fp8:
-            key_cache[blocks, offsets] = quantize_fp8(k_new[s], k_scale)
-            value_cache[blocks, offsets] = quantize_fp8(v_new[s], v_scale)
-        else:
-            key_cache[blocks, offsets] = k_new[s].to(dtype)
-            value_cache[blocks, offsets] = v_new[s].to(dtype)
-        if window is not None:
-            first_visible = max(0, seq_len - q_lens[s] - window + 1)
-            block_tables[s, : first_visible // block_size] = -1  # slid out of the window: freed
-    num_tokens = sum(q_lens)
-    query = torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=gen).to(dtype)
-    query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
-    query_start_loc[1:] = torch.tensor(q_lens).cumsum(0)
-    to = dict(device=DEVICE)
-    case = dict(
-        query=query.to(**to),
-        key_cache=key_cache.to(**to),
-        value_cache=value_cache.to(**to),
-        block_tables=block_tables.to(**to),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        query_start_loc=query_start_loc.to(**to),
-        scale=head_dim**-0.5,
-        sliding_window=window,
-    )
-    if kv_fp8:
-        case.update(k_scale=k_scale.to(**to), v_scale=v_scale.to(**to))
-    if softcap is not None:
-        case.update(softcap=softcap)
-    if sinks:
-        case.update(sinks=(torch.randn(num_kv_heads * group, generator=gen) * 2).to(**to))
-    return case
-
-
-def attention_float64(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                      softcap=None, sinks=None, k_scale=None, v_scale=None):
-    """Per sequence, per position: gather the visible keys by hand and do softmax(q k^T) v in float64.
-
-    fp8 blocks are dequantized in float64 (bits -> e4m3fn value -> times the head's scale); ``softcap`` caps the
-    scaled scores before the mask; ``sinks`` adds one logit per head to the softmax denominator and no value.
-    """
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = query.shape[1] // num_kv_heads
-
-    def gather(cache, scale_per_head, blocks, offsets):  # -> [L, Hq, D] float64
-        x = cache.cpu()[blocks, offsets]  # [L, Hkv, D]
-        if cache.dtype == torch.uint8:
-            x = x.view(torch.float8_e4m3fn).double() * scale_per_head.cpu().double()[:, None]
-        return x.double().repeat_interleave(group, 1)
-
-    out = torch.zeros(query.shape, dtype=torch.float64)
-    for s in range(seq_lens.shape[0]):
-        seq_len = int(seq_lens[s])
-        start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
-        if start == end:
-            continue
-        q_pos = torch.arange(seq_len - (end - start), seq_len)  # [q_len]
-        lo = 0 if sliding_window is None else max(0, int(q_pos[0]) - sliding_window + 1)
-        pos = torch.arange(lo, seq_len)  # [L], only positions some query may see
-        blocks = block_tables[s].cpu().long()[pos // block_size]
-        k = gather(key_cache, k_scale, blocks, pos % block_size)  # [L, Hq, D]
-        v = gather(value_cache, v_scale, blocks, pos % block_size)
-        q = query.cpu()[start:end].double()  # [q_len, Hq, D]
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, q_len, L]
-        if softcap is not None:
-            scores = softcap * torch.tanh(scores / softcap)
-        visible = pos[None, :] <= q_pos[:, None]  # [q_len, L]
-        if sliding_window is not None:
-            visible &= pos[None, :] > q_pos[:, None] - sliding_window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        if sinks is not None:
-            sink = sinks.cpu().double()[:, None, None].expand(-1, end - start, 1)  # [Hq, q_len, 1]
-            probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
-        else:
-            probs = scores.softmax(-1)
-        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v)
-    return out
+make_case = functools.partial(scrambled_case, device=DEVICE)
 
 
 def assert_close_to_float64(case, run_kernel, reference_case=None):
