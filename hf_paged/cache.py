@@ -471,7 +471,9 @@ class PagedCache(Cache):
 
             return sum_over_ranks(self.memory_stats())
         with self.pool.lock:
-            return MemoryStats.for_rows(self.pool, [row.seqs for row in self.rows.live], self.groups.windows)
+            stats = MemoryStats.for_rows(self.pool, [row.seqs for row in self.rows.live], self.groups.windows)
+        return dataclasses.replace(stats, cache_prefix_query_tokens=self.prefix_queries,
+                                   cache_prefix_hit_tokens=self.prefix_hits)
 
     # ------------------------------------------------------------- internals
     def _resolved_backend(self, input_ids) -> str:

@@ -28,7 +28,10 @@ class MemoryStats:
         utilization: share of the token slots in the blocks in use that hold a token (1.0 when nothing is in use).
         num_sequences: live rows.
         blocks_cached: prefix caching: full blocks nobody holds, kept for reuse (not in use: evicted on demand).
-        prefix_query_tokens / prefix_hit_tokens: prompt tokens looked up in the prefix cache / found there.
+        prefix_query_tokens / prefix_hit_tokens: the pool's prompt tokens looked up in the prefix cache / found
+            there, summed over every cache and call on the pool since it was built.
+        cache_prefix_query_tokens / cache_prefix_hit_tokens: the same for this cache's own lookups only (a cache
+            looks up once, when a ``generate()`` starts on it empty); 0 in a pool's figures.
         window: the sliding window of a group's layers (group figures only).
         groups: for models whose layers use different windows, the same figures per block-table group.
 
@@ -57,6 +60,8 @@ class MemoryStats:
     blocks_cached: int = 0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    cache_prefix_query_tokens: int = 0
+    cache_prefix_hit_tokens: int = 0
     window: int | None = None
     groups: tuple = field(default=())
 

@@ -59,3 +59,20 @@ def test_expanded_batch_on_a_cached_prompt_matches_dynamic_cache(mode):
 
 def expected_rows(options: dict) -> int:
     return max(options.get("num_beams", 1), options.get("num_return_sequences", 1))
+
+
+def test_memory_stats_report_the_caches_own_lookup_beside_the_pools_total():
+    """Two calls, each on a new cache on one prefix-caching pool: the second cache's figures give its own lookup
+    and hits, the pool's the sum over both calls."""
+    model = tiny_model("llama", seed=3)
+    enable_paged_attention(model, backend="torch")
+    pool = BlockPool(block_size=BLOCK, num_blocks=128, prefix_caching=True)
+    ids = prompt(17, seed=1)
+    first = PagedCache(model.config, pool=pool)
+    generate(model, {"input_ids": ids}, first, max_new_tokens=2)
+    second = PagedCache(model.config, pool=pool)
+    generate(model, {"input_ids": torch.cat([ids, prompt(4, seed=2)], 1)}, second, max_new_tokens=2)
+    a, b = first.memory_stats(), second.memory_stats()
+    assert (a.cache_prefix_query_tokens, a.cache_prefix_hit_tokens) == (16, 0)
+    assert (b.cache_prefix_query_tokens, b.cache_prefix_hit_tokens) == (20, 16)
+    assert (b.prefix_query_tokens, b.prefix_hit_tokens) == (36, 16)  # the pool's, over both calls
