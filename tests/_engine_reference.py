@@ -25,11 +25,13 @@ class TieCount:
     ties: list[tuple[str, int, float]] = field(default_factory=list)  # (request, position, top-2 gap)
 
 
-def reference(model, prompt: list[int], max_new_tokens: int) -> Reference:
+def reference(model, prompt: list[int], max_new_tokens: int, cache=None) -> Reference:
+    """``prompt`` alone through ``model.generate()`` (greedy), with ``cache`` (default a fresh ``DynamicCache``)."""
+    cache = cache if cache is not None else DynamicCache(config=model.config)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt], device=model.device), attention_mask=None,
                              max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True,
-                             output_logits=True, **{compat.GENERATE_CACHE_KWARG: DynamicCache(config=model.config)})
+                             output_logits=True, **{compat.GENERATE_CACHE_KWARG: cache})
     logits = [step[0].float().cpu() for step in out.logits]  # [vocab] per generated token
     return Reference(out.sequences[0, len(prompt):].tolist(), logits)
 

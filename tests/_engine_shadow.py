@@ -1,8 +1,8 @@
 """A stand-in for the model and the planner, to test the engine's scheduling and API in milliseconds.
 
-``ShadowRunner.run(batch)`` does what the real runner's planner does to the pool (allocate the chunks' slots, copy on
-write, release blocks outside a window, publish the written blocks) on a bare allocator, and records in a shadow of the
-KV tensors which (token, position) each slot holds. Before "attending", it checks that every chunk's history -- the
+``ShadowRunner.run(batch)`` plans the batch with the real step planner (slots, copy-on-write, window release) on a
+pool whose tensors are never made, publishes the written blocks as the real runner does, and records in a shadow of
+the KV tensors which (token, position) each slot holds (through the step's slot mappings). Before "attending", it checks that every chunk's history -- the
 slots its block table maps positions ``0 .. start-1`` to -- holds exactly the request's tokens: a wrong prefix hit, a
 missing copy-on-write or a reused block would show there. Its "logits" put the next token at
 :func:`next_token` of the request's tokens, a deterministic function, so each request's expected tokens are known
@@ -19,6 +19,7 @@ from hf_paged.engine.core import EngineCore
 from hf_paged.engine.kv import RequestKV
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.groups import LayerGroups
+from hf_paged.step import RowInput, plan
 
 VOCAB = 64
 EOS = 1
@@ -45,31 +46,33 @@ class ShadowRunner:
     def __init__(self, kv: RequestKV):
         self.kv = kv
         self.slots: dict[int, tuple[int, int]] = {}
-        self.fail = None  # callable(batch) -> bool: raise in that step, after allocating, before writing K/V
+        self.fail = None  # callable(batch) -> bool: raise in that step, after planning, before writing K/V
         self.plan_time = self.forward_time = 0.0
         self.steps = []  # per step: [(request_id, start, num_tokens)]
 
     def run(self, batch):
         kv, bs, a = self.kv, self.kv.block_size, self.kv.allocator
         self.steps.append([(c.request.request_id, c.start, c.num_tokens) for c in batch.chunks])
+        partial = []  # (group seq, block index, block) of shared-able partly filled last blocks, before the step
         for chunk in batch.chunks:
             self._check_history(chunk)
-        plan = kv.append([(c.request.row, c.tokens) for c in batch.chunks])
+            for seq in chunk.request.row.seqs:
+                if chunk.start % bs:
+                    partial.append((seq, chunk.start // bs, a.block_table(seq)[chunk.start // bs]))
+        step = plan(kv.rows, [RowInput(c.request.row, c.num_tokens, c.tokens) for c in batch.chunks],
+                    backend="triton", num_layers=1)  # (no torch gather plan: nothing attends here)
         if self.fail is not None and self.fail(batch):  # slots taken, K/V never written
             raise RuntimeError("shadow forward failed")
-        for src, dst in plan.copies:
-            for off in range(bs):
-                if src * bs + off in self.slots:
-                    self.slots[dst * bs + off] = self.slots[src * bs + off]
-        for chunk in batch.chunks:
-            for g, seq in enumerate(chunk.request.row.seqs):
-                table = a.block_table(seq)
-                for i, tok in enumerate(chunk.tokens):
-                    pos = chunk.start + i
-                    self.slots[table[pos // bs] * bs + pos % bs] = (tok, pos)
-                window = kv.groups.windows[g]
-                if window is not None:
-                    a.release_outside_window(seq, chunk.start - window + 1)
+        for seq, index, old in partial:  # copy-on-write: the planner replaced a shared last block
+            new = a.block_table(seq)[index]
+            if new != old:
+                for off in range(bs):
+                    if old * bs + off in self.slots:
+                        self.slots[new * bs + off] = self.slots[old * bs + off]
+        written = [(t, c.start + i) for c in batch.chunks for i, t in enumerate(c.tokens)]
+        for group in step.groups:
+            for slot, token_pos in zip(group.slot_mapping.tolist(), written, strict=True):
+                self.slots[slot] = token_pos
         kv.publish([c.request.row for c in batch.chunks])
         sampled = [c for c in batch.chunks if c.sample]
         logits = torch.full((len(sampled), VOCAB), -1.0)

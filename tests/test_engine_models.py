@@ -20,7 +20,8 @@ import torch
 
 from _engine_reference import TieCount, check_tokens, random_prompts, reference
 from conftest import EOS, VOCAB, tiny_model
-from hf_paged import BlockPool, RequestStatus, enable_paged_attention, generate_batch, init_continuous_batching
+from hf_paged import BlockPool, PagedCache, RequestStatus, enable_paged_attention, generate_batch, init_continuous_batching
+from hf_paged.engine.sampling import SamplingParams
 from test_models import AVAILABLE, tiny_family_model
 
 BLOCK = 4
@@ -48,12 +49,11 @@ def drive(core, requests, seed: int, steps_between: int = 2, chunks: list | None
     order = list(requests)
     rng.shuffle(order)
     reqs = {}
-    from hf_paged.engine.sampling import SamplingParams
-
     with torch.no_grad():
         for rid, prompt, new in order:
-            params = SamplingParams(max_new_tokens=new, eos_token_ids=(EOS,))
-            core.check_fits(len(prompt), new)
+            params = new if isinstance(new, SamplingParams) else SamplingParams(max_new_tokens=new,
+                                                                                eos_token_ids=(EOS,))
+            core.check_fits(len(prompt), params.max_new_tokens)
             reqs[rid] = req = core.new_request(rid, prompt, params)
             core.add(req)
             for _ in range(rng.randint(0, steps_between)):
@@ -120,25 +120,41 @@ def test_families_equal_generate_alone(model_type):
     assert pool.allocator.blocks_in_use == 0
 
 
-def test_fp8_pool_agrees_with_full_precision():
-    """16 requests on an fp8 pool: greedy tokens agree with the full-precision engine on >= 90% of positions up to
-    each request's first difference."""
+def check_same(name, got: list[int], alone) -> None:
+    """``got`` equals the tokens of the same request run alone (``alone``: a finished Request asked for top-2
+    logprobs), or first differs where the alone run's top-2 tied within 1e-4 (counted)."""
+    TIES.requests += 1
+    for i, (g, r) in enumerate(zip(got, alone.generated)):
+        if g != r:
+            (_, first), (_, second) = alone.top_logprobs[i][:2]
+            assert first - second < 1e-4, f"{name}: token {i} is {g}, alone {r} (top-2 gap {first - second:.2e})"
+            TIES.ties.append((name, i, first - second))
+            return
+    assert len(got) == len(alone.generated), name
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["fp32", "fp8"])
+def test_request_alone_and_among_fifteen_others(kv_dtype):
+    """Sixteen requests, half greedy and half sampled with a seed: each gives the same tokens run alone through the
+    engine and run among the 15 others (random arrivals, a budget forcing chunked prefill, a pool forcing
+    preemption), on a full-precision and an fp8 pool (the fp8 scales are the pool's, shared by both runs)."""
     model = enable_paged_attention(tiny_model("llama", seed=4), backend="torch")
     prompts = random_prompts(16, VOCAB, (3, 30), seed=13)
-    specs = [(f"r{i}", p, 10) for i, p in enumerate(prompts)]
-    runs = {}
-    for kv_dtype in (None, torch.float8_e4m3fn):
-        pool = BlockPool(block_size=BLOCK, num_blocks=200, prefix_caching=False, kv_dtype=kv_dtype)
-        _, core = engine(model, pool, max_batch_tokens=32)
-        runs[kv_dtype] = drive(core, specs, seed=1)
-    agree = total = 0
+    specs = []
+    for i, p in enumerate(prompts):
+        sampled = dict(do_sample=True, temperature=0.8, top_k=20, seed=1000 + i) if i % 2 else {}
+        specs.append((f"r{i}", p, SamplingParams(max_new_tokens=8, eos_token_ids=(EOS,), logprobs=2, **sampled)))
+    pool = BlockPool(block_size=BLOCK, num_blocks=30, kv_dtype=kv_dtype)
+    _, core = engine(model, pool, max_batch_tokens=16)
+    alone = {}
+    for spec in specs:
+        alone.update(drive(core, [spec], seed=0))
+    together = drive(core, specs, seed=1)
+    assert core.scheduler.counters.preemptions > 0
     for rid, _, _ in specs:
-        full, fp8 = runs[None][rid].generated, runs[torch.float8_e4m3fn][rid].generated
-        same = next((i for i, (a, b) in enumerate(zip(full, fp8)) if a != b), min(len(full), len(fp8)))
-        agree += same
-        total += len(full)
-    print(f"\nfp8 pool: {agree}/{total} = {agree / total:.1%} of positions agree up to the first difference")
-    assert agree >= 0.9 * total
+        assert together[rid].status == RequestStatus.FINISHED
+        check_same(f"{kv_dtype}/{rid}", together[rid].generated, alone[rid])
+    assert pool.allocator.blocks_in_use == 0
 
 
 def test_pool_pressure_from_threads_with_cancellations():
@@ -208,18 +224,19 @@ def test_failing_forward_fails_only_its_step():
     """A layer that raises on one prompt's token: the requests of the steps it ran in fail with the error; the
     requests never batched with it finish with generate()'s tokens; the engine keeps serving."""
     model = enable_paged_attention(tiny_model("llama", seed=7), backend="torch")
-    poison = VOCAB - 1
+    poison = [VOCAB - 1] * 3  # three in a row: a prompt's, never a generation's (one token per step)
     embed = model.model.embed_tokens
 
     def hook(module, args):
-        if (args[0] == poison).any():
+        ids = args[0][0].tolist()
+        if any(ids[i: i + 3] == poison for i in range(len(ids) - 2)):
             raise RuntimeError("poisoned token")
 
     handle = embed.register_forward_pre_hook(hook)
     try:
         pool = BlockPool(block_size=BLOCK, num_blocks=64)
         with init_continuous_batching(model, pool=pool, max_batch_tokens=64) as manager:
-            bad = manager.add_request([5, 6, poison, 7], max_new_tokens=4)
+            bad = manager.add_request([5, 6, *poison, 7], max_new_tokens=4)
             out = manager.get_result(bad, timeout=60)
             assert out.status == RequestStatus.FAILED and "RuntimeError: poisoned token" in out.error
             good = [[3, 4, 5], [9, 8, 7, 6, 5]]
@@ -246,7 +263,7 @@ def test_logits_only_where_a_token_is_sampled():
         drive(core, [("b", list(range(3, 43)), 2), ("c", [4, 5], 2)], seed=0, steps_between=0)
     finally:
         handle.remove()
-    assert max(rows) <= 2 and rows.count(0) + rows.count(1) + rows.count(2) == len(rows)
+    assert rows and max(rows) <= 2  # steps of up to 21 tokens, at most 2 of them sampled
 
 
 def test_longrope_requests_past_the_switch_are_refused():

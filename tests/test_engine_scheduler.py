@@ -267,5 +267,5 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
-TestSchedulerMachine.settings = settings(max_examples=60, stateful_step_count=25, deadline=None,
+TestSchedulerMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None,
                                          suppress_health_check=list(HealthCheck))

@@ -1,29 +1,25 @@
-"""The requests' view of the block pool: one row per running request, and the block arithmetic admission needs.
+"""The requests' view of the block pool: one row (``hf_paged.rows.Row``) per running request, and the block
+arithmetic admission needs.
 
-A row holds one allocator sequence per layer group (one for most models). Tensor-free, like the allocator: the
-scheduler's tests run it on a bare :class:`~hf_paged.BlockAllocator`.
+A row holds one allocator sequence per layer group (one for most models); ``hf_paged.rows.Rows`` owns them, and the
+step planner appends to them. Tensor-free, like the allocator: the scheduler's tests run it on a pool whose tensors
+are never made.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from ..allocator import block_key, _ROOT_KEY
+from ..allocator import _ROOT_KEY, block_key
 from ..groups import LayerGroups
+from ..rows import Row, Rows
 
 UNBOUNDED = 1 << 40  # free blocks of a pool that grows on demand
 
 
-@dataclass(eq=False)
-class KVRow:
-    seqs: list[int]  # its allocator sequence in each layer group
-
-
 class RequestKV:
-    """Rows on one pool, for the scheduler.
+    """The engine's rows on one pool, for the scheduler.
 
     Args:
-        pool: a :class:`~hf_paged.BlockPool` (or anything with ``allocator`` and ``lock``).
+        pool: a :class:`~hf_paged.BlockPool`.
         groups: the model's layer groups.
         max_batch_tokens: the per-step token budget (sizes a sliding group's worst case).
     """
@@ -32,11 +28,11 @@ class RequestKV:
         self.pool = pool
         self.allocator = pool.allocator
         self.groups = groups
+        self.rows = Rows(pool, groups)
         self.block_size = self.allocator.block_size
         self.max_batch_tokens = max_batch_tokens
         # Prefix caching needs one block table per request: mixed-window models run without it.
-        self.prefix_caching = bool(self.allocator.prefix_caching) and groups.num_groups == 1 \
-            and groups.windows[0] is None
+        self.prefix_caching = self.rows.prefix_caching
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -64,12 +60,12 @@ class RequestKV:
                 blocks += min(full, -(-(window - 1 + self.max_batch_tokens) // bs) + 1)
         return blocks
 
-    def blocks_needed(self, row: KVRow, num_tokens: int) -> int:
+    def blocks_needed(self, row: Row, num_tokens: int) -> int:
         """Blocks appending ``num_tokens`` to ``row`` takes (copy-on-write of a shared last block included)."""
         with self.pool.lock:
             return self.allocator.blocks_needed_for([(seq, num_tokens) for seq in row.seqs])
 
-    def tokens_that_fit(self, row: KVRow, blocks: int, most: int) -> int:
+    def tokens_that_fit(self, row: Row, blocks: int, most: int) -> int:
         """The most tokens (up to ``most``) that ``row`` can append with ``blocks`` blocks."""
         if blocks < 0 or most <= 0:
             return 0
@@ -93,30 +89,29 @@ class RequestKV:
 
     def match(self, tokens: list[int], max_tokens: int) -> list[int]:
         """Cached blocks (written by a finished forward) that start ``tokens``, at most ``max_tokens`` tokens."""
-        if not self.prefix_caching:
-            return []
-        return self.allocator.match_prefix(tokens, max_tokens)
+        return self.rows.match_prefix(tokens, max_tokens)
+
+    def note_lookup(self, query_tokens: int, hit_tokens: int) -> None:
+        """Count an admission's prefix lookup in the pool's figures (``pool.memory_stats()``)."""
+        if self.prefix_caching:
+            self.allocator.note_prefix_lookup(query_tokens, hit_tokens)
 
     # ------------------------------------------------------------------- rows
-    def open(self, prefix_blocks: list[int] = ()) -> KVRow:
-        """A new row, starting from ``prefix_blocks`` (from :meth:`match`)."""
-        a = self.allocator
-        with self.pool.lock:
-            seqs = [a.new_sequence(list(prefix_blocks) if g == 0 else []) for g in range(self.groups.num_groups)]
-        return KVRow(seqs)
+    def open(self, prefix_blocks: list[int] = (), tokens: list[int] = ()) -> Row:
+        """A new row, starting from ``prefix_blocks`` (from :meth:`match`), which hold the first tokens of ``tokens``."""
+        return self.rows.new(list(prefix_blocks), list(tokens[: len(prefix_blocks) * self.block_size]))
 
-    def fork(self, row: KVRow) -> KVRow:
+    def fork(self, row: Row) -> Row:
         """A new row sharing every block of ``row`` (copy-on-write when either writes a shared last block)."""
-        with self.pool.lock:
-            return KVRow([self.allocator.fork(seq) for seq in row.seqs])
+        child = self.rows.fork(row)
+        self.rows.rows.append(child)  # the engine's rows are its running requests
+        return child
 
-    def free(self, row: KVRow) -> None:
+    def free(self, row: Row) -> None:
         """All its blocks back (keyed full blocks stay cached for later prompts)."""
-        with self.pool.lock:
-            for seq in row.seqs:
-                self.allocator.free(seq)
+        self.rows.remove(row)
 
-    def discard(self, row: KVRow, keep: int) -> None:
+    def discard(self, row: Row, keep: int) -> None:
         """Free a row whose last forward failed: its blocks past ``keep`` tokens were never fully written, so they
         are cut off first and never offered to other prompts."""
         a = self.allocator
@@ -124,28 +119,19 @@ class RequestKV:
             for seq in row.seqs:
                 if a.seq_len(seq) > keep:
                     a.crop(seq, keep)
-                a.free(seq)
+        if row.tokens is not None:
+            del row.tokens[keep:]
+        self.rows.remove(row)
 
-    def publish(self, rows: list[KVRow]) -> None:
-        """The forward that wrote these rows' blocks has run: make their keyed blocks findable now (a request
-        waiting for that prefix can be admitted at the next step)."""
+    def publish(self, rows: list[Row]) -> None:
+        """The forward that wrote these rows' blocks has run: make their keyed blocks findable now, so a request
+        waiting for that prefix can be admitted at the next step (the allocator would otherwise publish them at the
+        rows' next append)."""
         if not self.prefix_caching or not rows:
             return
-        with self.pool.lock:  # an empty append publishes and changes nothing else
+        with self.pool.lock:  # an append of nothing publishes and changes nothing else
             self.allocator.append([(seq, 0) for row in rows for seq in row.seqs])
 
-    def length(self, row: KVRow) -> int:
+    def length(self, row: Row) -> int:
         with self.pool.lock:
-            return self.allocator.seq_len(row.seqs[0])
-
-    # ------------------------------------------------------------ for shadows
-    def append(self, rows_tokens: list[tuple[KVRow, list[int]]]):
-        """Allocate slots for each row's new tokens, all or nothing (what the planner does before a forward; used
-        by the scheduler's tests). Returns the allocator's plan."""
-        requests, tokens = [], []
-        for row, new in rows_tokens:
-            for g, seq in enumerate(row.seqs):
-                requests.append((seq, len(new)))
-                tokens.append(list(new) if self.prefix_caching else None)
-        with self.pool.lock:
-            return self.allocator.append(requests, tokens)
+            return self.rows.length(row)

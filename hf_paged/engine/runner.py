@@ -58,6 +58,7 @@ class ModelRunner:
         self.num_layers = num_layers
         self.device = model.device
         self._plan, self._row_input, self._step_cache = plan, RowInput, StepCache
+        self._buffers = kv.pool.lend_step_buffers(self)
         params = inspect.signature(model.forward).parameters
         self.keeps_logits = "logits_to_keep" in params
         self.plan_time = self.forward_time = 0.0
@@ -69,7 +70,7 @@ class ModelRunner:
                           backend=self.backend, num_layers=self.num_layers)
         t1 = time.perf_counter()
         self.plan_time = t1 - t0
-        cache = self._step_cache(self.kv.rows, step, self.num_layers)
+        cache = self._step_cache(self.kv.rows, step, self.num_layers, self._buffers)
         kwargs = {compat.FORWARD_CACHE_KWARG: cache, "use_cache": True}
         if self.keeps_logits:
             kwargs["logits_to_keep"] = inputs.logits_index

@@ -166,7 +166,7 @@ class Scheduler:
             if self._waits_for_prefix(req, len(prefix), limit):
                 held.append(req)
                 continue
-            row = self.kv.open(prefix)
+            row = self.kv.open(prefix, req.tokens)
             cached = len(prefix) * self.kv.block_size
             n = min(len(req.tokens) - cached, budget)
             need = self.kv.blocks_needed(row, n)
@@ -179,6 +179,7 @@ class Scheduler:
                 self.waiting.appendleft(req)
                 break
             self._start(req, row, cached)
+            self.kv.note_lookup(limit // self.kv.block_size * self.kv.block_size, cached)
             batch.chunks.append(Chunk(req, cached, n))
             reserved += need
             budget -= n

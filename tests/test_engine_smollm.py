@@ -1,0 +1,59 @@
+"""The engine on the embedded SmolLM2 (the one real-model engine test): 16 chat requests, half sharing a system
+prompt, through generate_batch: greedy tokens equal each request alone through generate() with a DynamicCache (8 of
+them checked, to keep the test short), the shared system prompt is served from the prefix cache, and an fp8 pool's
+tokens agree with full precision on most positions up to each request's first difference (the figure is printed;
+the fp8 scale policy is the pool's, and the exactness of the engine's fp8 path is pinned by
+test_engine_models.py::test_request_alone_and_among_fifteen_others)."""
+
+from __future__ import annotations
+
+import torch
+
+from _engine_reference import TieCount, check_tokens, reference
+from _features import require_smollm, smollm
+from hf_paged import BlockPool, RequestStatus, disable_paged_attention, embedded, generate_batch
+
+require_smollm()
+
+NEW_TOKENS = 10
+CHECKED = 8  # requests compared with generate() alone (every other one shares the system prompt)
+
+
+def chat_ids(tokenizer, prompt: str, system: str | None) -> list[int]:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+
+
+def agreement(full: list[list[int]], other: list[list[int]]) -> tuple[int, int]:
+    """Positions equal up to each sequence's first difference, and all positions of ``full``."""
+    agree = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                for a, b in zip(full, other))
+    return agree, sum(len(a) for a in full)
+
+
+def test_smollm_chat_requests_equal_generate_alone_and_fp8_agrees():
+    model, tokenizer = smollm()
+    prompts = [chat_ids(tokenizer, p, embedded.SYSTEM_PARAGRAPH if i % 2 else None)
+               for i, p in enumerate((embedded.CHAT_PROMPTS * 2)[:16])]
+    refs = [reference(model, p, NEW_TOKENS) for p in prompts[:CHECKED]]  # before the engine patches the model
+    outs, stats = {}, {}
+    try:
+        for kv_dtype in (None, torch.float8_e4m3fn):
+            pool = BlockPool(block_size=16, num_blocks=256, prefix_caching=True, kv_dtype=kv_dtype)
+            outs[kv_dtype] = list(generate_batch(model, prompts, max_new_tokens=NEW_TOKENS, pool=pool,
+                                                 max_batch_tokens=256, progress_bar=False,
+                                                 eos_token_id=tokenizer.eos_token_id).values())
+            stats[kv_dtype] = pool.memory_stats()
+    finally:
+        disable_paged_attention(model)
+    ties = TieCount()
+    for i, (out, ref) in enumerate(zip(outs[None], refs)):
+        assert out.status == RequestStatus.FINISHED, (i, out.error)
+        check_tokens(f"smollm/{i}", out.generated_tokens, ref, ties)
+    print(f"\nSmolLM2: {len(ties.ties)} tie(s) accepted of {ties.requests} requests")
+    assert stats[None].prefix_hit_tokens > 0  # the system prompt's blocks, computed once
+    full, fp8 = [o.generated_tokens for o in outs[None]], [o.generated_tokens for o in outs[torch.float8_e4m3fn]]
+    agree, total = agreement(full, fp8)
+    print(f"fp8 pool: {agree}/{total} = {agree / total:.1%} of positions agree with full precision up to each "
+          "request's first difference")
+    assert agree >= 0.8 * total  # a wrong scale or block gives garbage; fp8 rounding flips a few near-ties
