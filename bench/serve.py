@@ -318,8 +318,8 @@ def run_padded(model, tokenizer, requests, batch_size: int, paged_pool: BlockPoo
         cache = DynamicCache(config=model.config) if paged_pool is None else PagedCache(model.config, pool=paged_pool)
         clock = StepClock()
         out = model.generate(input_ids=ids, attention_mask=mask, **{compat.GENERATE_CACHE_KWARG: cache},
-                             max_new_tokens=max(r.max_new_tokens for r in batch), do_sample=False,
-                             stopping_criteria=[clock], generation_config=greedy_config(model, 16))
+                             stopping_criteria=[clock],
+                             generation_config=greedy_config(model, max(r.max_new_tokens for r in batch)))
         for row, r in enumerate(batch):
             row_tokens = kept(out[row, width:].tolist(), r.max_new_tokens, eos)
             tokens.append(row_tokens)
@@ -379,8 +379,11 @@ def main(argv=None) -> int:
     parser.add_argument("--cb-sweep", default=None, help="generate_batch max_batch_tokens values, comma-separated "
                         "(default 256,512,1024,2048; quick: 2048 only)")
     parser.add_argument("--shared", type=int, default=16, help="workload 2's requests (0: skip it)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: on a busy shared "
+                        "CPU, OpenMP threads waiting on each other made every contender 3-10x slower)")
     parser.add_argument("--json", default=None, help="write the figures to this file")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     quick = args.quick
     n = args.requests or (16 if quick else 48)
     max_prompt = args.max_prompt or (400 if quick else 1000)
