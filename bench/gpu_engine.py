@@ -85,7 +85,7 @@ def run_engine(model, requests, device, small: bool):
     if errors:
         raise RuntimeError(f"{len(errors)} engine requests failed, e.g. {errors[0]}")
     return dict(seconds=seconds, generated=sum(len(r.generated_tokens) for r in results),
-                ttft=[r.first_token_time - start for r in results],
+                tokens=[list(r.generated_tokens) for r in results], ttft=[r.first_token_time - start for r in results],
                 itl=[g for r in results for g in gaps(r.timestamps)],
                 kv_reserved_bytes=manager.pool.memory_stats().bytes_reserved,
                 host_s=stats.host_time_s, forward_s=stats.forward_time_s, steps=stats.steps,
@@ -130,6 +130,7 @@ def run_cb(model, requests, device, warmup: bool, small: bool):
             model.destroy_cached_continuous_batching_manager()
     ordered = [results[i] for i in ids]
     return dict(seconds=seconds, generated=sum(len(r.generated_tokens) for r in ordered),
+                tokens=[list(r.generated_tokens) for r in ordered],
                 ttft=[r.timestamps[0] - start for r in ordered if r.timestamps],
                 itl=[g for r in ordered for g in gaps(list(r.timestamps or []))],
                 kv_reserved_bytes=tensor.numel() * tensor.element_size() if tensor is not None else None)
@@ -166,12 +167,14 @@ def main(argv=None) -> int:
     rows, out = [], []
     results = {ENGINE: run_engine(models[ENGINE], requests, device, small=dry),
                CB: run_cb(models[CB], requests, device, warmup=False, small=dry)}
+    same = sum(a == b for a, b in zip(results[ENGINE]["tokens"], results[CB]["tokens"]))
     for name, r in results.items():
         tok_s = r["generated"] / r["seconds"]
         row = dict(contender=name, shape=args.shape, device=machine(), requests=len(requests),
                    prompt_tokens=prompt_tokens, generated=r["generated"], seconds=r["seconds"], tokens_per_s=tok_s,
                    ttft_p50=pct(r["ttft"], 50), ttft_p99=pct(r["ttft"], 99), itl_p50=pct(r["itl"], 50),
                    itl_p99=pct(r["itl"], 99), warmup_s=warm_s[name], kv_reserved_bytes=r["kv_reserved_bytes"],
+                   requests_equal=same,
                    torch=torch.__version__, transformers=transformers.__version__,
                    **{k: r[k] for k in ("host_s", "forward_s", "steps", "preemptions") if k in r})
         out.append(row)
@@ -185,7 +188,8 @@ def main(argv=None) -> int:
                         "ITL p50 / p99 ms", "KV GiB", "warm-up s"], rows))
     engine = results[ENGINE]
     print(f"engine: {engine['steps']} steps, host {engine['host_s']:.1f} s + forward {engine['forward_s']:.1f} s, "
-          f"{engine['preemptions']} preemptions")
+          f"{engine['preemptions']} preemptions; requests with the same tokens in both: {same}/{len(requests)} "
+          f"(random weights in {dtype}: near-ties flip greedy tokens)")
     lines = "".join(json.dumps(row) + "\n" for row in out)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "engine.jsonl"), "a") as f:
