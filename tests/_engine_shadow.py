@@ -2,9 +2,9 @@
 
 ``ShadowRunner.run(batch)`` plans the batch with the real step planner (slots, copy-on-write, window release) on a
 pool whose tensors are never made, publishes the written blocks as the real runner does, and records in a shadow of
-the KV tensors which (token, position) each slot holds (through the step's slot mappings). Before "attending", it checks that every chunk's history -- the
-slots its block table maps positions ``0 .. start-1`` to -- holds exactly the request's tokens: a wrong prefix hit, a
-missing copy-on-write or a reused block would show there. Its "logits" put the next token at
+the KV tensors which (token, position) each slot holds (through the step's slot mappings). Before "attending", it
+checks that every chunk's history -- the slots its block table maps positions ``0 .. start-1`` to -- holds exactly
+the request's tokens: a wrong prefix hit, a missing copy-on-write or a reused block would show there. Its "logits" put the next token at
 :func:`next_token` of the request's tokens, a deterministic function, so each request's expected tokens are known
 without running anything (:func:`expected_tokens`).
 """
@@ -113,3 +113,13 @@ def run_to_end(core: EngineCore, max_steps: int = 100_000, check=True) -> int:
             core.kv.allocator.check_invariants()
         assert steps < max_steps, "the engine made no progress"
     return steps
+
+
+def one_thread():
+    """A pytest fixture body: torch ops on one thread for the test, then as before. These tests run tiny tensors, and
+    on a shared 2-core machine a second intra-op thread mostly waits (a 14-element repeat_interleave took 27 ms on
+    2 threads under load, 0.014 ms on one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

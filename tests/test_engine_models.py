@@ -19,10 +19,17 @@ import pytest
 import torch
 
 from _engine_reference import TieCount, check_tokens, random_prompts, reference
+from _engine_shadow import one_thread
 from conftest import EOS, VOCAB, tiny_model
-from hf_paged import BlockPool, PagedCache, RequestStatus, enable_paged_attention, generate_batch, init_continuous_batching
+from hf_paged import BlockPool, RequestStatus, enable_paged_attention, generate_batch, init_continuous_batching
 from hf_paged.engine.sampling import SamplingParams
 from test_models import AVAILABLE, tiny_family_model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    yield from one_thread()
+
 
 BLOCK = 4
 TIES = TieCount()
@@ -320,3 +327,38 @@ def test_stability_over_two_thousand_requests():
     del manager, pool
     gc.collect()
     assert ref() is None
+
+
+def test_forks_share_the_prompt_and_match_requests_seeded_alone():
+    """num_return_sequences=3 with a seed: three results (transformers' child ids), computed from one prefill whose
+    blocks they share; each fork's tokens equal a request run alone with that fork's seed (the sampler derives fork
+    k's seed from the request's)."""
+    from hf_paged.engine.sampling import _fork_seed
+
+    model = enable_paged_attention(tiny_model("llama", seed=10), backend="torch")
+    prompt = random_prompts(1, VOCAB, (21, 21), seed=23)[0]
+    sampling = dict(do_sample=True, temperature=0.9, max_new_tokens=6)
+    pool = BlockPool(block_size=BLOCK, num_blocks=64)
+    with init_continuous_batching(model, pool=pool) as manager:
+        rid = manager.add_request(prompt, seed=77, num_return_sequences=3, **sampling)
+        forks = [manager.get_result(i, timeout=60) for i in (rid, f"{rid}__child#0", f"{rid}__child#1")]
+        computed = manager.stats().prompt_tokens_computed
+        alone = [manager.get_result(manager.add_request(prompt, seed=_fork_seed(77, k), **sampling), timeout=60)
+                 for k in range(3)]
+    assert computed == len(prompt)  # one prefill for the three
+    assert [f.request_id for f in forks] == [rid, f"{rid}__child#0", f"{rid}__child#1"]
+    assert all(f.status == RequestStatus.FINISHED for f in forks)
+    assert [f.generated_tokens for f in forks] == [a.generated_tokens for a in alone]
+    assert len({tuple(f.generated_tokens) for f in forks}) > 1
+    assert pool.allocator.blocks_in_use == 0
+
+
+def test_logprobs_of_greedy_tokens():
+    """logprobs=2: per generated token its log-probability and the two most likely alternatives; for greedy decoding
+    the token is the first alternative, with the same value."""
+    model = enable_paged_attention(tiny_model("llama", seed=11), backend="torch")
+    with init_continuous_batching(model, pool=BlockPool(block_size=BLOCK, num_blocks=32)) as manager:
+        out = manager.get_result(manager.add_request([5, 9, 12, 7], max_new_tokens=5, logprobs=2), timeout=60)
+    assert len(out.logprobs) == len(out.top_logprobs) == len(out.generated_tokens) == 5
+    for token, lp, top in zip(out.generated_tokens, out.logprobs, out.top_logprobs):
+        assert len(top) == 2 and top[0][0] == token and top[0][1] == pytest.approx(lp) and lp <= 0

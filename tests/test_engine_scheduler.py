@@ -14,10 +14,15 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from _engine_shadow import EOS, VOCAB, expected_tokens, run_to_end, shadow_engine
+from _engine_shadow import VOCAB, expected_tokens, one_thread, run_to_end, shadow_engine
 from hf_paged.engine.outputs import RequestStatus, RequestTooLargeError
 
 from hf_paged.engine.sampling import SamplingParams
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    yield from one_thread()
 
 
 def prompt_of(n: int, seed: int, prefix: list[int] = ()) -> list[int]:

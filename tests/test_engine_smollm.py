@@ -7,13 +7,21 @@ test_engine_models.py::test_request_alone_and_among_fifteen_others)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from _engine_reference import TieCount, check_tokens, reference
+from _engine_shadow import one_thread
 from _features import require_smollm, smollm
 from hf_paged import BlockPool, RequestStatus, disable_paged_attention, embedded, generate_batch
 
 require_smollm()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    yield from one_thread()
+
 
 NEW_TOKENS = 10
 CHECKED = 8  # requests compared with generate() alone (every other one shares the system prompt)

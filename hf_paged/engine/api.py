@@ -583,7 +583,8 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
         max_num_seqs: the most requests running at once (default ``max_batch_tokens``).
         max_unread_results: finished results kept until read; past it the oldest unread are dropped.
         watermark: share of the pool kept free when admitting new requests (default 1%).
-        backend: ``"auto"`` (Triton on CUDA, torch on CPU), ``"torch"`` or ``"triton"``.
+        backend: ``"auto"`` (Triton on CUDA, torch on CPU; a model already paged keeps its backend), ``"torch"`` or
+            ``"triton"``.
 
     Requires transformers >= 5.24 (the attention plumbing the packed forward needs); ``generate()`` with a
     ``PagedCache`` works from 4.56.
@@ -621,7 +622,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     if watermark is not None:
         options["watermark"] = watermark
     check_model(model)
-    if not is_paged(model):
+    if not is_paged(model) or backend != "auto":  # a model paged before keeps its backend unless one is asked
         enable_paged_attention(model, backend=backend)
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     device = model.device

@@ -98,7 +98,7 @@ class RequestKV:
 
     # ------------------------------------------------------------------- rows
     def open(self, prefix_blocks: list[int] = (), tokens: list[int] = ()) -> Row:
-        """A new row, starting from ``prefix_blocks`` (from :meth:`match`), which hold the first tokens of ``tokens``."""
+        """A new row starting from ``prefix_blocks`` (from :meth:`match`), which hold the first tokens of ``tokens``."""
         return self.rows.new(list(prefix_blocks), list(tokens[: len(prefix_blocks) * self.block_size]))
 
     def fork(self, row: Row) -> Row:
