@@ -8,7 +8,7 @@ own copy of the model:
 
 * ``engine``: ``hf_paged.init_continuous_batching`` on a ``BlockPool(num_blocks=budget)``.
 * ``generate_batch``: transformers' continuous batching (sdpa, page size 16, ``num_blocks`` = the budget) at the best
-  ``max_batch_tokens`` of a small sweep on a quarter of the requests.
+  ``max_batch_tokens`` of a small sweep on a quarter of the requests (at least 8).
 * ``generate() + DynamicCache``: padded batches of 8 in arrival order, ``max_new_tokens`` = the batch's largest, as a
   user would write it; each request keeps its own budget of tokens.
 * ``generate() + PagedCache``: the same batches on a ``BlockPool(num_blocks=budget)``.
@@ -20,8 +20,8 @@ tokens equal the padded DynamicCache run's.
 Workload 2, a shared system prompt: 16 requests whose prompts begin with the same ~500-token system prompt, followed
 by 20-50-token questions, all submitted at once: prompt tokens the engine computed with prefix caching vs without.
 
-    python bench/serve.py                 # ~10 minutes on 2 cores
-    python bench/serve.py --quick         # ~2-3 minutes: fewer, shorter requests, no sweep
+    python bench/serve.py                 # 32 requests, a 3-point sweep: ~25 minutes on the shared 2-core VM
+    python bench/serve.py --quick         # 16 requests of <= 400 + 48 tokens, no sweep: ~10 minutes there
     python bench/serve.py --json out.json
 """
 
@@ -370,14 +370,14 @@ def mix_table(runs: dict[str, Run], budget_bytes: int) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="16 shorter requests, no sweep: a few minutes")
-    parser.add_argument("--requests", type=int, default=None, help="workload 1's requests (default 48; quick 16)")
+    parser.add_argument("--requests", type=int, default=None, help="workload 1's requests (default 32; quick 16)")
     parser.add_argument("--max-prompt", type=int, default=None, help="default 1000 (quick 400)")
     parser.add_argument("--max-output", type=int, default=None, help="default 128 (quick 48)")
     parser.add_argument("--output-mean", type=float, default=None, help="default 48 (quick 24) new tokens")
     parser.add_argument("--batch-size", type=int, default=8, help="padded generate() batches")
     parser.add_argument("--engine-batch-tokens", type=int, default=None, help="the engine's max_batch_tokens")
     parser.add_argument("--cb-sweep", default=None, help="generate_batch max_batch_tokens values, comma-separated "
-                        "(default 256,512,1024,2048; quick: 2048 only)")
+                        "(default 512,1024,2048; quick: 2048 only, the best of the full sweep here)")
     parser.add_argument("--shared", type=int, default=16, help="workload 2's requests (0: skip it)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: on a busy shared "
                         "CPU, OpenMP threads waiting on each other made every contender 3-10x slower)")
@@ -385,11 +385,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     quick = args.quick
-    n = args.requests or (16 if quick else 48)
+    n = args.requests or (16 if quick else 32)
     max_prompt = args.max_prompt or (400 if quick else 1000)
     max_output = args.max_output or (48 if quick else 128)
     output_mean = args.output_mean or (24 if quick else 48)
-    sweep = [int(v) for v in (args.cb_sweep or ("2048" if quick else "256,512,1024,2048")).split(",")]
+    sweep = [int(v) for v in (args.cb_sweep or ("2048" if quick else "512,1024,2048")).split(",")]
 
     print(f"machine: {machine()}", flush=True)
     print("loading the embedded SmolLM2-135M-Instruct (fp32), one copy per contender ...", flush=True)
