@@ -150,13 +150,13 @@ def shared_prefix_workload(tokenizer, n: int, system_tokens: int, max_output: in
 
 def kv_budget_blocks(requests: list[Request], batch_size: int) -> int:
     """Blocks of ``BLOCK`` tokens the padded batches of ``batch_size`` need at their peak (rows x (longest prompt +
-    largest budget) of the worst batch)."""
+    largest budget) of the worst batch, each row in whole blocks), plus the pool's scratch block."""
     worst = 0
     for i in range(0, len(requests), batch_size):
         batch = requests[i:i + batch_size]
         columns = max(len(r.prompt) for r in batch) + max(r.max_new_tokens for r in batch)
-        worst = max(worst, len(batch) * columns)
-    return math.ceil(worst / BLOCK)
+        worst = max(worst, len(batch) * math.ceil(columns / BLOCK))
+    return worst + 1
 
 
 # ------------------------------------------------------------------------------------------------- measurements
@@ -355,7 +355,8 @@ def mix_table(runs: dict[str, Run], budget_bytes: int) -> str:
     for name, run in runs.items():
         rows.append([
             name + (f" (max_batch_tokens {run.extra['max_batch_tokens']})" if name == CB else ""),
-            f"{run.seconds:.1f}", run.generated, f"{run.tokens_per_s:.1f}",
+            " ".join(f"{w:.1f}" for w in run.extra.get("walls", [run.seconds])), run.generated,
+            f"{run.tokens_per_s:.1f}",
             f"{run.tokens_per_s / base_cb.tokens_per_s:.2f}x" if base_cb else "-",
             f"{run.tokens_per_s / base_padded.tokens_per_s:.2f}x" if base_padded else "-",
             f"{pct(run.ttft, 50):.1f} / {pct(run.ttft, 99):.1f}",
@@ -363,7 +364,7 @@ def mix_table(runs: dict[str, Run], budget_bytes: int) -> str:
             ("~" if "estimated" in run.kv_note else "") + mb(run.kv_peak),
             agreement(run, base_padded) if base_padded else "-",
         ])
-    return format_table(["contender", "wall s", "tokens", "tokens/s", "vs generate_batch", "vs padded generate()",
+    return format_table(["contender", "runs (s)", "tokens", "tokens/s", "vs generate_batch", "vs padded generate()",
                          "TTFT p50 / p99 s", "ITL p50 / p99 ms", "KV peak", "tokens = padded DynamicCache"], rows)
 
 
@@ -378,6 +379,8 @@ def main(argv=None) -> int:
     parser.add_argument("--engine-batch-tokens", type=int, default=None, help="the engine's max_batch_tokens")
     parser.add_argument("--cb-sweep", default=None, help="generate_batch max_batch_tokens values, comma-separated "
                         "(default 512,1024,2048; quick: 2048 only, the best of the full sweep here)")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of the four contenders (order reversed every "
+                        "other round); the table shows each one's fastest")
     parser.add_argument("--shared", type=int, default=16, help="workload 2's requests (0: skip it)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: on a busy shared "
                         "CPU, OpenMP threads waiting on each other made every contender 3-10x slower)")
@@ -428,24 +431,30 @@ def main(argv=None) -> int:
         best = max(speeds, key=speeds.get)
         print(format_table(["max_batch_tokens", "wall s", "tokens/s"], sweep_rows), flush=True)
 
-    runs: dict[str, Run] = {}
-    print("running the contenders in turn: engine, generate_batch, padded DynamicCache, padded PagedCache ...",
-          flush=True)
-    runs[ENGINE] = run_engine(model_engine, requests, budget, args.engine_batch_tokens, True, eos, ENGINE)
-    print(f"  engine {runs[ENGINE].seconds:.1f} s", flush=True)
-    runs[CB] = run_generate_batch(model_cb, requests, budget, best, eos, per_token, CB)
-    print(f"  generate_batch {runs[CB].seconds:.1f} s", flush=True)
-    runs[DYNAMIC] = run_padded(model_gen, tokenizer, requests, args.batch_size, None, eos, DYNAMIC)
-    print(f"  padded DynamicCache {runs[DYNAMIC].seconds:.1f} s", flush=True)
-    runs[PAGED] = run_padded(model_gen, tokenizer, requests, args.batch_size,
-                             BlockPool(BLOCK, num_blocks=budget), eos, PAGED)
-    print(f"  padded PagedCache {runs[PAGED].seconds:.1f} s", flush=True)
+    contenders = {
+        ENGINE: lambda: run_engine(model_engine, requests, budget, args.engine_batch_tokens, True, eos, ENGINE),
+        CB: lambda: run_generate_batch(model_cb, requests, budget, best, eos, per_token, CB),
+        DYNAMIC: lambda: run_padded(model_gen, tokenizer, requests, args.batch_size, None, eos, DYNAMIC),
+        PAGED: lambda: run_padded(model_gen, tokenizer, requests, args.batch_size,
+                                  BlockPool(BLOCK, num_blocks=budget), eos, PAGED),
+    }
+    all_runs: dict[str, list[Run]] = {name: [] for name in contenders}
+    for round_ in range(args.rounds):
+        order = list(contenders) if round_ % 2 == 0 else list(reversed(contenders))
+        print(f"round {round_ + 1}/{args.rounds}: {', '.join(order)} ...", flush=True)
+        for name in order:
+            all_runs[name].append(contenders[name]())
+            print(f"  {name} {all_runs[name][-1].seconds:.1f} s", flush=True)
+    runs = {name: min(done, key=lambda r: r.seconds) for name, done in all_runs.items()}  # each one's fastest
+    for name, run in runs.items():
+        run.extra["walls"] = [r.seconds for r in all_runs[name]]
 
     print()
     print(mix_table(runs, budget * BLOCK * per_token))
     stats = runs[ENGINE].extra["stats"]
     print(f"tokens/s: generated tokens kept (up to EOS, within each request's max_new_tokens) / wall seconds from "
-          f"submission to the last result. TTFT from submission. KV budget {mb(budget * BLOCK * per_token)} for "
+          f"submission to the last result, each contender's fastest of {args.rounds} round(s) (order reversed every "
+          f"other round); latencies from that run. TTFT from submission. KV budget {mb(budget * BLOCK * per_token)} for "
           f"every contender (DynamicCache grows as it needs); generate_batch's KV peak (~) is estimated from its "
           f"token timestamps (live requests' blocks).")
     print(f"engine: {stats.steps} steps, host {stats.host_time_s:.1f} s + forward {stats.forward_time_s:.1f} s, "
@@ -472,12 +481,12 @@ def main(argv=None) -> int:
         print(f"\n== 2. {len(shared)} requests sharing a system prompt: prompts {min(lens)}-{max(lens)} tokens "
               f"({sum(lens):,} in all), {shared[0].max_new_tokens} new tokens each, all submitted at once", flush=True)
         shared_budget = math.ceil(sum(lens) / BLOCK) + len(shared) * math.ceil(shared[0].max_new_tokens / BLOCK + 1)
-        runs2 = {
-            "engine, no prefix caching": run_engine(model_engine, shared, shared_budget, args.engine_batch_tokens,
-                                                    False, eos, "no caching"),
-            "engine, prefix caching": run_engine(model_engine, shared, shared_budget, args.engine_batch_tokens,
-                                                 True, eos, "prefix caching"),
-        }
+        runs2: dict[str, Run] = {}
+        for round_ in range(args.rounds):
+            for name, caching in (("engine, no prefix caching", False), ("engine, prefix caching", True)):
+                run = run_engine(model_engine, shared, shared_budget, args.engine_batch_tokens, caching, eos, name)
+                if name not in runs2 or run.seconds < runs2[name].seconds:
+                    runs2[name] = run
         base = runs2["engine, no prefix caching"]
         rows = []
         for name, run in runs2.items():
