@@ -17,6 +17,9 @@
 #                  compiled; tokens/s, KV bytes, peak memory, tokens equal to DynamicCache's
 #   calls-*     (CALLS=1 only) bench/gpu_calls.py auto / explicit: compiled generate() call after call on one pool,
 #                  transformers' default compile config vs an explicit CompileConfig(mode="reduce-overhead")
+#   engine-1b   bench/gpu_engine.py: the continuous-batching engine vs transformers' generate_batch manager (its
+#                  defaults) on 256 requests of bench/serve.py's mix at Llama-3.2-1B's shape: tokens/s, TTFT
+#                  (engine.jsonl); DRY: tiny shapes, 8 requests
 #   kernels-1b  bench/kernels.py at Llama-3.2-1B's shape (d 64)
 #   triton-e2e  tests/test_triton_e2e.py (tiny models through the Triton backend)
 #
@@ -291,6 +294,8 @@ if [ "${CALLS:-0}" = 1 ] && [ "$DRY" != 1 ]; then  # opt-in: the explicit reduce
     stage calls-auto 120 "$PY" bench/gpu_calls.py auto
     stage calls-explicit 120 "$PY" bench/gpu_calls.py explicit
 fi
+
+stage engine-1b "$(cap 120 120)" "$PY" bench/gpu_engine.py
 
 if [ "$DRY" != 1 ]; then  # (DRY: the kernels-8b stage already drove the same functions at tiny shapes)
     # shellcheck disable=SC2086

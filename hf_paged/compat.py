@@ -17,6 +17,7 @@ What changed inside that range, and where this module absorbs it:
 from __future__ import annotations
 
 import contextvars
+import functools
 
 import torch
 import transformers
@@ -150,11 +151,16 @@ def config_dtype(config):
 
 
 def generation_defaults() -> dict:
-    """The values ``generate()`` uses for unset generation settings (top_k=50, num_beams=1, ...).
+    """The values ``generate()`` uses for unset generation settings (top_k=50, num_beams=1, ...); a new dict.
 
     From 5.x a fresh ``GenerationConfig`` leaves them None and ``generate()`` fills them from
     ``GenerationConfig._get_default_generation_params()``; before that they were the config's own defaults.
     """
+    return dict(_generation_defaults())
+
+
+@functools.lru_cache(maxsize=1)
+def _generation_defaults() -> dict:
     from transformers import GenerationConfig
 
     defaults = dict(GenerationConfig().to_dict())

@@ -1,11 +1,14 @@
 """The main job: a batch of chat prompts through generate() with DynamicCache and with PagedCache.
 
-Checks the outputs are identical and prints the KV memory each cache held, with tokens/s.
+Checks the outputs are identical and prints the KV memory each cache held, with tokens/s. Then serves a queue of
+chat requests three ways (padded generate() batches, the continuous-batching engine, transformers' generate_batch)
+and prints tokens/s and the KV each held.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -14,10 +17,12 @@ import torch
 from transformers import DynamicCache
 
 from . import compat, embedded, ops
+from .engine.api import init_continuous_batching
+from .pool import BlockPool
 from .attention import disable_paged_attention, enable_paged_attention
 from .cache import PagedCache
 from .progress import GenerationProgress
-from .report import dynamic_cache_bytes, format_table, mb, real_kv_bytes, row_token_counts
+from .report import dynamic_cache_bytes, format_table, kv_bytes_per_token, mb, real_kv_bytes, row_token_counts
 
 
 def _generate(model, inputs, cache, max_new_tokens: int, label: str):
@@ -34,7 +39,7 @@ KV_DTYPES = {"model": None, "fp8": torch.float8_e4m3fn}
 
 
 def run(model_path=None, batch_size: int = 8, max_new_tokens: int = 64, block_size: int = 16,
-        backend: str = "auto", kv_dtype: str = "model") -> dict:
+        backend: str = "auto", kv_dtype: str = "model", serve_requests: int = 16) -> dict:
     print(f"loading {'the embedded SmolLM2-135M-Instruct' if model_path is None else model_path} ...", flush=True)
     model, tokenizer = embedded.load(model_path)
     inputs = embedded.chat_batch(tokenizer, batch_size)
@@ -82,7 +87,10 @@ def run(model_path=None, batch_size: int = 8, max_new_tokens: int = 64, block_si
     texts = tokenizer.batch_decode(out_paged[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     for text in texts[:2]:
         print(f"  > {text.strip()[:100]!r}")
+    served = serve_many(model, tokenizer, model_path, serve_requests, batch_size=batch_size,
+                        block_size=block_size) if serve_requests else None
     return {
+        "serve": served,
         "identical": identical,
         "dynamic_bytes": dyn_bytes,
         "paged_peak_bytes": stats.peak_bytes_in_use,
@@ -91,6 +99,121 @@ def run(model_path=None, batch_size: int = 8, max_new_tokens: int = 64, block_si
         "rows_identical": same_rows,
         "dynamic_tokens_per_s": batch_size * new_tokens / t_dynamic,
         "paged_tokens_per_s": batch_size * new_tokens / t_paged,
+    }
+
+
+def _padded_runs(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int, eos: set[int]):
+    """generate() with DynamicCache over padded batches of ``batch_size``: (tokens per request, seconds, KV peak)."""
+    tokens, kv_peak = [], 0
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i:i + batch_size]
+        width = max(map(len, batch))
+        ids = torch.full((len(batch), width), tokenizer.pad_token_id, dtype=torch.long)  # [b, width]
+        mask = torch.zeros_like(ids)  # [b, width]
+        for row, prompt in enumerate(batch):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        cache = DynamicCache(config=model.config)
+        progress = GenerationProgress(max_new_tokens, f"padded generate(), batch {i // batch_size + 1}")
+        out = model.generate(input_ids=ids, attention_mask=mask, **{compat.GENERATE_CACHE_KWARG: cache},
+                             max_new_tokens=max_new_tokens, do_sample=False, stopping_criteria=[progress])
+        progress.close()
+        for row in out[:, width:].tolist():
+            tokens.append(_until_eos(row, eos))
+        kv_peak = max(kv_peak, dynamic_cache_bytes(cache))
+    return tokens, time.perf_counter() - start, kv_peak
+
+
+def _until_eos(row: list[int], eos: set[int]) -> list[int]:
+    for j, token in enumerate(row):
+        if token in eos:
+            return row[:j + 1]
+    return row
+
+
+def _transformers_generate_batch(model_path, prompts, max_new_tokens: int, num_blocks: int, block_size: int):
+    """transformers' own continuous batching on a second copy of the model (sdpa, pages of ``block_size``,
+    ``num_blocks`` of them): (tokens per request, seconds, KV reserved bytes)."""
+    from transformers.generation import ContinuousBatchingConfig
+
+    model, _ = embedded.load(model_path)
+    config = ContinuousBatchingConfig(page_size=block_size, num_blocks=num_blocks, max_batch_tokens=512,
+                                      auto_switch_to_flash=False)
+    generation_config = copy.deepcopy(model.generation_config)
+    generation_config.do_sample, generation_config.max_new_tokens = False, max_new_tokens
+    start = time.perf_counter()
+    outputs = model.generate_batch(prompts, generation_config=generation_config, continuous_batching_config=config,
+                                   progress_bar=True)
+    seconds = time.perf_counter() - start
+    reserved = num_blocks * block_size * kv_bytes_per_token(model.config, next(model.parameters()).dtype)
+    return [list(out.generated_tokens) for out in outputs.values()], seconds, reserved
+
+
+def serve_many(model, tokenizer, model_path=None, num_requests: int = 16, max_new_tokens: int = 32,
+               batch_size: int = 8, block_size: int = 16) -> dict:
+    """``num_requests`` chat requests, all at once: padded generate(), the engine, transformers' generate_batch."""
+    chats = embedded.CHAT_PROMPTS
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": chats[i % len(chats)]
+                                               + ("" if i < len(chats) else " Answer in one sentence.")}],
+                                             add_generation_prompt=True, tokenize=True, return_dict=False)
+               for i in range(num_requests)]
+    prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
+    eos_ids = model.generation_config.eos_token_id
+    eos = set(eos_ids if isinstance(eos_ids, (list, tuple)) else [eos_ids])
+    dtype = next(model.parameters()).dtype
+    per_token = kv_bytes_per_token(model.config, dtype)
+    widest = max(max(map(len, prompts[i:i + batch_size])) * len(prompts[i:i + batch_size])
+                 for i in range(0, num_requests, batch_size))
+    num_blocks = -(-(widest + batch_size * max_new_tokens) // block_size)  # what a padded batch needs at its end
+    print(f"\nServing {num_requests} chat requests at once ({sum(map(len, prompts)):,} prompt tokens, up to "
+          f"{max_new_tokens} new tokens each, greedy), every contender with {num_blocks} blocks x {block_size} tokens "
+          f"({mb(num_blocks * block_size * per_token)}) of KV:", flush=True)
+
+    disable_paged_attention(model)
+    padded_tokens, t_padded, kv_padded = _padded_runs(model, tokenizer, prompts, max_new_tokens, batch_size, eos)
+
+    pool = BlockPool(block_size=block_size, num_blocks=num_blocks)
+    with init_continuous_batching(model, pool=pool, max_batch_tokens=512) as manager:
+        start = time.perf_counter()
+        ids = manager.add_requests(prompts, max_new_tokens=max_new_tokens, do_sample=False)
+        results = [manager.get_result(rid) for rid in ids]
+        t_engine = time.perf_counter() - start
+        stats = manager.stats()
+    disable_paged_attention(model)
+    engine_tokens = [list(r.generated_tokens) for r in results]
+    engine_peak = pool.memory_stats().peak_bytes_in_use
+
+    try:
+        cb_tokens, t_cb, cb_reserved = _transformers_generate_batch(model_path, prompts, max_new_tokens, num_blocks,
+                                                                    block_size)
+    except Exception as err:  # report it, show the rest
+        print(f"transformers' generate_batch failed: {type(err).__name__}: {err}")
+        cb_tokens, t_cb, cb_reserved = None, None, None
+
+    def row(name, tokens, seconds, reserved, peak):
+        generated = sum(map(len, tokens))
+        same = sum(a == b for a, b in zip(tokens, padded_tokens))
+        return [name, f"{seconds:.1f}", generated, generated / seconds, f"{t_padded / seconds:.2f}x", reserved, peak,
+                f"{same}/{num_requests}"]
+
+    reserved = mb(num_blocks * block_size * per_token)
+    rows = [row(f"generate(), padded batches of {batch_size}", padded_tokens, t_padded, mb(kv_padded),
+                mb(kv_padded)),
+            row("hf_paged engine (init_continuous_batching)", engine_tokens, t_engine, reserved, mb(engine_peak))]
+    if cb_tokens is not None:
+        rows.append(row("transformers generate_batch", cb_tokens, t_cb, mb(cb_reserved), "-"))
+    print(format_table(["contender", "seconds", "tokens", "tokens/s", "speed ratio", "KV reserved", "KV peak",
+                        "tokens = padded"], rows))
+    print(f"engine: {stats.steps} forwards (prefill chunks and decode tokens packed together), {stats.preemptions} "
+          f"preemptions, prefix hits {stats.prefix_hit_tokens} tokens. DynamicCache's KV: its largest batch's cache "
+          "(padding and finished rows included); generate_batch reserves its pages up front.")
+    return {
+        "engine_tokens_per_s": sum(map(len, engine_tokens)) / t_engine,
+        "padded_tokens_per_s": sum(map(len, padded_tokens)) / t_padded,
+        "generate_batch_tokens_per_s": sum(map(len, cb_tokens)) / t_cb if cb_tokens is not None else None,
+        "engine_kv_peak_bytes": engine_peak, "padded_kv_peak_bytes": kv_padded,
+        "engine_equal_to_padded": sum(a == b for a, b in zip(engine_tokens, padded_tokens)),
     }
 
 
@@ -103,9 +226,12 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--kv-dtype", default="model", choices=sorted(KV_DTYPES),
                         help="PagedCache block dtype: the model's, or fp8 (e4m3, scaled per layer and KV head)")
+    parser.add_argument("--serve-requests", type=int, default=16,
+                        help="requests served at once after the main job (0: skip that part)")
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON")
     args = parser.parse_args(argv)
-    result = run(args.model, args.batch_size, args.max_new_tokens, args.block_size, args.backend, args.kv_dtype)
+    result = run(args.model, args.batch_size, args.max_new_tokens, args.block_size, args.backend, args.kv_dtype,
+                 args.serve_requests)
     if args.json:
         print(json.dumps(result))
     return 0 if result["identical"] or args.kv_dtype != "model" else 1

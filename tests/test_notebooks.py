@@ -280,6 +280,18 @@ def claims_fp8_blocks(nb):
     assert images_in(nb) >= 1
 
 
+def claims_continuous_batching(nb):
+    text = text_of(nb)
+    used, size = map(int, re.search(r"most blocks in use: (\d+) of (\d+)", text).groups())
+    assert 0 < used <= size
+    assert re.search(r"at the end: 0 in use", text), "blocks still in use after every request ended"
+    assert int(re.search(r"most running at once: (\d+)", text).group(1)) > 1
+    assert "tokens equal to generate() alone: True" in text
+    assert re.search(r"same seed among \d+ other requests, same tokens: True", text)
+    assert len(re.findall(r"logprob +-?[0-9.]+ +top 2: ", text)) == 8
+    assert images_in(nb) >= 1
+
+
 CLAIMS = {
     "01_quickstart.ipynb": claims_quickstart,
     "02_memory_anatomy.ipynb": claims_memory_anatomy,
@@ -289,6 +301,7 @@ CLAIMS = {
     "06_model_families.ipynb": claims_model_families,
     "07_prefix_caching_and_disk.ipynb": claims_prefix_caching,
     "08_fp8_blocks.ipynb": claims_fp8_blocks,
+    "09_continuous_batching.ipynb": claims_continuous_batching,
 }
 
 

@@ -180,7 +180,7 @@ class SamplingParams:
                              f"may keep state across steps and expect generate()'s padded batch; use the built-in "
                              f"settings (temperature, top_k, top_p, min_p, repetition_penalty, eos / stop_token_ids)")
         defaults = compat.generation_defaults()
-        fields = config.to_dict() if config is not None else {}
+        fields = dict(vars(config)) if config is not None else {}  # to_dict() would deep-copy it
         unknown = sorted(set(given) - set(defaults) - set(fields) - ENGINE_OPTIONS)
         if unknown:
             raise ValueError(f"unknown generation setting(s) {unknown}; the engine reads GenerationConfig fields and "
