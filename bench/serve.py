@@ -1,7 +1,7 @@
 """Serving a queue of requests on CPU: how much does continuous batching on the block pool buy?
 
 Workload 1, a ShareGPT-like mix scaled to a CPU: N chat requests (lognormal prompt and output lengths, the shape of
-``hf_paged.simulate.SHAREGPT`` with the output mean scaled down; prompts <= 1,000 tokens, outputs <= 128), all
+``hf_paged.tools.simulate.SHAREGPT`` with the output mean scaled down; prompts <= 1,000 tokens, outputs <= 128), all
 submitted at once, greedy, each with its own ``max_new_tokens``. Four contenders on the same requests and the same KV
 budget (blocks of 16 tokens: what the padded batches of 8 need at their peak), alternated in one process, each on its
 own copy of the model:
@@ -51,7 +51,7 @@ import hf_paged  # noqa: E402
 from hf_paged import BlockPool, PagedCache, disable_paged_attention, enable_paged_attention  # noqa: E402
 from hf_paged import compat, embedded  # noqa: E402
 from hf_paged.report import cpu_name, dynamic_cache_bytes, format_table, kv_bytes_per_token, mb  # noqa: E402
-from hf_paged.simulate import SHAREGPT, LengthModel, sample_workload  # noqa: E402
+from hf_paged.tools.simulate import SHAREGPT, LengthModel, sample_workload  # noqa: E402
 
 BLOCK = 16
 ENGINE, CB, DYNAMIC, PAGED = "engine", "generate_batch", "generate() + DynamicCache", "generate() + PagedCache"
