@@ -555,7 +555,7 @@ def test_docstring_examples_run_as_written(name, capsys):
 def test_one_torch_plan_per_step_shared_by_every_layer(monkeypatch):
     """In generate(), each forward's layers read through one plan object (built once per step on the host, not per
     layer), and a decode step's plan is one batched decode part with no index to scatter through."""
-    from conftest import dynamic, generate, left_padded, tiny_model
+    from helpers import dynamic, generate, left_padded, tiny_model
 
     from hf_paged import PagedCache, enable_paged_attention
     from hf_paged.ops import custom_ops
