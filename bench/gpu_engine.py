@@ -34,7 +34,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa
 
 import hf_paged  # noqa: E402
 from hf_paged.report import format_table  # noqa: E402
-from serve import gaps, machine, mix_lengths, pct  # noqa: E402
+from serve import collect_results, gaps, machine, mix_lengths, pct  # noqa: E402
 
 SHAPES = {  # hidden, layers, q heads, kv heads, head_dim, intermediate, vocab
     "1b": (2048, 16, 32, 8, 64, 8192, 128256),
@@ -109,17 +109,7 @@ def run_cb(model, requests, device, warmup: bool, small: bool):
         sync(device)
         start = time.perf_counter()
         ids = [manager.add_request(p, max_new_tokens=m, record_timestamps=True) for p, m in requests]
-        results = {}
-        while len(results) < len(ids):
-            result = manager.get_result(timeout=1)
-            if result is None:
-                if not manager.is_running():
-                    raise RuntimeError("transformers' continuous batching thread stopped before all requests ended")
-                continue
-            if result.is_finished():
-                if result.error is not None:
-                    raise RuntimeError(f"generate_batch request {result.request_id} failed: {result.error}")
-                results[result.request_id] = result
+        results = collect_results(manager, len(ids))
         sync(device)
         seconds = time.perf_counter() - start
         cache = getattr(getattr(manager, "batch_processor", None), "cache", None)

@@ -254,6 +254,23 @@ def cb_config(budget: int, max_batch_tokens: int):
     return ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in fields})
 
 
+def collect_results(manager, count: int) -> dict:
+    """The finished results of ``count`` requests from transformers' continuous-batching manager, by request id;
+    ``RuntimeError`` if one failed or its thread stopped first."""
+    results = {}
+    while len(results) < count:
+        result = manager.get_result(timeout=1)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped before all requests ended")
+            continue
+        if result.is_finished():
+            if result.error is not None:
+                raise RuntimeError(f"request {result.request_id} failed: {result.error}")
+            results[result.request_id] = result
+    return results
+
+
 def run_generate_batch(model, requests, budget: int, max_batch_tokens: int, eos, per_token: int, label: str):
     manager = model.init_continuous_batching(generation_config=greedy_config(model, 16),
                                              continuous_batching_config=cb_config(budget, max_batch_tokens))
@@ -262,17 +279,7 @@ def run_generate_batch(model, requests, budget: int, max_batch_tokens: int, eos,
         start = time.perf_counter()
         ids = [manager.add_request(r.prompt, max_new_tokens=r.max_new_tokens, record_timestamps=True)
                for r in requests]
-        results = {}
-        while len(results) < len(ids):
-            result = manager.get_result(timeout=1)
-            if result is None:
-                if not manager.is_running():
-                    raise RuntimeError("transformers' continuous batching thread stopped before all requests ended")
-                continue
-            if result.is_finished():
-                if result.error is not None:
-                    raise RuntimeError(f"request {result.request_id} failed: {result.error}")
-                results[result.request_id] = result
+        results = collect_results(manager, len(ids))
         seconds = time.perf_counter() - start
     finally:
         manager.stop(block=True, timeout=60)

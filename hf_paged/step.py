@@ -343,8 +343,10 @@ def write_layer(pool, groups, step: Step, buffers: StepBuffers, layer_idx: int, 
         # A growing pool shared with other threads may have grown (new tensors) since this step was planned:
         # write under the pool's lock into the current tensors, which the growth copies under the same lock.
         with pool.lock:
-            layer = step.layers[layer_idx] = dataclasses.replace(layer, **dict(zip(
-                ("key_cache", "value_cache"), pool.layer_kv(layer_idx))))
+            key_cache, value_cache = pool.layer_kv(layer_idx)
+            if key_cache is not layer.key_cache:  # grown: the step's view must follow (rare)
+                layer = step.layers[layer_idx] = dataclasses.replace(layer, key_cache=key_cache,
+                                                                     value_cache=value_cache)
             write(layer)
     else:
         write(layer)
