@@ -161,7 +161,8 @@ def group_tensors(tables, lens, counts, starts, written, scratch: int, block_siz
     ``starts``: per row, the position of its first new token; ``written``: per row, whether its tokens are written.
     """
     batch = len(counts)
-    width = max(1, max((len(t) for t in tables if t is not None), default=1))
+    width = max(1, max((len(t) for t in tables if t is not None), default=1),
+                max((cdiv(c, block_size) for t, c in zip(tables, counts) if t is None), default=1))  # released rows
     if bucket:
         width = next_pow2(width)
     block_tables = torch.zeros((batch, width), dtype=torch.int32)
@@ -178,8 +179,9 @@ def group_tensors(tables, lens, counts, starts, written, scratch: int, block_siz
     token_row = torch.repeat_interleave(torch.arange(batch), n)
     first = torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
     pos = torch.repeat_interleave(torch.tensor(starts, dtype=torch.long), n) + (torch.arange(token_row.shape[0]) - first)
-    slot_mapping = slot_of(block_tables[token_row, pos // block_size].long(), pos, block_size)
     released = torch.tensor([t is None for t in tables])[token_row]
+    pos[released] = 0  # a released row's tokens all go to the scratch slot
+    slot_mapping = slot_of(block_tables[token_row, pos // block_size].long(), pos, block_size)
     slot_mapping[released] = scratch * block_size
     return block_tables, seq_lens, query_start_loc, slot_mapping
 
@@ -206,6 +208,9 @@ def plan(rows: Rows, inputs: list[RowInput], *, backend: str, num_layers: int, d
     ``gathered``: the history is gathered for the model's attention (no paged attention).
     Raises :class:`~hf_paged.OutOfBlocksError` with every row unchanged when the blocks do not fit.
     """
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"plan() needs a resolved backend ('torch' or 'triton'), got {backend!r}: resolve 'auto' with "
+                         f"hf_paged.ops.resolve_backend(backend, device) first.")
     pool, groups = rows.pool, rows.groups
     a, bs = pool.allocator, pool.block_size
     keyed = [pool.prefix_caching and window is None for window in groups.windows]

@@ -315,7 +315,7 @@ def test_bucketed_width_and_zero_padded_tables(decode, options):
     # The step planner's shape: tables padded with block 0 (not -1), max_seq_len = the full table width (above every
     # seq_len), one plan shared by layers; block 0 holds another sequence's (finite) data. Positions past seq_lens
     # must be masked by seq_lens alone.
-    seq_lens, q_lens = [9, 30], ([1, 1] if decode else [9, 4])
+    seq_lens, q_lens = [9, 30], ([1, 1] if decode else [4, 4])  # one part: it takes the bucketed width
     case = make_case(seq_lens, q_lens, num_kv_heads=1, group=4, head_dim=32, block_size=8, dtype=torch.float32,
                      seed=6, **options)
     garbage = 0x38 if options.get("kv_fp8") else 7.0  # large finite values (0x38 = 1.0 in e4m3fn)
@@ -329,7 +329,7 @@ def test_bucketed_width_and_zero_padded_tables(decode, options):
     max_seq_len, max_query_len, num_tokens = width * block_size, max(q_lens), sum(q_lens)
     plan = plan_torch_attention(tables, case["seq_lens"], case["query_start_loc"], block_size, num_tokens,
                                 None, max_query_len, max_seq_len)
-    assert (plan.mask if decode else plan.prefill_mask).shape[-1] == max_seq_len > max(seq_lens)
+    assert (plan.mask if decode else plan.segments[0].mask).shape[-1] == max_seq_len > max(seq_lens)
     extra = {k: case[k] for k in ("softcap", "sinks", "k_scale", "v_scale") if k in case}
     positional = [case[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens",
                                     "query_start_loc", "scale", "sliding_window")]
@@ -578,15 +578,48 @@ def test_torch_plan_groups_rows_by_query_count():
     num_tokens = sum(q_lens)
     plan = plan_torch_attention(case["block_tables"], case["seq_lens"], case["query_start_loc"], block_size,
                                 num_tokens, None, max(q_lens), zero_unowned=True)  # NaN pool: unowned slots zeroed
-    assert plan.prefill_q_index.shape == (1, 40) and plan.prefill_mask.shape == (1, 1, 40, 208)
+    (chunk,) = plan.segments
+    assert chunk.q_index.tolist() == list(range(40)) and chunk.mask.shape == (1, 1, 40, 208)
     assert plan.tables.shape == (3 * 5,) and plan.mask.shape == (3, 1, 1, 80)  # 70 tokens -> 5 blocks, not 13
-    assert plan.decode_index.tolist() == [40, 41, 42] and plan.prefill_index.tolist() == list(range(40))
+    assert not plan.ordered and plan.decode_index.tolist() == [40, 41, 42]  # the chunk comes first: scattered
     expected = attention_float64(**case)
     out = paged_attention_torch(**case, plan=plan)
     assert (out.double() - expected).abs().max() < 1e-5
     decode_only = plan_torch_attention(case["block_tables"][1:], case["seq_lens"][1:],
                                        case["query_start_loc"][1:] - 40, block_size, 3, None, 1)
-    assert decode_only.decode_index is None and decode_only.prefill_tables is None  # rows in order: no scatter
+    assert decode_only.decode_index is None and not decode_only.segments  # rows in order: no scatter
+
+
+@pytest.mark.parametrize("window", [None, 6, 24])
+def test_torch_plan_packed_step_reads_slices_and_fresh_chunks_unmasked(window):
+    """A continuous-batching step: decode rows first, then chunks of 17, 9 and 17 tokens (two fresh prompts, one over
+    a history, one fresh with 9): the plan is ordered (queries sliced, outputs concatenated), rows with the same count
+    share one call, a fresh segment runs causal with no mask unless a window cuts it, and the result is the float64
+    one, windowed or not."""
+    seq_lens, q_lens, block_size = [50, 33, 17, 60, 9, 17], [1, 1, 17, 17, 9, 17], 8
+    case = make_case(seq_lens, q_lens, num_kv_heads=2, group=2, head_dim=32, block_size=block_size,
+                     dtype=torch.float32, seed=12, window=window)
+    plan = plan_torch_attention(case["block_tables"], case["seq_lens"], case["query_start_loc"], block_size,
+                                sum(q_lens), window, max(q_lens), zero_unowned=True)
+    assert plan.ordered is False  # the 9-token row sits between two 17-token rows: its segment comes first
+    by_count = {seg.sizes()[1]: seg for seg in plan.segments}
+    assert sorted(by_count) == [9, 17] and by_count[17].sizes() == (3, 17)
+    assert (by_count[9].mask is None) == (window is None or window >= 9)  # fresh: causal, unless the window cuts
+    assert by_count[17].mask is not None  # one of its rows has history
+    assert (paged_attention_torch(**case, plan=plan).double() - attention_float64(**case)).abs().max() < 1e-5
+    in_order = [0, 1, 4, 2, 3, 5]  # decode, then the 9, then the 17s: the engine's order
+    reordered = {k: case[k] for k in ("key_cache", "value_cache", "scale", "sliding_window")}
+    reordered["block_tables"] = case["block_tables"][in_order]
+    reordered["seq_lens"] = case["seq_lens"][in_order]
+    counts = torch.tensor([q_lens[r] for r in in_order])
+    reordered["query_start_loc"] = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+    starts = case["query_start_loc"].tolist()
+    reordered["query"] = torch.cat([case["query"][starts[r]:starts[r + 1]] for r in in_order])
+    plan = plan_torch_attention(reordered["block_tables"], reordered["seq_lens"], reordered["query_start_loc"],
+                                block_size, sum(q_lens), window, max(q_lens), zero_unowned=True)
+    assert plan.ordered and plan.decode_index is None and all(seg.q_index is None for seg in plan.segments)
+    expected = attention_float64(**reordered)
+    assert (paged_attention_torch(**reordered, plan=plan).double() - expected).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
@@ -602,12 +635,12 @@ def test_torch_plan_reads_a_run_of_blocks_as_a_view(decode):
     tables = torch.arange(2, 8, dtype=torch.int32, device=DEVICE)[None]
     case = dict(case, key_cache=pool_k, value_cache=pool_v, block_tables=tables)
     plan = plan_torch_attention(tables, case["seq_lens"], case["query_start_loc"], 8, q_len, None, q_len)
-    assert (plan.decode_run if decode else plan.prefill_run) == 2
+    assert (plan.decode_run if decode else plan.segments[0].run) == 2
     out = paged_attention_torch(**case, plan=plan)
     assert (out.double() - attention_float64(**case)).abs().max() < 1e-5
     compiled = plan_torch_attention(tables, case["seq_lens"], case["query_start_loc"], 8, q_len, None, q_len,
                                     always_mask=True)
-    assert compiled.decode_run is None and compiled.prefill_run is None
+    assert compiled.decode_run is None and all(seg.run is None for seg in compiled.segments)
     scrambled = tables.flip(1)
     assert plan_torch_attention(scrambled, case["seq_lens"], case["query_start_loc"], 8, q_len, None,
                                 q_len).decode_run is None

@@ -10,8 +10,8 @@ call on this CPU); while dynamo traces, it emits the operators.
 
 Only tensors and values that stay fixed over a generation cross the op boundary (a varying Python int would be
 baked into a compiled graph and force a recompile each step): the torch backend's plan travels as a list of tensors
-whose shapes carry its sizes (its two ints, the first blocks of runs read as views, are -1 in compiled steps), and the
-Triton kernels get the block tables' (bucketed) width as their length bound. The implementations call the backends
+whose shapes carry its sizes (its ints, the first blocks of runs read as views and the sizes of parts read without
+a mask, are constant in compiled steps), and the Triton kernels get the block tables' (bucketed) width as their length bound. The implementations call the backends
 directly, without the public functions' argument checks (the step planner made the arguments).
 """
 
@@ -26,7 +26,7 @@ WRITE_KV_SCHEMA = ("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Ten
                    "Tensor slot_mapping, Tensor? k_scale, Tensor? v_scale, str backend) -> ()")
 PAGED_ATTENTION_SCHEMA = (
     "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
-    "Tensor query_start_loc, Tensor?[] plan, int decode_run, int prefill_run, Tensor? sinks, Tensor? k_scale, "
+    "Tensor query_start_loc, Tensor?[] plan, int[] plan_ints, Tensor? sinks, Tensor? k_scale, "
     "Tensor? v_scale, float scale, int sliding_window, float softcap, int max_query_len, str backend) -> Tensor")
 
 _LIB = torch.library.Library("hf_paged", "DEF")
@@ -35,7 +35,7 @@ _LIB.define(PAGED_ATTENTION_SCHEMA)
 
 _NO_WINDOW = 0  # sliding_window=0 means none
 _NO_SOFTCAP = 0.0
-_NO_PLAN = ([None] * len(TorchAttentionPlan.TENSORS), -1, -1)
+_NO_PLAN = ([None] * len(TorchAttentionPlan.TENSORS), [-1, 1, 0])
 
 
 def _write_kv_impl(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, backend: str) -> None:
@@ -55,7 +55,7 @@ def _(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, backen
 
 
 def _paged_attention_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, plan,
-                          decode_run: int, prefill_run: int, sinks, k_scale, v_scale, scale: float,
+                          plan_ints: list[int], sinks, k_scale, v_scale, scale: float,
                           sliding_window: int, softcap: float, max_query_len: int, backend: str) -> torch.Tensor:
     if backend == "triton":
         return _triton_kernels().paged_attention_triton(
@@ -65,7 +65,7 @@ def _paged_attention_impl(query, key_cache, value_cache, block_tables, seq_lens,
     return paged_attention_torch(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window or None,
         max_query_len, block_tables.shape[1] * key_cache.shape[1],
-        TorchAttentionPlan.from_arguments(plan, decode_run, prefill_run),
+        TorchAttentionPlan.from_arguments(plan, plan_ints),
         softcap=softcap or None, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 
 
@@ -73,8 +73,8 @@ _LIB.impl("paged_attention", _paged_attention_impl, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("hf_paged::paged_attention")
-def _(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, plan, decode_run, prefill_run, sinks,
-      k_scale, v_scale, scale, sliding_window, softcap, max_query_len, backend):
+def _(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, plan, plan_ints, sinks, k_scale,
+      v_scale, scale, sliding_window, softcap, max_query_len, backend):
     return torch.empty_like(query)
 
 
@@ -86,8 +86,8 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
     torch.ops.hf_paged.write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, backend)
 
 
-def plan_arguments(plan: TorchAttentionPlan | None) -> tuple[list, int, int]:
-    """The ``plan, decode_run, prefill_run`` arguments of the op for a torch plan (None: the Triton backend)."""
+def plan_arguments(plan: TorchAttentionPlan | None) -> tuple[list, list[int]]:
+    """The ``plan, plan_ints`` arguments of the op for a torch plan (None: the Triton backend)."""
     return _NO_PLAN if plan is None else plan.arguments()
 
 
@@ -106,8 +106,8 @@ def paged_attention(query, layer, scale: float, sliding_window: int | None, soft
             query, layer.key_cache, layer.value_cache, g.block_tables, g.seq_lens, g.query_start_loc, float(scale),
             sliding_window or None, layer.max_query_len, g.block_tables.shape[1] * layer.key_cache.shape[1], g.plan,
             softcap=softcap or None, sinks=sinks, k_scale=layer.k_scale, v_scale=layer.v_scale)
-    plan, decode_run, prefill_run = plan_arguments(g.plan)
+    plan, plan_ints = plan_arguments(g.plan)
     return torch.ops.hf_paged.paged_attention(
-        query, layer.key_cache, layer.value_cache, g.block_tables, g.seq_lens, g.query_start_loc, plan, decode_run,
-        prefill_run, sinks, layer.k_scale, layer.v_scale, float(scale), int(sliding_window or _NO_WINDOW),
+        query, layer.key_cache, layer.value_cache, g.block_tables, g.seq_lens, g.query_start_loc, plan, plan_ints,
+        sinks, layer.k_scale, layer.v_scale, float(scale), int(sliding_window or _NO_WINDOW),
         float(softcap or _NO_SOFTCAP), int(layer.max_query_len), layer.backend)

@@ -7,7 +7,7 @@ with ``k_scale``/``v_scale`` ``[num_kv_heads]`` float32: the stored value is ``f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -91,49 +91,86 @@ def copy_blocks_torch(key_cache, value_cache, src, dst) -> None:
 
 
 @dataclass
+class PrefillSegment:
+    """Rows of a step with the same number of queries (> 1), read together: one attention call, no query padding.
+
+    ``mask`` None: every row's queries are its first positions (a fresh prompt or chunk with no history and no window
+    cutting it), so the call is SDPA's causal one, with no mask built. ``q_index`` None: the segment's queries are the
+    packed batch's ``q_start .. q_start + rows * queries - 1`` in order (a slice, nothing gathered).
+    """
+
+    tables: torch.Tensor  # [Sx * nb] int64, physical block of each context block
+    num_rows: int  # Sx (-1 in a compiled step: the mask's shape tells)
+    queries: int  # Q, per row (likewise)
+    mask: torch.Tensor | None = None  # [Sx, 1, Q, L] bool: causal from each row's history, window
+    q_index: torch.Tensor | None = None  # [Sx * Q] int64 into the packed queries
+    q_start: int = 0
+    run: int | None = None  # one row whose blocks are run .. run + nb - 1 (read as a view)
+    kv_valid: torch.Tensor | None = None  # [Sx, L, 1, 1] bool, public entry only
+
+    TENSORS = ("tables", "mask", "q_index", "kv_valid")
+
+    def sizes(self) -> tuple[int, int]:
+        """``(Sx, Q)``, from the mask's shape where there is one."""
+        if self.mask is not None:
+            return self.mask.shape[0], self.mask.shape[2]
+        return self.num_rows, self.queries
+
+
+@dataclass
 class TorchAttentionPlan:
     """How :func:`paged_attention_torch` reads one batch: built once per step and shared by its layers.
 
-    Rows are grouped by their query count, so no row is padded to another kind's length: the rows with one query
-    (decode) form one batched call, those with several (prefill, chunked prefill, extend, verification) another,
-    padded to the longest query among them; a row with none takes no part. Each part gathers its rows' blocks up to
-    its own longest context, in whole blocks (``L = nb * block_size``), or reads them as a view of the pool when the
-    part is a single row whose blocks are consecutive (``*_run``: the first block). Index tensors exist only when
-    both parts do (each part's rows are otherwise the packed batch, in order).
+    Rows are grouped by their query count, so no row is padded to another's: the rows with one query (decode) form one
+    batched call; those with several (prefill, chunked prefill, extend, verification) form one
+    :class:`PrefillSegment` per distinct count (a continuous-batching step's chunks mostly one each; a ``generate()``
+    batch one in all). A row with none takes no part. Each part gathers its rows' blocks up to its own longest
+    context, in whole blocks (``L = nb * block_size``), or reads them as a view of the pool when the part is a single
+    row whose blocks are consecutive (``decode_run`` / a segment's ``run``: the first block). When the parts' queries,
+    decode first, then the segments in order, are the packed batch itself (``ordered``), the output is their
+    concatenation; otherwise each part has index tensors and its output is scattered.
 
-    Every field is a tensor, an int or None (the step planner moves the tensors to the model's device), and every
-    size the attention needs is a tensor's shape (a compiled graph sees no varying Python int): see
-    :meth:`arguments` and :meth:`from_arguments`, through which the plan crosses the custom-op boundary.
+    Every field is a tensor, an int or None (the step planner moves the tensors to the model's device). A compiled
+    step (``always_mask``) carries every size the attention needs in a tensor's shape (a compiled graph sees no
+    varying Python int): see :meth:`arguments` and :meth:`from_arguments`, through which the plan crosses the
+    custom-op boundary.
     """
 
     # rows with one query: the query heads of a KV head become its queries (one SDPA call, no repeated K/V)
     tables: torch.Tensor | None  # [Sd * nb] int64, physical block of each context block
     mask: torch.Tensor | None = None  # [Sd, 1, 1, L] bool; None: every row sees all L positions
-    decode_index: torch.Tensor | None = None  # [Sd] int64, each row's query in the packed batch (mixed steps)
+    decode_index: torch.Tensor | None = None  # [Sd] int64, each row's query in the packed batch (not ordered)
     decode_run: int | None = None  # Sd == 1 and its blocks are decode_run .. decode_run + nb - 1
+    kv_valid: torch.Tensor | None = None  # [Sd, L, 1, 1] bool: slots holding a token (public entry only)
     # rows with several queries
-    prefill_tables: torch.Tensor | None = None  # [Sp * nbp] int64
-    prefill_mask: torch.Tensor | None = None  # [Sp, 1, Qp, Lp] bool: causal, window; padded query slots see all
-    prefill_q_index: torch.Tensor | None = None  # [Sp, Qp] int64 into the packed queries (padding clamped)
-    prefill_q_valid: torch.Tensor | None = None  # [Np] int64, the real slots among the Sp * Qp
-    prefill_index: torch.Tensor | None = None  # [Np] int64, their queries in the packed batch (mixed steps)
-    prefill_run: int | None = None
-    # slots holding a token (others zeroed: a caller's pool may hold NaN there); built for the public entry only
-    kv_valid: torch.Tensor | None = None  # [Sd, L, 1, 1] bool
-    prefill_kv_valid: torch.Tensor | None = None  # [Sp, Lp, 1, 1] bool
+    segments: list[PrefillSegment] = field(default_factory=list)
+    ordered: bool = True
+    decode_count: int = 0  # Sd when the decode rows are not the whole batch and ``ordered`` (their queries come first)
 
-    TENSORS = ("tables", "mask", "decode_index", "prefill_tables", "prefill_mask", "prefill_q_index",
-               "prefill_q_valid", "prefill_index", "kv_valid", "prefill_kv_valid")
+    TENSORS = ("tables", "mask", "decode_index", "kv_valid")
 
-    def arguments(self) -> tuple[list, int, int]:
-        """``(tensors, decode_run, prefill_run)``: the tensor fields in ``TENSORS`` order, runs as ints (-1: none)."""
-        return ([getattr(self, n) for n in self.TENSORS], -1 if self.decode_run is None else self.decode_run,
-                -1 if self.prefill_run is None else self.prefill_run)
+    def arguments(self) -> tuple[list, list[int]]:
+        """``(tensors, ints)``: the decode part's tensors then each segment's (``TENSORS`` order); the ints
+        ``[decode_run, ordered, decode_count, then per segment: run, q_start, num_rows, queries]`` (-1: none)."""
+        tensors = [getattr(self, n) for n in self.TENSORS]
+        ints = [-1 if self.decode_run is None else self.decode_run, int(self.ordered), self.decode_count]
+        for seg in self.segments:
+            tensors += [getattr(seg, n) for n in PrefillSegment.TENSORS]
+            ints += [-1 if seg.run is None else seg.run, seg.q_start, seg.num_rows, seg.queries]
+        return tensors, ints
 
     @classmethod
-    def from_arguments(cls, tensors, decode_run: int, prefill_run: int) -> "TorchAttentionPlan":
-        return cls(**dict(zip(cls.TENSORS, tensors)), decode_run=None if decode_run < 0 else decode_run,
-                   prefill_run=None if prefill_run < 0 else prefill_run)
+    def from_arguments(cls, tensors, ints) -> "TorchAttentionPlan":
+        head = len(cls.TENSORS)
+        plan = cls(**dict(zip(cls.TENSORS, tensors[:head])), decode_run=None if ints[0] < 0 else ints[0],
+                   ordered=bool(ints[1]), decode_count=ints[2])
+        width = len(PrefillSegment.TENSORS)
+        for i in range((len(tensors) - head) // width):
+            fields = dict(zip(PrefillSegment.TENSORS, tensors[head + i * width: head + (i + 1) * width]))
+            run, q_start, num_rows, queries = ints[3 + 4 * i: 7 + 4 * i]
+            plan.segments.append(PrefillSegment(**fields, num_rows=num_rows, queries=queries, q_start=q_start,
+                                                run=None if run < 0 else run))
+        return plan
 
 
 def plan_torch_attention(
@@ -147,8 +184,8 @@ def plan_torch_attention(
     block_size``), and table columns past a sequence's blocks may hold any valid block id (e.g. 0): positions at or
     past ``seq_lens[s]`` are masked, so what those slots hold never reaches the output unless it is NaN/inf.
 
-    ``always_mask``: build the decode mask even where every sequence fills its context (a compiled step's plan then
-    holds the same tensors, of shapes fixed by the context, every step), and never read blocks as views.
+    ``always_mask``: build every mask and index even where a causal call or a slice would do, and never read blocks
+    as views (a compiled step's plan then holds the same tensors, of shapes fixed by the step's sizes, every step).
     ``zero_unowned``: also mark the slots no sequence wrote (a caller's pool; hf_paged's own pools hold zeros there).
     Reads ``seq_lens`` and ``query_start_loc`` on the host (they are host tensors in a step plan).
     """
@@ -164,21 +201,28 @@ def plan_torch_attention(
         )
     part = dict(block_tables=block_tables, seq_lens=seq_lens_l, block_size=block_size, window=sliding_window,
                 always_mask=always_mask, zero_unowned=zero_unowned)
+    plan = TorchAttentionPlan(None)
     if max_query_len == 1 and num_tokens == num_seqs:  # every row decodes: one part, rows as they are
-        plan = TorchAttentionPlan(None)
         _decode_part(plan, None, max_seq_len, **part)
         return plan
-    decode_rows = (q_lens == 1).nonzero().flatten()
-    prefill_rows = (q_lens > 1).nonzero().flatten()
-    mixed = decode_rows.numel() > 0 and prefill_rows.numel() > 0
-    plan = TorchAttentionPlan(None)
-    if decode_rows.numel():
-        _decode_part(plan, decode_rows, max_seq_len if not mixed else None, **part)
-        if mixed:
-            plan.decode_index = query_start_loc.to(torch.long)[decode_rows]
-    if prefill_rows.numel():
-        _prefill_part(plan, prefill_rows, q_lens, query_start_loc, num_tokens, max_seq_len if not mixed else None,
-                      mixed, **part)
+    starts = query_start_loc.to(torch.long)
+    counts = q_lens.tolist()
+    decode_rows = [r for r, c in enumerate(counts) if c == 1]
+    kinds = sorted({c for c in counts if c > 1})
+    groups = [[r for r, c in enumerate(counts) if c == q] for q in kinds]
+    # ordered: the decode rows' queries, then each segment's in turn, are the packed batch as it is
+    plan.ordered = not always_mask and decode_rows + [r for g in groups for r in g] == [
+        r for r, c in enumerate(counts) if c > 0]
+    single = len(groups) + bool(decode_rows) == 1  # one part: it may take the step's (bucketed) width
+    if decode_rows:
+        rows = torch.tensor(decode_rows)
+        _decode_part(plan, rows, max_seq_len if single else None, **part)
+        plan.decode_count = len(decode_rows)
+        if not plan.ordered:
+            plan.decode_index = starts[rows]
+    for q, rows in zip(kinds, groups):
+        plan.segments.append(_prefill_segment(torch.tensor(rows), q, starts, max_seq_len if single else None,
+                                              plan.ordered, **part))
     return plan
 
 
@@ -224,30 +268,30 @@ def _decode_part(plan, rows, max_seq_len, *, block_tables, seq_lens, block_size,
         plan.kv_valid = _owned(block_tables, rows, lens, nb, block_size)
 
 
-def _prefill_part(plan, rows, q_lens, query_start_loc, num_tokens, max_seq_len, mixed, *, block_tables, seq_lens,
-                  block_size, window, always_mask, zero_unowned):
-    lens, counts = seq_lens[rows], q_lens[rows]  # [Sp]
+def _prefill_segment(rows, queries: int, starts, max_seq_len, ordered: bool, *, block_tables, seq_lens, block_size,
+                     window, always_mask, zero_unowned) -> PrefillSegment:
+    lens = seq_lens[rows]  # [Sx]
     nb = _context_blocks(lens, max_seq_len, block_size)
     length = nb * block_size
-    plan.prefill_tables, plan.prefill_run = _part_tables(block_tables, rows, nb, always_mask)
-    queries = int(counts.max())
+    tables, run = _part_tables(block_tables, rows, nb, always_mask)
+    seg = PrefillSegment(tables, -1 if always_mask else rows.numel(), -1 if always_mask else queries, run=run)
     offs = torch.arange(queries, device=lens.device)
-    q_index = query_start_loc.to(torch.long)[rows][:, None] + offs  # [Sp, Qp]
-    valid = offs[None, :] < counts[:, None]  # [Sp, Qp]
-    q_valid = valid.flatten().nonzero().flatten()
-    plan.prefill_q_index = q_index.clamp(max=max(num_tokens - 1, 0))
-    plan.prefill_q_valid = q_valid
-    if mixed:
-        plan.prefill_index = q_index.flatten()[q_valid]
-    q_pos = (lens - counts)[:, None] + offs  # [Sp, Qp]
-    kv_pos = torch.arange(length, device=lens.device)
-    mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # [Sp, Qp, Lp]
-    if window is not None:
-        mask &= kv_pos[None, None, :] > (q_pos[:, :, None] - window)
-    mask |= ~valid[:, :, None]  # padded query slots: any finite row, discarded afterwards
-    plan.prefill_mask = mask[:, None]
+    q_index = (starts[rows][:, None] + offs).flatten()  # [Sx * Q]
+    if ordered:
+        seg.q_start = int(q_index[0])
+    else:
+        seg.q_index = q_index
+    fresh = bool((lens == queries).all()) and (window is None or window >= queries)
+    if always_mask or not fresh:
+        q_pos = (lens - queries)[:, None] + offs  # [Sx, Q]
+        kv_pos = torch.arange(length, device=lens.device)
+        mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # [Sx, Q, L]
+        if window is not None:
+            mask &= kv_pos[None, None, :] > (q_pos[:, :, None] - window)
+        seg.mask = mask[:, None]  # [Sx, 1, Q, L]
     if zero_unowned:
-        plan.prefill_kv_valid = _owned(block_tables, rows, lens, nb, block_size)
+        seg.kv_valid = _owned(block_tables, rows, lens, nb, block_size)
+    return seg
 
 
 def _read_blocks(cache, tables, run, num_rows: int, kv_valid):
@@ -308,26 +352,34 @@ def paged_attention_torch(
     explicit = softcap is not None or sinks is not None
     kv_dtype = torch.float32 if explicit else query.dtype
     features = (scale, softcap, sinks, explicit)
-    decode = prefill = None
+    parts = []  # (output [n, Hq, D], its queries' index in the packed batch or None)
     if plan.tables is not None:
-        q = query if plan.decode_index is None else query.index_select(0, plan.decode_index)  # [Sd, Hq, D]
+        if plan.decode_index is not None:
+            q = query.index_select(0, plan.decode_index)  # [Sd, Hq, D]
+        else:
+            q = query[: plan.decode_count] if plan.segments else query
         keys, values = _read_kv(key_cache, value_cache, plan.tables, plan.decode_run, q.shape[0], plan.kv_valid,
                                 kv_dtype, k_scale, v_scale)
-        decode = _decode_attention(q, keys, values, plan.mask, *features)  # [Sd, Hq, D]
-        if plan.prefill_tables is None:
-            return decode
-    if plan.prefill_tables is not None:
-        q_index = plan.prefill_q_index  # [Sp, Qp]
-        q = query.index_select(0, q_index.flatten()).view(*q_index.shape, num_q_heads, head_dim)  # [Sp, Qp, Hq, D]
-        keys, values = _read_kv(key_cache, value_cache, plan.prefill_tables, plan.prefill_run, q_index.shape[0],
-                                plan.prefill_kv_valid, kv_dtype, k_scale, v_scale)
-        padded = _prefill_attention(q, keys, values, plan.prefill_mask, *features)  # [Sp, Qp, Hq, D]
-        prefill = padded.reshape(-1, num_q_heads, head_dim).index_select(0, plan.prefill_q_valid)  # [Np, Hq, D]
-        if decode is None:
-            return prefill
-    out = query.new_empty(query.shape)  # [num_tokens, Hq, D]
-    out.index_copy_(0, plan.decode_index, decode)
-    return out.index_copy_(0, plan.prefill_index, prefill)
+        parts.append((_decode_attention(q, keys, values, plan.mask, *features), plan.decode_index))  # [Sd, Hq, D]
+    for seg in plan.segments:
+        rows, queries = seg.sizes()
+        if seg.q_index is not None:
+            q = query.index_select(0, seg.q_index)
+        else:
+            q = query[seg.q_start: seg.q_start + rows * queries]
+        q = q.view(rows, queries, num_q_heads, head_dim)  # [Sx, Q, Hq, D]
+        keys, values = _read_kv(key_cache, value_cache, seg.tables, seg.run, rows, seg.kv_valid, kv_dtype,
+                                k_scale, v_scale)
+        out = _prefill_attention(q, keys, values, seg.mask, *features)  # [Sx, Q, Hq, D]
+        parts.append((out.reshape(rows * queries, num_q_heads, head_dim), seg.q_index))
+    if len(parts) == 1 and parts[0][0].shape[0] == num_tokens:
+        return parts[0][0]
+    if plan.ordered:
+        return torch.cat([out for out, _ in parts])
+    out = query.new_zeros(query.shape)  # [num_tokens, Hq, D]
+    for part, index in parts:
+        out.index_copy_(0, index, part)
+    return out
 
 
 def _decode_attention(q, keys, values, mask, scale, softcap, sinks, explicit) -> torch.Tensor:
@@ -344,12 +396,16 @@ def _decode_attention(q, keys, values, mask, scale, softcap, sinks, explicit) ->
 
 
 def _prefill_attention(q, keys, values, mask, scale, softcap, sinks, explicit) -> torch.Tensor:
-    """q ``[Sp, Qp, Hq, D]``, keys/values ``[Sp, Lp, Hkv, D]``, mask ``[Sp, 1, Qp, Lp]`` -> ``[Sp, Qp, Hq, D]``."""
+    """q ``[Sx, Q, Hq, D]``, keys/values ``[Sx, L, Hkv, D]``, mask ``[Sx, 1, Q, L]`` or None (each row's queries are
+    its first ``Q`` positions: causal) -> ``[Sx, Q, Hq, D]``."""
     if explicit:
+        if mask is None:
+            num_queries, length = q.shape[1], keys.shape[1]
+            mask = torch.ones(num_queries, length, dtype=torch.bool, device=q.device).tril()[None, None]
         return _explicit_attention(q, keys, values, mask, scale, softcap, sinks)
     return F.scaled_dot_product_attention(
-        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale,
-        enable_gqa=q.shape[2] != keys.shape[2],
+        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
+        scale=scale, enable_gqa=q.shape[2] != keys.shape[2],
     ).transpose(1, 2)
 
 
