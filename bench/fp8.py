@@ -1,4 +1,4 @@
-"""fp8 KV blocks on the embedded SmolLM2: perplexity, clamped values, bytes per token, and the engine's greedy agreement.
+"""fp8 KV blocks on the embedded SmolLM2: perplexity, clamped values, bytes per token, the engine's greedy agreement.
 
     python bench/fp8.py                  # everything (~5 min on a 2-core CPU)
     python bench/fp8.py --only ppl       # perplexity and clamps only
@@ -32,7 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_paged import BlockPool, PagedCache, compat, disable_paged_attention, embedded, enable_paged_attention  # noqa: E402
+from hf_paged import (  # noqa: E402
+    BlockPool, PagedCache, compat, disable_paged_attention, embedded, enable_paged_attention,
+)
 from hf_paged.ops import reference  # noqa: E402
 from hf_paged.report import cpu_name, format_table  # noqa: E402
 

@@ -216,8 +216,9 @@ def test_fp8_perplexity_within_two_percent(paged_smollm):
     assert fp8 / full <= 1.02
     full_bytes, fp8_bytes = pool_bytes_per_token(full_cache), pool_bytes_per_token(fp8_cache)
     print(f"bytes/token: fp32 {full_bytes:.1f}, fp8 {fp8_bytes:.1f} ({fp8_bytes / full_bytes:.3f}x)")
-    assert fp8_bytes <= 0.27 * full_bytes
-    assert fp8_cache.memory_stats().bytes_in_use * 4 == full_cache.memory_stats().bytes_in_use
+    assert fp8_bytes <= 0.26 * full_bytes
+    # a quarter of fp32, plus 2 bytes of scale per token, KV head and K/V beside 64 fp8 bytes (head_dim 64)
+    assert fp8_cache.memory_stats().bytes_in_use * 4 * 32 == full_cache.memory_stats().bytes_in_use * 33
 
 
 def test_fp8_greedy_chat_batch_share_identical(paged_smollm):

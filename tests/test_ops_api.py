@@ -390,8 +390,8 @@ def test_one_bad_argument_is_rejected(cfg, data, backend):
 def _fp8_pool(case):
     """The case's pool as uint8 (fp8 bits), with valid scale caches ``[num_blocks, block_size, num_kv_heads]``."""
     shape = case["key_cache"].shape
-    return dict(case, key_cache=torch.zeros(shape, dtype=torch.uint8), value_cache=torch.zeros(shape, dtype=torch.uint8),
-                k_scale=torch.ones(shape[:3], dtype=torch.bfloat16), v_scale=torch.ones(shape[:3], dtype=torch.bfloat16))
+    bits, scales = torch.zeros(shape, dtype=torch.uint8), torch.ones(shape[:3], dtype=torch.bfloat16)
+    return dict(case, key_cache=bits, value_cache=bits.clone(), k_scale=scales, v_scale=scales.clone())
 
 
 def _fp8(update):

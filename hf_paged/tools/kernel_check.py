@@ -109,8 +109,9 @@ TARGETS = {
 class Config:
     """One input to the dispatcher. ``kind``: "decode" (``splits`` 1 = no split-KV), "prefill" or "write_kv".
 
-    ``kv_dtype``: "same" (the pool holds ``dtype``) or "fp8" (e4m3 bits in uint8, bf16 scales per slot and KV head). ``default``: a
-    configuration users get without opting in (spills there fail the check); the others are the explored slice.
+    ``kv_dtype``: "same" (the pool holds ``dtype``) or "fp8" (e4m3 bits in uint8, bf16 scales per slot and KV head).
+    ``default``: a configuration users get without opting in (spills there fail the check); the others are the explored
+    slice.
     """
 
     kind: str
