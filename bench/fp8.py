@@ -3,6 +3,7 @@
     python bench/fp8.py                  # everything (~5 min on a 2-core CPU)
     python bench/fp8.py --only ppl       # perplexity and clamps only
     python bench/fp8.py --only engine    # the engine's greedy agreement only
+    python bench/fp8.py --only ppl --scale-factor 1.1   # every scale x 1.1: how noisy the perplexity ratios are
 
 Perplexity: a passage fed to a ``PagedCache`` in chunks of C tokens (C in 16, 64, 512 and the whole passage); every
 chunk after the first attends to the earlier ones through the pool, so it reads fp8 blocks; the first chunk (and so a
@@ -220,7 +221,14 @@ def run_engine(model, tokenizer) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["ppl", "engine"], help="run one part")
+    parser.add_argument("--scale-factor", type=float, default=1.0,
+                        help="multiply every per-token scale by this (a noise probe; per-token scales only)")
     args = parser.parse_args()
+    if args.scale_factor != 1.0:
+        def scaled(x, _original=reference.fp8_scales):  # the same rounding up, from amax x factor
+            return _original(x * args.scale_factor)
+
+        reference.fp8_scales = scaled
     torch.manual_seed(0)
     print(f"machine: {cpu_name()}, {torch.get_num_threads()} torch threads, {platform.python_version()}, "
           f"torch {torch.__version__}; hf_paged from {Path(sys.modules['hf_paged'].__file__).parent}")
