@@ -603,8 +603,7 @@ def _signature(kernel_name: str, constexprs: dict, query_dtype: torch.dtype, kv_
     names = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
     fixed = {
         "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "slot_mapping_ptr": "*i64",
-        "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "sinks_ptr": "*fp32", "k_scale_ptr": "*bf16",
-        "v_scale_ptr": "*bf16", "qk_scale": "fp32", "softcap": "fp32",
+        "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "sinks_ptr": "*fp32", "qk_scale": "fp32", "softcap": "fp32",
     }
     signature = {}
     for name in names:
@@ -612,6 +611,8 @@ def _signature(kernel_name: str, constexprs: dict, query_dtype: torch.dtype, kv_
             signature[name] = "constexpr"
         elif name in fixed:
             signature[name] = fixed[name]
+        elif name in ("k_scale_ptr", "v_scale_ptr"):  # bf16 scale caches; the fp32 placeholder when not fp8
+            signature[name] = "*bf16" if kv_dtype == torch.uint8 else "*fp32"
         elif name in ("k_cache_ptr", "v_cache_ptr"):
             signature[name] = "*" + _triton_type(kv_dtype)
         elif name.endswith("_ptr"):  # query, out, key, value
