@@ -237,8 +237,9 @@ def write_kv_unchecked(key, value, key_cache, value_cache, slot_mapping, backend
 def copy_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, *,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Copy whole blocks ``src[i]`` to ``dst[i]`` in both caches (copy-on-write of shared blocks); any pool dtype.
-    A uint8 (fp8) pool's blocks mean something only with their scales: pass its scale caches ``k_scale``/``v_scale``
-    ``[num_blocks, block_size, num_kv_heads]`` and their blocks are copied too.
+    A uint8 (fp8) pool's blocks mean something only with their scales, so it needs its scale caches
+    ``k_scale``/``v_scale`` ``[num_blocks, block_size, num_kv_heads]`` (``ValueError`` without them), whose blocks are
+    copied too.
 
     Example::
 
