@@ -372,7 +372,7 @@ def open_cache_file(path):
 
 
 # ------------------------------------------------------------------------------------- the file against model, pool
-def check_fits(cf: CacheFile, cache, device, trusted: bool, own_pool: bool) -> None:
+def check_fits(cf: CacheFile, cache, device) -> None:
     """``CacheFileError`` unless ``cf``'s rows fit ``cache``'s model and pool; reads nothing, changes nothing."""
     path, config, pool = cf.path, cache.config, cache.pool
     mine = _fingerprint(config)
@@ -474,7 +474,7 @@ def load_cache(cls, path, config, pool=None, device=None, trusted: bool = False,
         if "release_finished" not in kwargs:
             kwargs["release_finished"] = cf.release_finished
         cache = cls(config, pool=pool, **kwargs) if pool is not None else cls(config, **kwargs)
-        check_fits(cf, cache, device, trusted, own_pool=pool is None)
+        check_fits(cf, cache, device)
         cf.verify()
         _build(cache, cf, device, trusted)
     return cache

@@ -18,12 +18,6 @@ FP8_MAX = 448.0  # largest finite float8 e4m3fn
 FP8_SCALE_DTYPE = torch.bfloat16  # the scale caches' dtype: fp32's range in 2 bytes; see fp8_scales
 
 
-def fp8_scale_cache(key_cache: torch.Tensor) -> torch.Tensor:
-    """An empty (zero) scale cache ``[num_blocks, block_size, num_kv_heads]`` bfloat16 for the fp8 pool ``key_cache``
-    ``[num_blocks, block_size, num_kv_heads, head_dim]``: one scale per slot and KV head, written with the token."""
-    return torch.zeros(key_cache.shape[:3], dtype=FP8_SCALE_DTYPE, device=key_cache.device)
-
-
 def fp8_scales(x: torch.Tensor) -> torch.Tensor:
     """The scales :func:`hf_paged.ops.write_kv` stores with fp8 tokens: one per token and KV head, from its own values.
 
