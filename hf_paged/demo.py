@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--kv-dtype", default="model", choices=sorted(KV_DTYPES),
-                        help="PagedCache block dtype: the model's, or fp8 (e4m3, scaled per layer and KV head)")
+                        help="PagedCache block dtype: the model's, or fp8 (e4m3, a scale per token and KV head)")
     parser.add_argument("--serve-requests", type=int, default=16,
                         help="requests served at once after the main job (0: skip that part)")
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON")

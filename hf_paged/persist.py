@@ -1,9 +1,11 @@
 """A prompt cache on disk: a :class:`~hf_paged.PagedCache`'s rows in one safetensors file.
 
 The file holds, per layer, the K/V of every row's tokens back to back (``k.{layer}``/``v.{layer}``
-``[total_tokens, num_kv_heads, head_dim]`` in the pool's storage dtype, plus ``k_scale.{layer}``/``v_scale.{layer}``
-``[num_kv_heads]`` for fp8 pools), the rows' token ids and lengths, and metadata describing the model it fits (model
-type, layer count, each layer's KV heads, head size and dtype) and, from format 2 on, a digest of all of it.
+``[total_tokens, num_kv_heads, head_dim]`` in the pool's storage dtype, plus, for fp8 pools, each token's scales
+``k_scale.{layer}``/``v_scale.{layer}`` ``[total_tokens, num_kv_heads]`` bfloat16), the rows' token ids and lengths,
+and metadata describing the model it fits (model type, layer count, each layer's KV heads, head size and dtype) and,
+from format 2 on, a digest of all of it. Formats 1 and 2 held one float32 scale per layer and KV head
+(``[num_kv_heads]``); they still load, that scale (rounded to bfloat16) going to every token's slot.
 
 A cache file is untrusted input: loading runs in two parts.
 
@@ -35,8 +37,10 @@ from .allocator import NULL_BLOCK, cdiv, slot_of
 from .errors import CacheFileError
 from .rows import Rows
 
-FORMAT = "hf_paged.cache/2"
-FORMATS = ("hf_paged.cache/1", FORMAT)  # 1: no digest
+FORMAT = "hf_paged.cache/3"
+FORMATS = ("hf_paged.cache/1", "hf_paged.cache/2", FORMAT)  # 1: no digest; 1, 2: fp8 scales per layer and KV head
+_NO_DIGEST = "hf_paged.cache/1"
+_HEAD_SCALES = ("hf_paged.cache/1", "hf_paged.cache/2")
 MAX_HEADER_BYTES = 4 << 20  # a real header takes ~200 bytes a layer
 MAX_HEADS_OR_DIM = 1 << 16
 
@@ -104,9 +108,10 @@ def save_cache(cache, path) -> None:
             for name, t in (("k", key_cache), ("v", value_cache)):
                 flat = t.view(-1, *t.shape[2:])
                 tensors[f"{name}.{layer}"] = flat.index_select(0, slots.to(t.device)).cpu().contiguous()
-            if pool.kv_dtype is not None:
-                tensors[f"k_scale.{layer}"] = pool.k_scales[layer].cpu()
-                tensors[f"v_scale.{layer}"] = pool.v_scales[layer].cpu()
+            for name, t in zip(("k_scale", "v_scale"), pool.layer_scales(layer)):  # fp8: each token's [n, Hkv]
+                if t is not None:
+                    flat = t.view(-1, t.shape[2])
+                    tensors[f"{name}.{layer}"] = flat.index_select(0, slots.to(t.device)).cpu().contiguous()
             s = pool.layer_shapes[layer]
             shapes[layer] = [s.num_kv_heads, s.head_dim, str(s.dtype).removeprefix("torch.")]
     metadata = {
@@ -174,8 +179,17 @@ class CacheFile:
         return self._file.get_tensor(f"k.{layer}"), self._file.get_tensor(f"v.{layer}")
 
     def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp8 files: layer ``layer``'s ``(k_scale, v_scale)`` ``[num_kv_heads]`` float32."""
-        return self._file.get_tensor(f"k_scale.{layer}"), self._file.get_tensor(f"v_scale.{layer}")
+        """fp8 files: layer ``layer``'s ``(k_scale, v_scale)`` ``[total_tokens, num_kv_heads]`` bfloat16, one per token
+        and KV head (formats 1 and 2: the layer's one scale per KV head, rounded to bfloat16, for every token)."""
+        from .ops.reference import FP8_SCALE_DTYPE
+
+        out = []
+        for name in (f"k_scale.{layer}", f"v_scale.{layer}"):
+            t = self._file.get_tensor(name)
+            if self.format in _HEAD_SCALES:  # [Hkv] float32 -> [total_tokens, Hkv]
+                t = t.to(FP8_SCALE_DTYPE)[None].expand(self.total_tokens, -1).contiguous()
+            out.append(t)
+        return out[0], out[1]
 
     def verify(self) -> None:
         """Read every tensor once (one at a time): K/V and scales finite, fp8 scales > 0, the digest (format 2)."""
@@ -198,9 +212,14 @@ class CacheFile:
                 finite = all(math.isfinite(x) for x in torch.aminmax(t))  # NaN and inf reach the min or max
             if not finite:
                 raise CacheFileError(self.path, name, "holds NaN or infinite values")
-        elif name.startswith(("k_scale.", "v_scale.")):
-            if not bool((torch.isfinite(t) & (t > 0)).all()):
-                raise CacheFileError(self.path, name, f"fp8 scales must be finite and > 0, got {t.tolist()}")
+        elif name.startswith(("k_scale.", "v_scale.")) and t.numel():
+            # finite and > 0, and so is the largest value they give (448 * scale); a NaN fails every comparison
+            wide = t.to(torch.float32)
+            good = (wide > 0) & torch.isfinite(wide * 448.0)
+            if not bool(good.all()):
+                bad = wide[~good][:5].tolist()
+                raise CacheFileError(self.path, name, f"fp8 scales must be finite and > 0 (with 448 * scale "
+                                     f"finite), got {bad}")
         return t
 
 
@@ -211,10 +230,10 @@ def read_cache_file(path, opened) -> CacheFile:
     fmt = metadata.get("format")
     if fmt not in FORMATS:
         raise CacheFileError(path, "format", f"{fmt!r} is not one of {FORMATS}; write the file with cache.save(path)")
-    expected = METADATA_KEYS | ({"digest"} if fmt == FORMAT else set())
+    expected = METADATA_KEYS | ({"digest"} if fmt != _NO_DIGEST else set())
     if set(metadata) != expected:
         raise CacheFileError(path, "metadata", f"fields {sorted(metadata)}, expected {sorted(expected)}")
-    if fmt == FORMAT and not re.fullmatch(r"[0-9a-f]{64}", metadata["digest"]):
+    if fmt != _NO_DIGEST and not re.fullmatch(r"[0-9a-f]{64}", metadata["digest"]):
         raise CacheFileError(path, "digest", f"{metadata['digest'][:80]!r} is not a 64-digit hex digest")
 
     model = _json(path, metadata, "model")
@@ -261,8 +280,11 @@ def read_cache_file(path, opened) -> CacheFile:
         for kv in ("k", "v"):
             held[f"{kv}.{layer}"] = _check_header(path, opened, f"{kv}.{layer}", code,
                                                   [None, spec.num_kv_heads, spec.head_dim])[0]
-            if kv_dtype is not None:
+            if kv_dtype is not None and fmt in _HEAD_SCALES:
                 _check_header(path, opened, f"{kv}_scale.{layer}", "F32", [spec.num_kv_heads])
+            elif kv_dtype is not None:  # one scale per token and KV head: as many tokens as the K/V
+                held[f"{kv}_scale.{layer}"] = _check_header(path, opened, f"{kv}_scale.{layer}", "BF16",
+                                                            [None, spec.num_kv_heads])[0]
     if held:
         count = collections.Counter(held.values()).most_common(1)[0][0]
         for name, n in held.items():
@@ -350,7 +372,7 @@ def open_cache_file(path):
 
 
 # ------------------------------------------------------------------------------------- the file against model, pool
-def check_fits(cf: CacheFile, cache, device, trusted: bool, own_pool: bool) -> None:
+def check_fits(cf: CacheFile, cache, device) -> None:
     """``CacheFileError`` unless ``cf``'s rows fit ``cache``'s model and pool; reads nothing, changes nothing."""
     path, config, pool = cf.path, cache.config, cache.pool
     mine = _fingerprint(config)
@@ -390,8 +412,6 @@ def check_fits(cf: CacheFile, cache, device, trusted: bool, own_pool: bool) -> N
             if device is not None and not _same_device(torch.device(device), known.device):
                 raise CacheFileError(path, "layers", f"device={device} but the pool keeps layer {layer} on "
                                      f"{known.device}", "Leave device= out to load onto the pool's devices.")
-        if cf.kv_dtype is not None:
-            _check_scales(cf, layer, pool, trusted, own_pool)
     vocab = getattr(config, "vocab_size", None)
     if cf.tokens is not None and cf.total_tokens and isinstance(vocab, int) and int(cf.tokens.max()) >= vocab:
         raise CacheFileError(path, "tokens", f"token id {int(cf.tokens.max())} is past the vocabulary of {vocab}")
@@ -420,19 +440,6 @@ def _model_kv_shape(config) -> tuple[int | None, int | None]:
 
 def _same_device(asked: torch.device, known: torch.device) -> bool:
     return asked.type == known.type and (asked.index is None or asked.index == (known.index or 0))
-
-
-def _check_scales(cf: CacheFile, layer: int, pool, trusted: bool, own_pool: bool) -> None:
-    """The file's fp8 scales may not replace a shared pool's, nor (untrusted) become a shared pool's first ones."""
-    if layer in pool.k_scales:
-        k_scale, v_scale = cf.scales(layer)
-        if not (torch.equal(pool.k_scales[layer].cpu(), k_scale) and torch.equal(pool.v_scales[layer].cpu(), v_scale)):
-            raise CacheFileError(cf.path, f"k_scale.{layer}", "this fp8 pool already uses other scales for the layer",
-                                 "Load the file into a pool of its own (PagedCache.load(path, config)).")
-    elif not trusted and not own_pool:
-        raise CacheFileError(cf.path, f"k_scale.{layer}", "the file's fp8 scales would become the scales of every "
-                             "later cache on this shared pool", "Load it with trusted=True if you trust the file, "
-                             "or into a pool of its own (leave pool= out).")
 
 
 def _check_room(cf: CacheFile, cache) -> None:
@@ -467,7 +474,7 @@ def load_cache(cls, path, config, pool=None, device=None, trusted: bool = False,
         if "release_finished" not in kwargs:
             kwargs["release_finished"] = cf.release_finished
         cache = cls(config, pool=pool, **kwargs) if pool is not None else cls(config, **kwargs)
-        check_fits(cf, cache, device, trusted, own_pool=pool is None)
+        check_fits(cf, cache, device)
         cf.verify()
         _build(cache, cf, device, trusted)
     return cache
@@ -499,9 +506,10 @@ def _build(cache, cf: CacheFile, device, trusted: bool) -> None:
             for layer in cf.layers:
                 slots = _slots(exports, groups.layer_group[layer], pool.block_size)
                 key_cache, value_cache = pool.layer_kv(layer)
-                if cf.kv_dtype is not None and layer not in pool.k_scales:
-                    pool.k_scales[layer], pool.v_scales[layer] = (s.to(key_cache.device) for s in cf.scales(layer))
-                for t, saved in zip((key_cache, value_cache), cf.kv(layer)):
+                pairs = list(zip((key_cache, value_cache), cf.kv(layer)))
+                if cf.kv_dtype is not None:  # each token's scales go to its slot, beside its fp8 bits
+                    pairs += zip(pool.layer_scales(layer), cf.scales(layer))
+                for t, saved in pairs:
                     t.view(-1, *t.shape[2:]).index_copy_(0, slots.to(t.device), saved.to(t.device))
     except BaseException:
         rows.discard()  # never publishes a block whose K/V were not all written

@@ -10,7 +10,9 @@ Layers are mapped to tensor *slots* by :class:`~hf_paged.groups.LayerGroups` (on
 hybrid models share a slot between one layer of each group).
 
 With ``kv_dtype=torch.float8_e4m3fn`` the tensors hold e4m3 bits as ``uint8`` (torch cannot index float8 tensors on
-CPU), and each layer has per-KV-head scales ``[num_kv_heads]`` fixed by its first write.
+CPU), and each K/V tensor has a scale cache ``[num_blocks + 1, block_size, num_kv_heads]`` bfloat16 beside it: one
+scale per slot and KV head, written with the token from its own values (``ops.fp8_scales``), grown, copied
+(copy-on-write) and saved with the blocks. A written slot's meaning never changes, whoever shares its block.
 
 A pool can back several :class:`~hf_paged.PagedCache` objects (concurrent requests sharing one memory budget).
 """
@@ -29,6 +31,7 @@ from .step import StepBuffers
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 KV_DTYPES = (None, torch.float8_e4m3fn)
+SCALE_BYTES = 2  # fp8 pools: one bfloat16 scale per token and KV head, for K and for V (ops.reference.FP8_SCALE_DTYPE)
 
 
 def parse_memory(value: int | str) -> int:
@@ -124,7 +127,9 @@ class BlockPool:
         self.layer_slot: dict[int, object] = {}  # layer -> key of its K/V tensors
         self.key_caches: dict[object, torch.Tensor] = {}  # slot -> [rows, block_size, Hkv, D]
         self.value_caches: dict[object, torch.Tensor] = {}
-        self.k_scales: dict[int, torch.Tensor] = {}  # layer -> [Hkv] float32 (fp8 pools)
+        self.k_scale_caches: dict[object, torch.Tensor] = {}  # slot -> [rows, block_size, Hkv] bf16 (fp8 pools)
+        self.v_scale_caches: dict[object, torch.Tensor] = {}
+        self.k_scales: dict[int, torch.Tensor] = {}  # layer -> its slot's current k_scale_caches entry (fp8 pools)
         self.v_scales: dict[int, torch.Tensor] = {}
         self._free_step_buffers: list[StepBuffers] = []
 
@@ -182,8 +187,10 @@ class BlockPool:
         return self.allocator.prefix_caching
 
     def _block_bytes(self, shape: LayerShape) -> int:
-        itemsize = 1 if self.kv_dtype is not None else shape.dtype.itemsize
-        return 2 * self.block_size * shape.num_kv_heads * shape.head_dim * itemsize
+        """K+V bytes of one block of one slot; fp8 pools add the block's scales (2 bytes per token, KV head, K/V)."""
+        if self.kv_dtype is not None:
+            return 2 * self.block_size * shape.num_kv_heads * (shape.head_dim + SCALE_BYTES)
+        return 2 * self.block_size * shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize
 
     def bytes_per_block(self, layers=None) -> int:
         """K+V bytes of one block summed over ``layers`` (default: every layer seen so far)."""
@@ -297,13 +304,24 @@ class BlockPool:
         return self.rows - 1
 
     def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's K/V tensors ``[rows, block_size, Hkv, D]``, grown to :attr:`rows`."""
+        """This layer's K/V tensors ``[rows, block_size, Hkv, D]``, grown to :attr:`rows` (fp8 pools: with their scale
+        caches, see :meth:`layer_scales`)."""
         slot = self.layer_slot[layer_idx]
         k = self.key_caches.get(slot)
         if k is None or k.shape[0] < self.rows:
             with self.lock:
                 self._grow_slot(slot, self.layer_shapes[layer_idx])
+        if self.kv_dtype is not None and self.k_scales.get(layer_idx) is not self.k_scale_caches[slot]:
+            self.k_scales[layer_idx], self.v_scales[layer_idx] = self.k_scale_caches[slot], self.v_scale_caches[slot]
         return self.key_caches[slot], self.value_caches[slot]
+
+    def layer_scales(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """fp8 pools: the layer's scale caches ``(k_scale, v_scale)`` ``[rows, block_size, Hkv]`` bfloat16, one scale
+        per slot and KV head (as of the last :meth:`layer_kv`); ``(None, None)`` on other pools."""
+        if self.kv_dtype is None:
+            return None, None
+        self.layer_kv(layer_idx)
+        return self.k_scales[layer_idx], self.v_scales[layer_idx]
 
     def ensure_capacity(self) -> None:
         """Grow every existing tensor to :attr:`rows` (called before a forward, never inside one)."""
@@ -325,28 +343,30 @@ class BlockPool:
         if old_k is not None:  # the old scratch block is not copied: it holds nothing
             new_k[: old_k.shape[0] - 1] = old_k[:-1]
             new_v[: old_k.shape[0] - 1] = self.value_caches[slot][:-1]
-        for t in (new_k, new_v):
+        new = [new_k, new_v]
+        if self.kv_dtype is not None:  # the scales of the slots, grown (and copied) with them
+            from .ops.reference import FP8_SCALE_DTYPE
+
+            new_ks = torch.zeros(shape[:3], dtype=FP8_SCALE_DTYPE, device=s.device)  # [rows, block_size, Hkv]
+            new_vs = torch.zeros(shape[:3], dtype=FP8_SCALE_DTYPE, device=s.device)
+            if old_k is not None:
+                new_ks[: old_k.shape[0] - 1] = self.k_scale_caches[slot][:-1]
+                new_vs[: old_k.shape[0] - 1] = self.v_scale_caches[slot][:-1]
+            new += [new_ks, new_vs]
+            self.k_scale_caches[slot], self.v_scale_caches[slot] = new_ks, new_vs
+            for layer, layer_slot in self.layer_slot.items():
+                if layer_slot == slot:
+                    self.k_scales[layer], self.v_scales[layer] = new_ks, new_vs
+        for t in new:
             torch._dynamo.mark_static_address(t)
         self.key_caches[slot], self.value_caches[slot] = new_k, new_v
 
-    def layer_scales(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
-        """fp8 pools: the layer's ``(k_scale, v_scale)`` ``[Hkv]``, fixed from its first write ``[N, Hkv, D]``."""
-        if self.kv_dtype is None:
-            return None, None
-        k_scale = self.k_scales.get(layer_idx)
-        if k_scale is None:
-            from .ops import fp8_scales
-
-            with self.lock:
-                k_scale = self.k_scales[layer_idx] = fp8_scales(key)
-                self.v_scales[layer_idx] = fp8_scales(value)
-                for t in (k_scale, self.v_scales[layer_idx]):
-                    torch._dynamo.mark_static_address(t)
-        return k_scale, self.v_scales[layer_idx]
-
     def bytes_reserved(self) -> int:
-        """Bytes of the K/V tensors as allocated now (a capped pool grows to its cap on demand)."""
-        return sum(t.numel() * t.element_size() for t in (*self.key_caches.values(), *self.value_caches.values()))
+        """Bytes of the K/V tensors (and fp8 scale caches) as allocated now (a capped pool grows to its cap on
+        demand)."""
+        tensors = (*self.key_caches.values(), *self.value_caches.values(), *self.k_scale_caches.values(),
+                   *self.v_scale_caches.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def memory_stats(self):
         """Figures for the whole pool, over every cache drawing from it (see :class:`~hf_paged.MemoryStats`).

@@ -42,7 +42,7 @@ class LayerStep:
 
     key_cache: torch.Tensor  # [num_blocks + 1, block_size, Hkv, D]
     value_cache: torch.Tensor
-    k_scale: torch.Tensor | None  # [Hkv] fp8 pools
+    k_scale: torch.Tensor | None  # [num_blocks + 1, block_size, Hkv] bf16 scale caches, fp8 pools
     v_scale: torch.Tensor | None
     group: GroupStep
     token_index: torch.Tensor | None  # [num_tokens] real tokens among the B*S columns; None: all
@@ -300,15 +300,15 @@ def _copy_on_write(pool, copies) -> None:
 
     src = torch.tensor([c[0] for c in copies], dtype=torch.long)
     dst = torch.tensor([c[1] for c in copies], dtype=torch.long)
-    for slot, k in pool.key_caches.items():
-        copy_blocks(k, pool.value_caches[slot], src.to(k.device), dst.to(k.device))
+    for slot, k in pool.key_caches.items():  # fp8 pools: the blocks' scales with them
+        copy_blocks(k, pool.value_caches[slot], src.to(k.device), dst.to(k.device),
+                    k_scale=pool.k_scale_caches.get(slot), v_scale=pool.v_scale_caches.get(slot))
 
 
 def build_layer_step(pool, groups, step: Step, buffers: StepBuffers, layer_idx: int, num_layers: int | None,
                      key: torch.Tensor | None, value: torch.Tensor | None) -> LayerStep:
     """Layer ``layer_idx``'s view of ``step``: its pool tensors (bound from ``key`` ``[B, Hkv, S, D]`` on the layer's
-    first forward) and its group's step tensors on the layer's device; fp8 pools fix the layer's scales at its first
-    write."""
+    first forward) and its group's step tensors on the layer's device (fp8 pools: and its scale caches)."""
     if key is not None:
         pool.bind_layer(layer_idx, num_layers or layer_idx + 1, key,
                         groups.layer_slot[layer_idx] if layer_idx < len(groups.layer_slot) else None, groups.group_size)
@@ -316,12 +316,7 @@ def build_layer_step(pool, groups, step: Step, buffers: StepBuffers, layer_idx: 
     device = pool.layer_shapes[layer_idx].device
     view, (token_index, write_index) = step.device_view(group, device, buffers)
     key_cache, value_cache = pool.layer_kv(layer_idx)
-    k_scale = v_scale = None
-    if pool.kv_dtype is not None:
-        if key is not None and layer_idx not in pool.k_scales:
-            probe = LayerStep(key_cache, value_cache, None, None, view, token_index, write_index, False, 0, "")
-            pool.layer_scales(layer_idx, pack_tokens(key, probe), pack_tokens(value, probe))
-        k_scale, v_scale = pool.k_scales[layer_idx], pool.v_scales[layer_idx]
+    k_scale, v_scale = pool.layer_scales(layer_idx)  # fp8 pools: [rows, block_size, Hkv] bf16, else None
     return LayerStep(key_cache, value_cache, k_scale, v_scale, view, token_index, write_index, step.no_history,
                      step.max_query_len, step.backend)
 
@@ -349,9 +344,11 @@ def write_layer(pool, groups, step: Step, buffers: StepBuffers, layer_idx: int, 
         # write under the pool's lock into the current tensors, which the growth copies under the same lock.
         with pool.lock:
             key_cache, value_cache = pool.layer_kv(layer_idx)
-            if key_cache is not layer.key_cache:  # grown: the step's view must follow (rare)
+            if key_cache is not layer.key_cache:  # grown: the step's view must follow (rare), fp8 scales too
+                k_scale, v_scale = pool.layer_scales(layer_idx)
                 layer = step.layers[layer_idx] = dataclasses.replace(layer, key_cache=key_cache,
-                                                                     value_cache=value_cache)
+                                                                     value_cache=value_cache, k_scale=k_scale,
+                                                                     v_scale=v_scale)
             write(layer)
     else:
         write(layer)

@@ -150,7 +150,7 @@ def check_same(name, got: list[int], alone) -> None:
 def test_request_alone_and_among_fifteen_others(kv_dtype):
     """Sixteen requests, half greedy and half sampled with a seed: each gives the same tokens run alone through the
     engine and run among the 15 others (random arrivals, a budget forcing chunked prefill, a pool forcing
-    preemption), on a full-precision and an fp8 pool (the fp8 scales are the pool's, shared by both runs)."""
+    preemption), on a full-precision and an fp8 pool (each fp8 token's scales are its own, whatever shares the pool)."""
     model = enable_paged_attention(tiny_model("llama", seed=4), backend="torch")
     prompts = random_prompts(16, VOCAB, (3, 30), seed=13)
     specs = []

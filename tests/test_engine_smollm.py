@@ -2,7 +2,7 @@
 prompt, through generate_batch: greedy tokens equal each request alone through generate() with a DynamicCache (8 of
 them checked, to keep the test short), the shared system prompt is served from the prefix cache, and an fp8 pool's
 tokens agree with full precision on most positions up to each request's first difference (the figure is printed;
-the fp8 scale policy is the pool's, and the exactness of the engine's fp8 path is pinned by
+each fp8 token is scaled by its own amax, and the exactness of the engine's fp8 path is pinned by
 test_engine_models.py::test_request_alone_and_among_fifteen_others)."""
 
 from __future__ import annotations

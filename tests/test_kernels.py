@@ -321,6 +321,9 @@ def test_bucketed_width_and_zero_padded_tables(decode, options):
     garbage = 0x38 if options.get("kv_fp8") else 7.0  # large finite values (0x38 = 1.0 in e4m3fn)
     for cache in (case["key_cache"], case["value_cache"]):
         cache[cache.isnan() if cache.is_floating_point() else cache == 0x7F] = garbage
+    for scales in (case.get("k_scale"), case.get("v_scale")):  # fp8: finite scales in the unwritten slots too
+        if scales is not None:
+            scales[scales.isnan()] = 3.0
     tables = case["block_tables"].clone()
     tables[tables < 0] = 0
     block_size, width = case["key_cache"].shape[1], tables.shape[1]
@@ -397,27 +400,35 @@ def test_fp8_encode_rounds_like_torch(native):
 
 
 def test_fp8_write_kv_matches_torch_bits():
+    """The Triton write stores the torch reference's fp8 bits and per-(token, KV head) bf16 scales, bit for bit; each
+    scale is the token's own amax / 448 rounded up to bf16 (nothing clamped) and the bits quantize the input."""
     gen = torch.Generator().manual_seed(8)
     num_blocks, block_size, num_kv_heads, head_dim, num_tokens = 5, 8, 3, 48, 17
     key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) * torch.tensor([0.1, 1.0, 30.0])[:, None]
+    key *= 2.0 ** torch.randint(-20, 20, (num_tokens, 1, 1), generator=gen)  # every token its own range
+    key[3, 1] = 0.0  # an all-zero head still gets a nonzero scale
     value = torch.randn(num_kv_heads, num_tokens, head_dim, generator=gen).transpose(0, 1)  # a strided view
-    k_scale, v_scale = fp8_scales(key[:4]), fp8_scales(value[:4])  # from a first batch: later tokens may saturate
+    value[5, 2, 7] = 1e4  # one outlier: under a shared scale it would crush its neighbours
     slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
-    expected_k = torch.full((num_blocks, block_size, num_kv_heads, head_dim), 0x7F, dtype=torch.uint8)
-    expected_v = expected_k.clone()
-    write_kv_torch(key, value, expected_k, expected_v, slot_mapping, k_scale, v_scale)
-    got_k, got_v = expected_k.new_full(expected_k.shape, 0x7F).to(DEVICE), expected_v.new_full(expected_v.shape, 0x7F)
-    got_v = got_v.to(DEVICE)
-    ops.write_kv(key.to(DEVICE), value.to(DEVICE), got_k, got_v, slot_mapping.to(DEVICE), backend="triton",
-                 k_scale=k_scale.to(DEVICE), v_scale=v_scale.to(DEVICE))
-    assert torch.equal(got_k.cpu(), expected_k) and torch.equal(got_v.cpu(), expected_v)
-    # and it is a quantization of the input: within half an e4m3 step (2**-4 relative) or saturated at +-448 * scale
-    stored = expected_k.view(-1, num_kv_heads, head_dim)[slot_mapping].view(torch.float8_e4m3fn).float()
-    dequant = stored * k_scale[:, None]
-    limit = 448 * k_scale[:, None]  # [Hkv, 1]: the largest value an fp8 slot holds
-    inside = key.abs() <= limit
-    assert ((dequant - key).abs() <= key.abs() / 16 + k_scale[:, None] * 2.0**-10)[inside].all()
-    assert torch.equal(dequant[~inside], (key.sign() * limit.expand_as(key))[~inside])
+    pool_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    expected = [torch.full(pool_shape, 0x7F, dtype=torch.uint8) for _ in "kv"] + [
+        torch.full(pool_shape[:3], float("nan"), dtype=torch.bfloat16) for _ in "kv"]
+    got = [t.clone().to(DEVICE) for t in expected]
+    write_kv_torch(key, value, expected[0], expected[1], slot_mapping, expected[2], expected[3])
+    ops.write_kv(key.to(DEVICE), value.to(DEVICE), got[0], got[1], slot_mapping.to(DEVICE), backend="triton",
+                 k_scale=got[2], v_scale=got[3])
+    for g, e in zip(got, expected):  # bits (NaN in the slots nobody wrote compares equal as bits)
+        assert torch.equal(g.cpu().view(torch.uint8), e.view(torch.uint8))
+    for x, bits, scales in ((key, expected[0], expected[2]), (value, expected[1], expected[3])):
+        scale = scales.view(-1, num_kv_heads)[slot_mapping].float()  # [num_tokens, Hkv]
+        assert torch.equal(scale, fp8_scales(x).float())
+        amax = x.abs().amax(-1)  # [num_tokens, Hkv]
+        real = amax > 0
+        assert (amax[real] / scale[real] < 448).all() and (amax[real] / scale[real] > 448 * (1 - 2.0**-7)).all()
+        assert (scale[~real] == fp8_scales(torch.ones(1, 1, 1))[0, 0].float()).all()  # as for amax 1: 1 / 448 up
+        stored = bits.view(-1, num_kv_heads, head_dim)[slot_mapping].view(torch.float8_e4m3fn).float()
+        dequant = stored * scale[..., None]  # within half an e4m3 step (2**-4 relative, subnormals 2**-10 * scale)
+        assert ((dequant - x).abs() <= x.abs() / 16 + scale[..., None] * 2.0**-10).all()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

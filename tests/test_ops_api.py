@@ -388,11 +388,10 @@ def test_one_bad_argument_is_rejected(cfg, data, backend):
 
 
 def _fp8_pool(case):
-    """The case's pool as uint8 (fp8 bits), with valid per-head scales."""
-    num_kv_heads = case["key_cache"].shape[2]
-    return dict(case, key_cache=torch.zeros(case["key_cache"].shape, dtype=torch.uint8),
-                value_cache=torch.zeros(case["value_cache"].shape, dtype=torch.uint8),
-                k_scale=torch.ones(num_kv_heads), v_scale=torch.ones(num_kv_heads))
+    """The case's pool as uint8 (fp8 bits), with valid scale caches ``[num_blocks, block_size, num_kv_heads]``."""
+    shape = case["key_cache"].shape
+    bits, scales = torch.zeros(shape, dtype=torch.uint8), torch.ones(shape[:3], dtype=torch.bfloat16)
+    return dict(case, key_cache=bits, value_cache=bits.clone(), k_scale=scales, v_scale=scales.clone())
 
 
 def _fp8(update):
@@ -411,17 +410,20 @@ FEATURE_CORRUPTIONS = [
     ("sinks-list", lambda c: c.update(sinks=[0.0] * 4), r"sinks must be a float tensor"),
     ("sinks-device", lambda c: c.update(sinks=torch.zeros(4, device="meta")), r"sinks is on meta but the query is on"),
     ("fp8-no-scales", lambda c: c.update(_fp8_pool(c), k_scale=None, v_scale=None),
-     r"uint8 pool holds fp8 e4m3fn blocks and needs k_scale and v_scale \(\[2\] float32.*ops.fp8_scales"),
-    ("fp8-one-scale", lambda c: c.update(_fp8_pool(c), v_scale=None), r"needs k_scale and v_scale"),
+     r"uint8 pool holds fp8 e4m3fn blocks and needs the scale caches k_scale and v_scale \(\[7, 4, 2\] bfloat16"
+     r".*torch.zeros\(key_cache.shape\[:3\], dtype=torch.bfloat16\)"),
+    ("fp8-one-scale", lambda c: c.update(_fp8_pool(c), v_scale=None), r"needs the scale caches k_scale and v_scale"),
     ("scales-float-pool", lambda c: c.update(k_scale=torch.ones(2), v_scale=torch.ones(2)),
      r"k_scale/v_scale apply only to a uint8 \(fp8 e4m3fn\) pool, but the pool is torch.float32"),
-    ("fp8-scale-shape", _fp8(lambda c: c.update(k_scale=torch.ones(3))), r"k_scale must be a float32 tensor of "
-                                                                         r"shape \[2\].*\(3,\)"),
-    ("fp8-scale-dtype", _fp8(lambda c: c.update(v_scale=torch.ones(2, dtype=torch.float16))),
-     r"v_scale must be a float32 tensor of shape \[2\]"),
-    ("fp8-scale-device", _fp8(lambda c: c.update(k_scale=torch.ones(2, device="meta"))),
+    ("fp8-scale-per-head", _fp8(lambda c: c.update(k_scale=torch.ones(2, dtype=torch.bfloat16))),
+     r"k_scale must be a bfloat16 scale cache of shape \[7, 4, 2\] \(\[num_blocks, block_size, num_kv_heads\].*"
+     r"\(2,\)"),
+    ("fp8-scale-dtype", _fp8(lambda c: c.update(v_scale=torch.ones(7, 4, 2))),
+     r"v_scale must be a bfloat16 scale cache of shape \[7, 4, 2\].*torch.float32"),
+    ("fp8-scale-device", _fp8(lambda c: c.update(k_scale=torch.ones(7, 4, 2, dtype=torch.bfloat16, device="meta"))),
      r"k_scale is on meta but the KV cache is on cpu"),
-    ("fp8-scale-strided", _fp8(lambda c: c.update(k_scale=torch.ones(4)[::2])), r"k_scale must be contiguous"),
+    ("fp8-scale-strided", _fp8(lambda c: c.update(k_scale=torch.ones(7, 4, 4, dtype=torch.bfloat16)[..., ::2])),
+     r"k_scale must be contiguous"),
     ("fp8-pool-int8", lambda c: c.update(key_cache=c["key_cache"].to(torch.int8),
                                          value_cache=c["value_cache"].to(torch.int8)),
      r"key/value caches must share one of .*uint8 holds float8 e4m3fn bits"),
@@ -448,35 +450,39 @@ def test_paged_attention_rejects_max_seq_len_past_the_table():
 
 
 def test_fp8_scales():
+    """One scale per token and KV head, from that token's amax over head_dim: amax / 448 rounded up to the next
+    bfloat16 (the amax fits unclamped), 1 / 448 (rounded up) for an all-zero or non-finite head; never zero."""
     x = torch.zeros(5, 3, 8)  # [num_tokens, num_kv_heads, head_dim]
-    x[2, 0, 3], x[4, 1, 0] = -448.0, 2.0  # head 2 all zero
-    scales = ops.fp8_scales(x, headroom=1.0)
-    assert scales.dtype == torch.float32 and scales.shape == (3,)
-    assert torch.equal(scales, torch.tensor([1.0, 2.0 / 448, 1.0 / 448]))  # an all-zero head never gets 0
-    assert torch.allclose(ops.fp8_scales(x), 2 * scales)  # default headroom: one binade above the first batch
-    assert torch.equal(ops.fp8_scales(x.to(torch.bfloat16), headroom=1.0), scales)
-    for bad, match in ((torch.zeros(5, 8), r"\[num_tokens, num_kv_heads, head_dim\]"),
+    x[2, 0, 3], x[4, 1, 0], x[1, 2, 5], x[3, 2, 1] = -448.0, 2.0, float("nan"), 1e-30
+    scales = ops.fp8_scales(x)
+    assert scales.dtype == torch.bfloat16 and scales.shape == (5, 3)
+    wide = scales.float()
+    amax = x.abs().amax(-1)
+    real = torch.isfinite(amax) & (amax > 0)  # [5, 3]
+    assert (wide > 0).all() and (amax[real] / wide[real] < 448).all()
+    assert (amax[real] / wide[real] > 448 * (1 - 2.0**-7)).all()  # rounded up by under one bf16 step
+    assert (wide[~real] == wide[0, 0]).all() and 1 / 448 < wide[0, 0] < (1 + 2.0**-7) / 448
+    assert torch.equal(ops.fp8_scales(x[2:3]), scales[2:3])  # a token's scale depends on that token alone
+    assert torch.equal(ops.fp8_scales(x.to(torch.bfloat16)), scales)
+    for bad, match in ((torch.zeros(5), r"\[\.\.\., num_kv_heads, head_dim\]"),
                        (torch.zeros(5, 3, 8, dtype=torch.int32), r"float tensor")):
         with pytest.raises(ValueError, match=match):
             ops.fp8_scales(bad)
-    with pytest.raises(ValueError, match=r"headroom must be >= 1"):
-        ops.fp8_scales(x, headroom=0.5)
 
 
 def test_fp8_write_then_attend_roundtrip_torch():
-    # write_kv quantizes into a uint8 pool; attention reads back fp8 * scale: compare with float64 attention over
-    # the dequantized logical K/V (what the pool really holds), and check the quantization error is e4m3-sized.
+    # write_kv quantizes into a uint8 pool, each token with its own scales; attention reads back fp8 * scale: compare
+    # with float64 attention over the dequantized logical K/V (what the pool really holds), and check the quantization
+    # error is e4m3-sized.
     attn, write, logical = make_case([7, 12], [2, 1], num_kv_heads=2, group=2, head_dim=8, block_size=4)
     fp8 = _fp8_pool(attn)
-    k_scale, v_scale = ops.fp8_scales(write["key"]), ops.fp8_scales(write["value"])
     ops.write_kv(write["key"], write["value"], fp8["key_cache"], fp8["value_cache"], write["slot_mapping"],
-                 backend="torch", k_scale=k_scale, v_scale=v_scale)
-    fp8.update(k_scale=k_scale, v_scale=v_scale)
+                 backend="torch", k_scale=fp8["k_scale"], v_scale=fp8["v_scale"])
     dequantized = []
     for k, v in logical:
         dequantized.append(tuple(
-            (x / s[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s[:, None]
-            for x, s in ((k, k_scale), (v, v_scale))
+            (x / s[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s[..., None]
+            for x, s in ((k, ops.fp8_scales(k).float()), (v, ops.fp8_scales(v).float()))
         ))
         assert ((dequantized[-1][0] - k).abs() <= k.abs() / 16 + 1e-6).all()  # half a 3-bit-mantissa step
     expected = attention_float64(attn["query"], attn["query_start_loc"], attn["seq_lens"], attn["scale"], None,
@@ -486,12 +492,18 @@ def test_fp8_write_then_attend_roundtrip_torch():
 
 
 def test_copy_blocks_on_fp8_pool():
+    """Copy-on-write of an fp8 pool copies the blocks' scales with their bits; a uint8 pool without its scale caches
+    is refused (its bits alone mean nothing)."""
     key_cache = torch.randint(0, 0x7F, (4, 2, 1, 3), dtype=torch.uint8)
     value_cache = torch.randint(0, 0x7F, (4, 2, 1, 3), dtype=torch.uint8)
-    before_k, before_v = key_cache.clone(), value_cache.clone()
-    ops.copy_blocks(key_cache, value_cache, torch.tensor([3, 0]), torch.tensor([1, 2]))
-    assert torch.equal(key_cache[[1, 2]], before_k[[3, 0]]) and torch.equal(value_cache[[1, 2]], before_v[[3, 0]])
-    assert torch.equal(key_cache[[0, 3]], before_k[[0, 3]])
+    k_scale, v_scale = torch.rand(4, 2, 1).to(torch.bfloat16), torch.rand(4, 2, 1).to(torch.bfloat16)
+    before = [t.clone() for t in (key_cache, value_cache, k_scale, v_scale)]
+    ops.copy_blocks(key_cache, value_cache, torch.tensor([3, 0]), torch.tensor([1, 2]), k_scale=k_scale,
+                    v_scale=v_scale)
+    for t, b in zip((key_cache, value_cache, k_scale, v_scale), before):
+        assert torch.equal(t[[1, 2]], b[[3, 0]]) and torch.equal(t[[0, 3]], b[[0, 3]])
+    with pytest.raises(ValueError, match="needs the scale caches k_scale and v_scale"):
+        ops.copy_blocks(key_cache, value_cache, torch.tensor([3]), torch.tensor([1]))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ def prefix_hits(pool) -> int:
 
 def cache_state(cache) -> tuple:
     """What a cache holds, bit for bit: its columns, each row's length and each layer's K/V (and fp8 scales) for the
-    row's tokens, read through its block tables."""
+    row's tokens, read through its block tables (the scales are per slot: ``[n, Hkv]``)."""
     pool, bs = cache.pool, cache.pool.block_size
     rows = []
     for table, n in zip(cache.block_tables(), cache.seq_lens()):
@@ -99,10 +99,9 @@ def cache_state(cache) -> tuple:
             continue
         slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)], dtype=torch.long)  # [n]
         rows.append([t.view(-1, *t.shape[2:])[slots] for layer in sorted(pool.layer_shapes)
-                     for t in pool.layer_kv(layer)])  # per layer, K and V [n, Hkv, D]
-    scales = [pool.k_scales[layer] for layer in sorted(pool.k_scales)] + [pool.v_scales[layer]
-                                                                            for layer in sorted(pool.v_scales)]
-    return cache.get_seq_length(), cache.seq_lens(), rows, scales
+                     for t in (*pool.layer_kv(layer), *pool.layer_scales(layer)) if t is not None])
+        # per layer, K and V [n, Hkv, D] (fp8: then their scales [n, Hkv])
+    return cache.get_seq_length(), cache.seq_lens(), rows, []
 
 
 def same_state(a: tuple, b: tuple) -> bool:
@@ -364,9 +363,16 @@ def test_stale_digest_catches_changed_tensor_bytes(model, saved, tmp_path):
     (_set(**{"v_scale.1": _put(math.nan, 0)}), "v_scale.1"),
     (_set(**{"k.0": _put(0x7F)}), "k.0"),  # e4m3fn NaN bits
     (_set(**{"v_scale.0": lambda t: t[:1]}), "v_scale.0"),
-], ids=["zero_scale", "nan_scale", "nan_fp8_bits", "scale_shape"])
+    (_set(**{"k_scale.1": _put(-1.0, (2, 0))}), "k_scale.1"),
+    (_set(**{"v_scale.1": _put(1e38, (2, 1))}), "v_scale.1"),  # finite, but 448 x it is not
+    (_set(**{"k_scale.0": lambda t: t.float()}), "k_scale.0"),
+    (_set(**{"k_scale.0": lambda t: t[:, :1]}), "k_scale.0"),
+    (_set({"format": "hf_paged.cache/2"}), "k_scale.0"),  # per-token scales in a file of the per-head format
+], ids=["zero_scale", "nan_scale", "nan_fp8_bits", "scale_shape", "negative_scale", "huge_scale", "scale_dtype",
+        "scale_heads", "format_2_with_token_scales"])
 def test_edited_fp8_file_is_refused(model, saved_fp8, tmp_path, edit, field):
-    """fp8 scales must be finite, > 0 and one per KV head; K/V bits must not encode NaN."""
+    """fp8 scales (one per token and KV head, bfloat16) must be finite, > 0, with 448 x scale finite, and as many as
+    the tokens; K/V bits must not encode NaN."""
     metadata, tensors = dict(saved_fp8.metadata), dict(saved_fp8.tensors)
     edit(metadata, tensors)
     path = write_parts(tmp_path / "edited.safetensors", metadata, tensors)
@@ -456,18 +462,55 @@ def test_trusted_must_be_a_bool(model, saved):
         saved.load(model, trusted="yes")
 
 
-def test_untrusted_fp8_file_may_not_set_a_shared_pools_scales(model, saved_fp8):
-    """An fp8 file's scales would become those of every later cache on a shared pool: refused unless trusted (or the
-    pool is the cache's own); a pool that already holds those very scales takes the file."""
+def test_fp8_file_on_a_shared_pool_leaves_the_other_caches_as_they_were(model, saved_fp8):
+    """An fp8 file's scales are its own tokens' (one per slot): loaded, untrusted, into a pool another cache already
+    uses, it continues as the original did, and the other cache's blocks, scales included, are unchanged; loading it
+    twice works the same."""
     pool = BlockPool(block_size=BS, kv_dtype=FP8)
-    before = pool_state(pool)
-    with pytest.raises(CacheFileError, match="trusted=True") as err:
-        saved_fp8.load(model, pool=pool)
-    assert err.value.field == "k_scale.0" and pool_state(pool) == before
-    first = saved_fp8.load(model, pool=pool, trusted=True)
-    assert saved_fp8.continues_the_same(model, first)
-    assert saved_fp8.continues_the_same(model, saved_fp8.load(model, pool=pool))  # scales now equal the pool's
-    assert saved_fp8.continues_the_same(model, saved_fp8.load(model))  # a pool of its own
+    other = PagedCache(model.config, pool=pool)
+    generate(model, left_padded([9, 5], seed=11), other, max_new_tokens=2)
+    other_state = cache_state(other)
+    first = saved_fp8.load(model, pool=pool)
+    assert same_state(cache_state(first), saved_fp8.state) and saved_fp8.continues_the_same(model, first)
+    assert saved_fp8.continues_the_same(model, saved_fp8.load(model, pool=pool))
+    assert same_state(cache_state(other), other_state)
+
+
+def _as_format_2(saved) -> tuple[dict, dict, dict]:
+    """``saved``'s fp8 file as the per-head format (2) wrote it: one float32 scale per layer and KV head (the old
+    policy, amax x 2 / 448) and the K/V bits quantized with it. Returns (metadata, tensors, head scales)."""
+    from hf_paged.ops.reference import dequantize_fp8, quantize_fp8
+
+    metadata, tensors = dict(saved.metadata) | {"format": "hf_paged.cache/2"}, dict(saved.tensors)
+    heads = {}
+    for name in [n for n in tensors if n[:2] in ("k.", "v.")]:
+        kv, layer = name.split(".")
+        values = dequantize_fp8(tensors[name], tensors[f"{kv}_scale.{layer}"], torch.float32)  # [n, Hkv, D]
+        heads[name] = values.abs().amax((0, 2)) * (2 / 448)  # [Hkv] float32
+        tensors[name], tensors[f"{kv}_scale.{layer}"] = quantize_fp8(values, heads[name]), heads[name]
+    return metadata, tensors, heads
+
+
+def test_format_2_fp8_file_loads_with_its_head_scales_on_every_slot(model, saved_fp8, tmp_path):
+    """A file of the per-head format still loads: every token's slot gets its head's scale (rounded to bfloat16), the
+    bits are the file's, and the cache continues; its hostile scales are refused as before."""
+    metadata, tensors, heads = _as_format_2(saved_fp8)
+    loaded = saved_fp8.load(model, write_parts(tmp_path / "v2.safetensors", metadata, tensors))
+    _, _, rows, _ = cache_state(loaded)
+    offsets = [0] + torch.tensor(loaded.seq_lens()).cumsum(0).tolist()
+    names = [f"{kv}.{layer}" for layer in sorted(loaded.pool.layer_shapes) for kv in "kv"]
+    for r, got in enumerate(rows):  # per layer: K, V, K scales, V scales
+        for i, name in enumerate(names):
+            layer_part = got[(i // 2) * 4: (i // 2) * 4 + 4]
+            bits, scales = layer_part[i % 2], layer_part[2 + i % 2]  # [n, Hkv, D], [n, Hkv]
+            assert torch.equal(bits, tensors[name][offsets[r]: offsets[r + 1]])
+            assert torch.equal(scales, heads[name].to(torch.bfloat16).expand_as(scales))
+    out = generate(model, saved_fp8.more, loaded, max_new_tokens=3)
+    assert out.shape == saved_fp8.expected.shape
+    tensors["k_scale.0"] = tensors["k_scale.0"] * 0
+    with pytest.raises(CacheFileError) as err:
+        saved_fp8.load(model, write_parts(tmp_path / "v2_zero.safetensors", metadata, tensors))
+    assert err.value.field == "k_scale.0"
 
 
 # ----------------------------------------------------------------------------------------- mutated files
@@ -565,7 +608,7 @@ def test_mutated_files_give_the_error_or_the_same_tokens(model, bases, tmp_path_
     forged = _mutate(base, mutation, forge, path)
     pool = shared_pool() if which == "model_dtype" else BlockPool(block_size=BS, kv_dtype=FP8)
     before = pool_state(pool)
-    # fp8: the file's scales may only set those of a pool of its own, so load it into its own (pool=None)
+    # fp8: a pool of its own (pool=None): the victim's DynamicCache tokens are not what an fp8 pool gives
     result, growth = peak_rss_growth(lambda: base.load(model, path, pool=pool) if which == "model_dtype"
                                      else base.load(model, path))
     assert growth <= path.stat().st_size + 50 * MB, f"loading took {growth / MB:.0f} MB"

@@ -116,7 +116,7 @@ def test_max_memory_below_one_block_of_the_shape_is_refused_with_the_minimum():
         pool.check_memory_fits(3, 64, 30, torch.float32)
     with pytest.raises(ValueError, match=r"at least 737,280 bytes"):  # dtype unknown: checked at 2 bytes a value
         pool.check_memory_fits(3, 64, 30)
-    BlockPool(max_memory="100KB", kv_dtype=torch.float8_e4m3fn).check_memory_fits(1, 64, 10)  # 20,480 x 2 fit
+    BlockPool(max_memory="100KB", kv_dtype=torch.float8_e4m3fn).check_memory_fits(1, 64, 10)  # 21,120 x 2 fit
 
     pool = BlockPool(block_size=4, max_memory="8KiB")  # the first layer's keys [B, Hkv, S, D] give the shape
     with pytest.raises(ValueError, match=r"holds no block of this model .*takes 8,192 bytes .*at least 16,384 bytes"):

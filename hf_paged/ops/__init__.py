@@ -21,11 +21,13 @@ Example::
                               query_start_loc, scale=64 ** -0.5)  # [2, 8, 64]
 
 Options, all off by default: ``softcap=`` (Gemma2 logit soft-capping), ``sinks=`` (gpt-oss attention sinks), and fp8
-blocks: a ``torch.uint8`` pool holding float8 e4m3fn bits with per-KV-head ``k_scale``/``v_scale``::
+blocks: a ``torch.uint8`` pool holding float8 e4m3fn bits with scale caches ``k_scale``/``v_scale`` of one bfloat16
+scale per slot and KV head, which ``write_kv`` fills with each token's own scale (``ops.fp8_scales``)::
 
     key_cache = torch.zeros(64, 16, 2, 64, dtype=torch.uint8)  # fp8 bits
     value_cache = torch.zeros_like(key_cache)
-    k_scale, v_scale = ops.fp8_scales(k_new), ops.fp8_scales(v_new)  # [num_kv_heads] float32, fixed from now on
+    k_scale = torch.zeros(64, 16, 2, dtype=torch.bfloat16)    # [num_blocks, block_size, num_kv_heads]
+    v_scale = torch.zeros_like(k_scale)
     ops.write_kv(k_new, v_new, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     query = torch.randn(2, 8, 64)                              # [num_tokens, num_q_heads, head_dim]
     out = ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale=0.125,
@@ -107,21 +109,32 @@ def _check_pool(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
 
 
 def _check_kv_scales(key_cache: torch.Tensor, k_scale, v_scale) -> None:
-    """A uint8 (fp8) pool needs both scales, ``[num_kv_heads]`` float32 on its device; a float pool takes none."""
-    num_kv_heads = key_cache.shape[2]
+    """A uint8 (fp8) pool needs both scale caches, ``[num_blocks, block_size, num_kv_heads]`` bfloat16 on its device;
+    a float pool takes none."""
+    shape = tuple(key_cache.shape[:3])
+    shape_text = "[" + ", ".join(map(str, shape)) + "]"
     if key_cache.dtype != torch.uint8:
         if k_scale is not None or v_scale is not None:
             _fail(f"k_scale/v_scale apply only to a uint8 (fp8 e4m3fn) pool, but the pool is {key_cache.dtype}; "
                   "drop them, or store the pool as torch.uint8.")
         return
     if k_scale is None or v_scale is None:
-        _fail(f"A uint8 pool holds fp8 e4m3fn blocks and needs k_scale and v_scale ([{num_kv_heads}] float32, value = "
-              "fp8 * scale); pick them once with ops.fp8_scales(first_keys) / ops.fp8_scales(first_values).")
+        _fail(f"A uint8 pool holds fp8 e4m3fn blocks and needs the scale caches k_scale and v_scale ({shape_text} "
+              "bfloat16, one scale per slot and KV head, value = fp8 * scale); make them once with "
+              "torch.zeros(key_cache.shape[:3], dtype=torch.bfloat16) and pass them to every write_kv and "
+              "paged_attention call on this pool.")
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (num_kv_heads,):
-            _fail(f"{name} must be a float32 tensor of shape [{num_kv_heads}] (one scale per KV head), got "
-                  f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}; "
-                  "ops.fp8_scales makes one.")
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or tuple(t.shape) != shape:
+            _fail(f"{name} must be a bfloat16 scale cache of shape {shape_text} ([num_blocks, block_size, "
+                  f"num_kv_heads], one scale per slot and KV head), got {getattr(t, 'dtype', type(t).__name__)} "
+                  f"{tuple(getattr(t, 'shape', ()))}; make it with torch.zeros(key_cache.shape[:3], "
+                  "dtype=torch.bfloat16).")
+        if t.device != key_cache.device:
+            _fail(f"{name} is on {t.device} but the KV cache is on {key_cache.device}; move it with "
+                  ".to(key_cache.device).")
+        if not t.is_contiguous():
+            _fail(f"{name} must be contiguous; make it once with torch.zeros(key_cache.shape[:3], "
+                  "dtype=torch.bfloat16).")
         if t.device != key_cache.device:
             _fail(f"{name} is on {t.device} but the KV cache is on {key_cache.device}; move it with "
                   ".to(key_cache.device).")
@@ -173,8 +186,9 @@ def write_kv(
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, float or uint8 (fp8 e4m3fn bits).
         slot_mapping: ``[num_tokens]`` int32 or int64, slot ``block * block_size + offset`` of each token.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
-        k_scale, v_scale: uint8 pools only, ``[num_kv_heads]`` float32: stores ``x / scale`` clamped to +-448 and
-            rounded to e4m3fn (see :func:`fp8_scales`).
+        k_scale, v_scale: uint8 pools only, the scale caches ``[num_blocks, block_size, num_kv_heads]`` bfloat16:
+            each token's K (V) gets, per KV head, the scale :func:`fp8_scales` picks from its own values, stored at
+            its slot here; the pool stores ``x / scale`` rounded to e4m3fn (never clamped: the scale fits the token).
 
     Example::
 
@@ -220,9 +234,12 @@ def write_kv_unchecked(key, value, key_cache, value_cache, slot_mapping, backend
         write_kv_torch(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
-def copy_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy whole blocks ``src[i]`` to ``dst[i]`` in both caches (copy-on-write of shared blocks); any pool dtype,
-    uint8 (fp8) included: the bytes are copied, the scales are per head and shared.
+def copy_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, *,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """Copy whole blocks ``src[i]`` to ``dst[i]`` in both caches (copy-on-write of shared blocks); any pool dtype.
+    A uint8 (fp8) pool's blocks mean something only with their scales, so it needs its scale caches
+    ``k_scale``/``v_scale`` ``[num_blocks, block_size, num_kv_heads]`` (``ValueError`` without them), whose blocks are
+    copied too.
 
     Example::
 
@@ -234,7 +251,8 @@ def copy_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, src: torch.T
         ops.copy_blocks(key_cache, value_cache, torch.tensor([2]), torch.tensor([6]))  # int64 block ids
         assert torch.equal(key_cache[6], key_cache[2]) and torch.equal(value_cache[6], value_cache[2])
     """
-    copy_blocks_torch(key_cache, value_cache, src, dst)
+    _check_kv_scales(key_cache, k_scale, v_scale)
+    copy_blocks_torch(key_cache, value_cache, src, dst, k_scale, v_scale)
 
 
 def paged_attention(
@@ -277,8 +295,9 @@ def paged_attention(
             softcap)``, before the causal/window mask.
         sinks: ``[num_q_heads]`` float, attention sinks (gpt-oss ``s_aux``): one logit per query head joins the softmax
             denominator and contributes no value.
-        k_scale, v_scale: ``[num_kv_heads]`` float32, required with a uint8 pool (fp8 e4m3fn bits): the stored value
-            is ``fp8 * scale``, dequantized on load.
+        k_scale, v_scale: the scale caches ``[num_blocks, block_size, num_kv_heads]`` bfloat16, required with a
+            uint8 pool (fp8 e4m3fn bits, as :func:`write_kv` fills them): the stored value is ``fp8 * scale``, read
+            through the same block tables.
 
     Returns:
         ``[num_tokens, num_q_heads, head_dim]``, same dtype as ``query``.

@@ -23,7 +23,7 @@ from . import _triton_kernels
 from .reference import TorchAttentionPlan, paged_attention_torch, write_kv_torch
 
 WRITE_KV_SCHEMA = ("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-                   "Tensor slot_mapping, Tensor? k_scale, Tensor? v_scale, str backend) -> ()")
+                   "Tensor slot_mapping, Tensor(c!)? k_scale, Tensor(d!)? v_scale, str backend) -> ()")
 PAGED_ATTENTION_SCHEMA = (
     "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
     "Tensor query_start_loc, Tensor?[] plan, int[] plan_ints, Tensor? sinks, Tensor? k_scale, "

@@ -2,7 +2,8 @@
 
 Layout (everywhere in hf_paged): ``key_cache``/``value_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 An fp8 pool is ``torch.uint8`` holding float8 e4m3fn bits (torch on CPU cannot index_select/index_copy float8 tensors),
-with ``k_scale``/``v_scale`` ``[num_kv_heads]`` float32: the stored value is ``fp8 * scale``.
+with scale caches ``k_scale``/``v_scale`` ``[num_blocks, block_size, num_kv_heads]`` bfloat16, one scale per slot and KV
+head written with the token: the stored value is ``fp8 * scale``.
 """
 
 from __future__ import annotations
@@ -14,64 +15,72 @@ import torch.nn.functional as F
 
 
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
+FP8_SCALE_DTYPE = torch.bfloat16  # the scale caches' dtype: fp32's range in 2 bytes; see fp8_scales
 
 
-def fp8_scales(x: torch.Tensor, headroom: float = 2.0) -> torch.Tensor:
-    """Per-KV-head scales for an fp8 pool, picked from a first batch of keys (or values).
+def fp8_scales(x: torch.Tensor) -> torch.Tensor:
+    """The scales :func:`hf_paged.ops.write_kv` stores with fp8 tokens: one per token and KV head, from its own values.
 
-    ``scale = amax(|x|) over tokens and head_dim / 448 * headroom``, per KV head; a head whose batch is all zero (or
-    not finite) gets ``headroom / 448``, so a scale is never zero. The choice is per layer and KV head, static after
-    the first write: one scalar per (layer, head) costs nothing to store, keeps the KV write a pure elementwise
-    quantize, and lets the kernels fold it into the score scale (keys) and the output (values). Keys and values of a
-    head share a distribution across positions (RoPE rotates but keeps norms), so the first batch's amax is a good
-    guide; ``headroom`` (default 2, one binade) keeps later, larger values from saturating at +-448, and costs little:
-    e4m3 has the same 3-bit relative precision across 17 binades.
+    ``scale = amax(|x|) over head_dim / 448``, rounded *up* to the next bfloat16 above it, so the token's largest
+    value lands just under 448 and nothing is clamped; a head whose values are all zero (or not finite) gets
+    ``1 / 448`` rounded the same way, so a scale is never zero. A token's scale depends on that token alone: a
+    block's meaning never changes after it is written, whoever shares it and whatever is written after it.
+
+    bfloat16 is enough: it has float32's exponent range (no scale underflows or overflows) and the rounding up
+    moves the scale by under 2**-7 relative, which shifts where the largest value falls inside the e4m3 range but not
+    e4m3's own 3-bit relative precision; a scale costs 2 bytes per token and KV head for K and V each (``2 * 2 /
+    head_dim`` over the fp8 bytes: +3.1% at head_dim 64).
 
     Args:
-        x: ``[num_tokens, num_kv_heads, head_dim]`` floating point.
-        headroom: factor over the observed amax, ``>= 1``.
+        x: ``[..., num_kv_heads, head_dim]`` floating point (keys or values).
 
     Returns:
-        ``[num_kv_heads]`` float32, on ``x``'s device.
+        ``[..., num_kv_heads]`` bfloat16, on ``x``'s device.
 
     Example::
 
         import torch
         from hf_paged import ops
 
-        key, value = torch.randn(3, 2, 64), torch.randn(3, 2, 64)  # the first keys/values [num_tokens, Hkv, D]
-        key_cache = torch.zeros(8, 16, 2, 64, dtype=torch.uint8)  # fp8 e4m3fn bits
-        value_cache = torch.zeros_like(key_cache)
-        k_scale, v_scale = ops.fp8_scales(key), ops.fp8_scales(value)  # [num_kv_heads] float32
-        ops.write_kv(key, value, key_cache, value_cache, torch.tensor([0, 1, 2]), k_scale=k_scale, v_scale=v_scale)
+        key = torch.randn(3, 2, 64)                          # [num_tokens, num_kv_heads, head_dim]
+        scales = ops.fp8_scales(key)                         # [3, 2] bfloat16
+        assert ((key.abs().amax(-1) / scales.float()) < 448).all()  # the largest value fits, unclamped
     """
-    if not isinstance(x, torch.Tensor) or x.dim() != 3 or not x.is_floating_point():
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or not x.is_floating_point():
         raise ValueError(
-            f"fp8_scales needs a float tensor [num_tokens, num_kv_heads, head_dim], got "
+            f"fp8_scales needs a float tensor [..., num_kv_heads, head_dim], got "
             f"{getattr(x, 'dtype', type(x).__name__)} of shape {tuple(getattr(x, 'shape', ()))}."
         )
-    if not headroom >= 1.0:
-        raise ValueError(f"headroom must be >= 1 (values above amax * headroom saturate), got {headroom!r}.")
-    amax = x.detach().abs().to(torch.float32).amax(dim=(0, 2)) if x.shape[0] else x.new_zeros(x.shape[1])  # [Hkv]
-    amax = torch.where(torch.isfinite(amax) & (amax > 0), amax, torch.ones_like(amax))
-    return (amax * (headroom / FP8_MAX)).to(torch.float32)
+    amax = x.detach().abs().to(torch.float32).amax(dim=-1) if x.shape[-1] else x.new_zeros(x.shape[:-1])  # [..., Hkv]
+    amax = torch.where(torch.isfinite(amax) & (amax > 0), amax, torch.ones_like(amax)).to(torch.float32)
+    return _bf16_above(amax * (1.0 / FP8_MAX))  # a product (not a quotient): the Triton kernel's very bits
+
+
+def _bf16_above(s: torch.Tensor) -> torch.Tensor:
+    """float32 ``s >= 0`` -> the next bfloat16 strictly above it (drop the low 16 bits, add one bf16 step): never
+    below ``s``, never zero. The Triton write kernel does the same bit arithmetic, so both store the same bits."""
+    bits = s.contiguous().view(torch.int32)
+    return ((bits + 0x10000) & -0x10000).view(torch.float32).to(FP8_SCALE_DTYPE)  # exact: low 16 bits are 0
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``[..., num_kv_heads, head_dim]`` float -> uint8 e4m3fn bits of ``x / scale``, clamped to +-448."""
-    scaled = x.to(torch.float32) / scale.to(torch.float32)[:, None]  # [..., Hkv, D]
+    """``[..., num_kv_heads, head_dim]`` float -> uint8 e4m3fn bits of ``x / scale``, clamped to +-448; ``scale``
+    ``[..., num_kv_heads]`` (or anything broadcasting to it), e.g. :func:`fp8_scales` of ``x``."""
+    scaled = x.to(torch.float32) / scale.to(torch.float32)[..., None]  # [..., Hkv, D]
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
 
 
 def dequantize_fp8(bits: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """uint8 e4m3fn bits ``[..., num_kv_heads, head_dim]`` -> ``fp8 * scale`` in ``dtype``."""
-    return (bits.view(torch.float8_e4m3fn).to(torch.float32) * scale.to(torch.float32)[:, None]).to(dtype)
+    """uint8 e4m3fn bits ``[..., num_kv_heads, head_dim]`` -> ``fp8 * scale`` in ``dtype``; ``scale``
+    ``[..., num_kv_heads]``, one per token and KV head."""
+    return (bits.view(torch.float8_e4m3fn).to(torch.float32) * scale.to(torch.float32)[..., None]).to(dtype)
 
 
 def write_kv_torch(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """Scatter ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the pool at ``slot_mapping``.
 
-    A uint8 (fp8) pool stores :func:`quantize_fp8` of them with ``k_scale``/``v_scale``.
+    A uint8 (fp8) pool stores :func:`quantize_fp8` of them with each token's :func:`fp8_scales`, which go to the same
+    slots of the scale caches ``k_scale``/``v_scale`` ``[num_blocks, block_size, num_kv_heads]``.
     """
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     flat_k = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
@@ -79,15 +88,19 @@ def write_kv_torch(key, value, key_cache, value_cache, slot_mapping, k_scale=Non
     if slot_mapping.dtype != torch.long:
         slot_mapping = slot_mapping.to(torch.long)
     if key_cache.dtype == torch.uint8:
-        key, value = quantize_fp8(key, k_scale), quantize_fp8(value, v_scale)
+        ks, vs = fp8_scales(key), fp8_scales(value)  # [num_tokens, Hkv]
+        key, value = quantize_fp8(key, ks), quantize_fp8(value, vs)
+        k_scale.view(num_blocks * block_size, num_kv_heads).index_copy_(0, slot_mapping, ks)
+        v_scale.view(num_blocks * block_size, num_kv_heads).index_copy_(0, slot_mapping, vs)
     flat_k.index_copy_(0, slot_mapping, key if key.dtype == key_cache.dtype else key.to(key_cache.dtype))
     flat_v.index_copy_(0, slot_mapping, value if value.dtype == value_cache.dtype else value.to(value_cache.dtype))
 
 
-def copy_blocks_torch(key_cache, value_cache, src, dst) -> None:
-    """Copy whole blocks ``src[i] -> dst[i]`` (copy-on-write)."""
-    key_cache.index_copy_(0, dst, key_cache.index_select(0, src))
-    value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
+def copy_blocks_torch(key_cache, value_cache, src, dst, k_scale=None, v_scale=None) -> None:
+    """Copy whole blocks ``src[i] -> dst[i]`` (copy-on-write), and their fp8 scales when the scale caches are given."""
+    for cache in (key_cache, value_cache, k_scale, v_scale):
+        if cache is not None:
+            cache.index_copy_(0, dst, cache.index_select(0, src))
 
 
 @dataclass
@@ -308,10 +321,14 @@ def _read_blocks(cache, tables, run, num_rows: int, kv_valid):
 
 
 def _read_kv(key_cache, value_cache, tables, run, num_rows, kv_valid, dtype, k_scale, v_scale):
+    """``[Sx, L, Hkv, D]`` K and V of a part in ``dtype``; an fp8 pool's scale caches ``[num_blocks, block_size,
+    Hkv]`` are read through the same tables (as ``[..., Hkv, 1]`` blocks) and multiply their tokens."""
     keys = _read_blocks(key_cache, tables, run, num_rows, kv_valid)  # [Sx, L, Hkv, D]
     values = _read_blocks(value_cache, tables, run, num_rows, kv_valid)
     if key_cache.dtype == torch.uint8:
-        return dequantize_fp8(keys, k_scale, dtype), dequantize_fp8(values, v_scale, dtype)
+        ks = _read_blocks(k_scale[..., None], tables, run, num_rows, kv_valid)[..., 0]  # [Sx, L, Hkv]
+        vs = _read_blocks(v_scale[..., None], tables, run, num_rows, kv_valid)[..., 0]
+        return dequantize_fp8(keys, ks, dtype), dequantize_fp8(values, vs, dtype)
     if keys.dtype != dtype:
         keys, values = keys.to(dtype), values.to(dtype)
     return keys, values
@@ -339,7 +356,7 @@ def paged_attention_torch(
     rows with the query heads of each KV head as its queries, the others with a causal (and window) mask.
 
     With ``softcap`` or ``sinks`` (which SDPA cannot express) the scores take an explicit fp32 softmax instead. A uint8
-    (fp8) pool is dequantized with ``k_scale``/``v_scale`` after the gather.
+    (fp8) pool is dequantized with its scale caches ``k_scale``/``v_scale``, gathered with the blocks.
     """
     num_tokens, num_q_heads, head_dim = query.shape
     if num_tokens == 0:

@@ -22,9 +22,11 @@ Optional features, each a constexpr switch so a kernel built without it carries 
 * ``USE_SOFTCAP`` (Gemma2): scores ``s * scale`` become ``softcap * tanh(s * scale / softcap)`` before the masks.
 * ``USE_SINKS`` (gpt-oss ``s_aux``): one logit per query head joins the softmax denominator and adds no value; with
   split-KV it is added once, in ``_merge_splits_kernel``.
-* ``KV_FP8``: the pool holds float8 e4m3fn bits as uint8, with one float32 scale per KV head. Dequantizing is exact
-  (every e4m3 value is exact in fp16/bf16/fp32), and since a program reads a single KV head, the key scale is folded
-  into the score scale and the value scale into the final normalisation: one multiply per row, not per element.
+* ``KV_FP8``: the pool holds float8 e4m3fn bits as uint8, with scale caches ``[num_blocks, block_size,
+  num_kv_heads]`` bfloat16 holding one scale per slot and KV head (the write kernel picks it from the token's own
+  amax). Dequantizing the bits is exact (every e4m3 value is exact in fp16/bf16/fp32); a program reads one KV head,
+  so it loads one key and one value scale per KV position: the key scale multiplies that position's score column, the
+  value scale its probability column before ``p @ V`` (a multiply per score, not per element).
   ``FP8_NATIVE`` converts with Triton's ``float8e4nv`` (sm_89+); otherwise by bit manipulation (sm_80, and the
   interpreter's write, whose fp32 -> fp8 rounding does not carry into the exponent in Triton 3.9).
 
@@ -122,6 +124,15 @@ def _float_to_fp8(x, FP8_NATIVE: tl.constexpr):
 
 
 @triton.jit
+def _fp8_scale(amax):
+    """Per-head amax [HEADS] fp32 -> the fp8 scale ``reference.fp8_scales`` picks: ``amax / 448`` (1 / 448 for a zero
+    or non-finite amax) rounded up to the next bfloat16 strictly above it (exact as bf16, never zero)."""
+    amax = tl.where((amax > 0) & (amax < float("inf")), amax, 1.0)
+    bits = (amax * (1.0 / 448.0)).to(tl.int32, bitcast=True)
+    return ((bits + 0x10000) & -0x10000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _add_sink(acc, m_i, l_i, sink):
     """Fold one logit per row (``sink``, log2 units) into the softmax denominator; it adds no value."""
     m_f = tl.maximum(m_i, sink)  # [BLOCK_M], finite: the sink is
@@ -147,6 +158,9 @@ def _attend_kv_range(
     stride_ct,
     stride_ch,
     stride_cd,
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] bf16 scale caches, read when KV_FP8
+    v_scale_ptr,
+    stride_st,  # the scale caches' stride per slot (num_kv_heads; a KV head's is 1)
     qk_scale,  # scores = (q @ k) * qk_scale; see _score_scales
     softcap,  # softcap * log2(e) when USE_SOFTCAP
     sliding_window,
@@ -176,15 +190,20 @@ def _attend_kv_range(
         slot_off = block_id.to(tl.int64) * stride_cb + (kv_pos % BLOCK_SIZE).to(tl.int64) * stride_ct + head_off
         kv_off = slot_off[:, None] + offs_d[None, :].to(tl.int64) * stride_cd  # [TILE_N, HEAD_DIM_P]
         kv_mask = kv_ok[:, None] & d_ok[None, :]
-        if KV_FP8:  # exact fp8 values; their per-head scales sit in qk_scale and the final normalisation
+        if KV_FP8:  # exact fp8 values; each position's scales multiply its score and its probability below
             k = _fp8_to_float(tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0), FP8_NATIVE).to(q.dtype)
             v = _fp8_to_float(tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0), FP8_NATIVE).to(q.dtype)
+            scale_off = (block_id.to(tl.int64) * BLOCK_SIZE + kv_pos % BLOCK_SIZE) * stride_st + kv_head  # [TILE_N]
+            k_s = tl.load(k_scale_ptr + scale_off, mask=kv_ok, other=0.0).to(tl.float32)  # [TILE_N]
+            v_s = tl.load(v_scale_ptr + scale_off, mask=kv_ok, other=0.0).to(tl.float32)
         else:
             k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # [TILE_N, HEAD_DIM_P]
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # [TILE_N, HEAD_DIM_P]
 
         # Scores in log2 units, soft-capped, then masked: causal, sliding window, and positions we did not load.
         s = _dot(q, tl.trans(k), DOT_FP32, DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+        if KV_FP8:
+            s = s * k_s[None, :]
         if USE_SOFTCAP:  # softcap * tanh(x), tanh(x) = 1 - 2 / (e^(2x) + 1): saturates to +-1 without NaN
             s = softcap * (1.0 - 2.0 / (tl.exp2(s * 2.8853900817779268) + 1.0))
         visible = (
@@ -206,6 +225,8 @@ def _attend_kv_range(
         p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, TILE_N]
         # 5. fold them into the running sum and the running output.
         l_i = l_i * alpha + tl.sum(p, 1)
+        if KV_FP8:
+            p = p * v_s[None, :]  # V = fp8 * scale per position: fold the scale into p (l_i has the plain sum)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32, DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -228,8 +249,8 @@ def _decode_kernel(
     partial_out_ptr,  # [num_seqs, num_q_heads, num_splits, head_dim] fp32, written when SPLIT_KV
     partial_lse_ptr,  # [num_seqs, num_q_heads, num_splits] fp32 (log2 units), written when SPLIT_KV
     sinks_ptr,  # [num_q_heads] fp32, read when USE_SINKS
-    k_scale_ptr,  # [num_kv_heads] fp32, read when KV_FP8
-    v_scale_ptr,  # [num_kv_heads] fp32, read when KV_FP8
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] bf16, read when KV_FP8
+    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] bf16, read when KV_FP8
     qk_scale,
     softcap,
     sliding_window,
@@ -247,6 +268,7 @@ def _decode_kernel(
     stride_ct,
     stride_ch,
     stride_cd,
+    stride_st,  # the scale caches' stride per slot (num_kv_heads)
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_M: tl.constexpr,  # rows of the tile: GROUP padded to a power of two, at least 16
     BLOCK_SIZE: tl.constexpr,
@@ -288,11 +310,6 @@ def _decode_kernel(
 
     q_off = q_start.to(tl.int64) * stride_qt + q_head[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
     q = tl.load(query_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
-    if KV_FP8:
-        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
-        out_scale = tl.load(v_scale_ptr + kv_head)
-    else:
-        out_scale = 1.0
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -302,7 +319,7 @@ def _decode_kernel(
         acc, m_i, l_i, q, q_pos_rows, split_lo, split_hi,
         block_tables_ptr + seq.to(tl.int64) * stride_bt_seq, stride_bt_block,
         k_cache_ptr, v_cache_ptr, kv_head, stride_cb, stride_ct, stride_ch, stride_cd,
-        qk_scale, softcap, sliding_window,
+        k_scale_ptr, v_scale_ptr, stride_st, qk_scale, softcap, sliding_window,
         BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, USE_SOFTCAP, KV_FP8, FP8_NATIVE, DOT_FP32, DOT_PRECISION,
     )
     if USE_SINKS:
@@ -310,7 +327,7 @@ def _decode_kernel(
         acc, l_i = _add_sink(acc, m_i, l_i, sink)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # a row that saw no key (empty split) outputs 0
-    o = acc * (out_scale / l_safe)[:, None]  # [BLOCK_M, HEAD_DIM_P]
+    o = acc / l_safe[:, None]  # [BLOCK_M, HEAD_DIM_P]
     if SPLIT_KV:
         row = (seq.to(tl.int64) * num_q_heads + q_head) * num_splits + split  # [BLOCK_M]
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
@@ -385,8 +402,8 @@ def _prefill_kernel(
     query_start_loc_ptr,  # [num_seqs + 1] int32
     out_ptr,  # [num_tokens, num_q_heads, head_dim]
     sinks_ptr,  # [num_q_heads] fp32, read when USE_SINKS
-    k_scale_ptr,  # [num_kv_heads] fp32, read when KV_FP8
-    v_scale_ptr,  # [num_kv_heads] fp32, read when KV_FP8
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] bf16, read when KV_FP8
+    v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] bf16, read when KV_FP8
     qk_scale,
     softcap,
     sliding_window,
@@ -402,6 +419,7 @@ def _prefill_kernel(
     stride_ct,
     stride_ch,
     stride_cd,
+    stride_st,  # the scale caches' stride per slot (num_kv_heads)
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_P: tl.constexpr,  # GROUP padded to a power of two
     BLOCK_Q: tl.constexpr,  # queries per tile; the tile has BLOCK_Q * GROUP_P rows
@@ -440,11 +458,6 @@ def _prefill_kernel(
     q_off = q_token[:, None] * stride_qt + q_head[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
     q = tl.load(query_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
     q_pos = context_len + q_idx  # [BLOCK_M]
-    if KV_FP8:
-        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
-        out_scale = tl.load(v_scale_ptr + kv_head)
-    else:
-        out_scale = 1.0
 
     # KV tiles this query tile can see: from the first query's window start to the last query's own position.
     first_q_pos = context_len + q_tile * BLOCK_Q
@@ -459,14 +472,14 @@ def _prefill_kernel(
         acc, m_i, l_i, q, q_pos, kv_lo, kv_hi,
         block_tables_ptr + seq.to(tl.int64) * stride_bt_seq, stride_bt_block,
         k_cache_ptr, v_cache_ptr, kv_head, stride_cb, stride_ct, stride_ch, stride_cd,
-        qk_scale, softcap, sliding_window,
+        k_scale_ptr, v_scale_ptr, stride_st, qk_scale, softcap, sliding_window,
         BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, USE_SOFTCAP, KV_FP8, FP8_NATIVE, DOT_FP32, DOT_PRECISION,
     )
     if USE_SINKS:
         sink = tl.load(sinks_ptr + q_head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634  # [BLOCK_M]
         acc, l_i = _add_sink(acc, m_i, l_i, sink)
 
-    o = acc * (out_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]  # [BLOCK_M, HEAD_DIM_P]
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [BLOCK_M, HEAD_DIM_P]
     o_off = q_token[:, None] * stride_ot + q_head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od
     tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -483,7 +496,7 @@ def _write_kv_kernel(
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], uint8 when KV_FP8
     v_cache_ptr,
     slot_mapping_ptr,  # [num_tokens] int32 or int64
-    k_scale_ptr,  # [num_kv_heads] fp32, read when KV_FP8
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] bf16 scale caches, written when KV_FP8
     v_scale_ptr,
     num_kv_heads,
     stride_kt,
@@ -511,15 +524,22 @@ def _write_kv_kernel(
     offs_d = tl.arange(0, HEAD_DIM_P)
     h_ok = offs_h < num_kv_heads
     mask = h_ok[:, None] & (offs_d[None, :] < HEAD_DIM)  # [HEADS_P, HEAD_DIM_P]
-    k = tl.load(key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
-    v = tl.load(value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
+    k = tl.load(key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask,
+                other=0.0)  # [HEADS_P, HEAD_DIM_P]
+    v = tl.load(value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask,
+                other=0.0)
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
     dst_off = dst + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd  # [HEADS_P, HEAD_DIM_P]
-    if KV_FP8:  # quantize: x / scale, clamped to +-448, rounded to e4m3
-        k_scale = tl.load(k_scale_ptr + offs_h, mask=h_ok, other=1.0)  # [HEADS_P]
-        v_scale = tl.load(v_scale_ptr + offs_h, mask=h_ok, other=1.0)
-        tl.store(k_cache_ptr + dst_off, _float_to_fp8(k.to(tl.float32) / k_scale[:, None], FP8_NATIVE), mask=mask)
-        tl.store(v_cache_ptr + dst_off, _float_to_fp8(v.to(tl.float32) / v_scale[:, None], FP8_NATIVE), mask=mask)
+    if KV_FP8:  # each head's scale from the token's own values (stored beside it), then x / scale rounded to e4m3
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        k_scale = _fp8_scale(tl.max(tl.abs(k), 1))  # [HEADS_P]
+        v_scale = _fp8_scale(tl.max(tl.abs(v), 1))
+        scale_off = slot * num_kv_heads + offs_h  # [HEADS_P]: the contiguous scale caches' slot, head
+        tl.store(k_scale_ptr + scale_off, k_scale.to(k_scale_ptr.dtype.element_ty), mask=h_ok)
+        tl.store(v_scale_ptr + scale_off, v_scale.to(v_scale_ptr.dtype.element_ty), mask=h_ok)
+        tl.store(k_cache_ptr + dst_off, _float_to_fp8(k / k_scale[:, None], FP8_NATIVE), mask=mask)
+        tl.store(v_cache_ptr + dst_off, _float_to_fp8(v / v_scale[:, None], FP8_NATIVE), mask=mask)
     else:
         tl.store(k_cache_ptr + dst_off, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst_off, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
@@ -583,8 +603,7 @@ def _signature(kernel_name: str, constexprs: dict, query_dtype: torch.dtype, kv_
     names = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
     fixed = {
         "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "slot_mapping_ptr": "*i64",
-        "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "sinks_ptr": "*fp32", "k_scale_ptr": "*fp32",
-        "v_scale_ptr": "*fp32", "qk_scale": "fp32", "softcap": "fp32",
+        "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "sinks_ptr": "*fp32", "qk_scale": "fp32", "softcap": "fp32",
     }
     signature = {}
     for name in names:
@@ -592,6 +611,8 @@ def _signature(kernel_name: str, constexprs: dict, query_dtype: torch.dtype, kv_
             signature[name] = "constexpr"
         elif name in fixed:
             signature[name] = fixed[name]
+        elif name in ("k_scale_ptr", "v_scale_ptr"):  # bf16 scale caches; the fp32 placeholder when not fp8
+            signature[name] = "*bf16" if kv_dtype == torch.uint8 else "*fp32"
         elif name in ("k_cache_ptr", "v_cache_ptr"):
             signature[name] = "*" + _triton_type(kv_dtype)
         elif name.endswith("_ptr"):  # query, out, key, value
@@ -915,7 +936,7 @@ def _build_attention_plan(query, key_cache, block_tables, scale, sliding_window,
     qk_scale, softcap_arg = _score_scales(scale, softcap)
     window = _NO_WINDOW if sliding_window is None else int(sliding_window)
     out_strides = (num_q_heads * head_dim, head_dim, 1)  # the output is a fresh contiguous tensor
-    strides = (*query.stride(), *out_strides, *block_tables.stride(), *key_cache.stride())
+    strides = (*query.stride(), *out_strides, *block_tables.stride(), *key_cache.stride(), num_kv_heads)
     choose = dict(
         query_dtype=query.dtype, kv_dtype=key_cache.dtype, head_dim=head_dim, group=num_q_heads // num_kv_heads,
         block_size=block_size, softcap=softcap is not None, sinks=sinks, capability=_capability(device),
@@ -1062,7 +1083,8 @@ def write_kv_triton(
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the pool at ``slot_mapping``, in place.
 
     Tokens whose slot is negative (padding) are skipped. A uint8 (fp8) pool stores ``x / scale`` rounded to e4m3fn,
-    with ``k_scale``/``v_scale`` ``[num_kv_heads]`` float32. ``slot_mapping`` must be contiguous
+    each token's scales (per KV head, from its own amax) going to its slot of the contiguous scale caches
+    ``k_scale``/``v_scale`` ``[num_blocks, block_size, num_kv_heads]`` bfloat16. ``slot_mapping`` must be contiguous
     (``hf_paged.ops.write_kv`` makes it so); nothing is checked here.
     """
     plan = write_kv_plan(key, value, key_cache, k_scale is not None)

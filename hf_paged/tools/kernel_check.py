@@ -109,8 +109,9 @@ TARGETS = {
 class Config:
     """One input to the dispatcher. ``kind``: "decode" (``splits`` 1 = no split-KV), "prefill" or "write_kv".
 
-    ``kv_dtype``: "same" (the pool holds ``dtype``) or "fp8" (e4m3 bits in uint8, per-head scales). ``default``: a
-    configuration users get without opting in (spills there fail the check); the others are the explored slice.
+    ``kv_dtype``: "same" (the pool holds ``dtype``) or "fp8" (e4m3 bits in uint8, bf16 scales per slot and KV head).
+    ``default``: a configuration users get without opting in (spills there fail the check); the others are the explored
+    slice.
     """
 
     kind: str
@@ -320,7 +321,8 @@ def _meta_inputs(config: Config) -> dict:
     num_tokens = num_seqs * config.query_len
     pool = (num_seqs * blocks_per_seq, config.block_size, num_kv_heads, head_dim)
     empty = lambda *shape, dtype: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
-    scales = dict(k_scale=empty(num_kv_heads, dtype=torch.float32), v_scale=empty(num_kv_heads, dtype=torch.float32))
+    scales = dict(k_scale=empty(*pool[:3], dtype=torch.bfloat16),  # [num_blocks, block_size, num_kv_heads] scale caches
+                  v_scale=empty(*pool[:3], dtype=torch.bfloat16))
     return dict(
         query=empty(num_tokens, num_q_heads, head_dim, dtype=dtype),  # [num_tokens, num_q_heads, head_dim]
         key=empty(num_tokens, num_kv_heads, head_dim, dtype=dtype),  # [num_tokens, num_kv_heads, head_dim]

@@ -19,7 +19,9 @@ def scrambled_case(seq_lens, q_lens, *, num_kv_heads=2, group=2, head_dim=32, bl
     Everything never written is NaN, so a kernel that reads an unwritten slot returns NaN. Table entries past a
     sequence's last block are -1, and so are blocks that slid out of the window of the sequence's first query; a
     kernel that dereferences a -1 reads outside the pool. ``kv_fp8``: a uint8 pool of e4m3fn bits (NaN bits 0x7F
-    where unwritten) with per-head scales ``k_scale`` / ``v_scale``; ``softcap`` / ``sinks``: the options turned on
+    where unwritten) with its scale caches ``k_scale`` / ``v_scale`` ``[num_blocks, block_size, num_kv_heads]``
+    bfloat16 (NaN where unwritten; tokens scaled by 2**-2 to 2**1 each, so a scale read from the wrong position shows);
+    ``softcap`` / ``sinks``: the options turned on
     (sinks drawn at random, of the size of the scores).
     """
     gen = torch.Generator().manual_seed(seed)
@@ -39,7 +41,11 @@ def scrambled_case(seq_lens, q_lens, *, num_kv_heads=2, group=2, head_dim=32, bl
     k_new = [torch.randn(n, num_kv_heads, head_dim, generator=gen) * head_gain for n in seq_lens]  # [n, Hkv, D]
     v_new = [torch.randn(n, num_kv_heads, head_dim, generator=gen) * head_gain for n in seq_lens]
     if kv_fp8:
-        k_scale, v_scale = fp8_scales(torch.cat(k_new)), fp8_scales(torch.cat(v_new))  # [Hkv]
+        def gain(n):  # [n, Hkv, 1] per token and head
+            return 2.0 ** torch.randint(-2, 2, (n, num_kv_heads, 1), generator=gen).float()
+        k_new, v_new = [k * gain(k.shape[0]) for k in k_new], [v * gain(v.shape[0]) for v in v_new]
+        k_scale = torch.full(shape[:3], float("nan"), dtype=torch.bfloat16)  # [num_blocks, block_size, Hkv]
+        v_scale = torch.full(shape[:3], float("nan"), dtype=torch.bfloat16)
     taken = 0
     for s, (seq_len, n_blocks) in enumerate(zip(seq_lens, blocks_per_seq)):
         block_tables[s, :n_blocks] = physical[taken: taken + n_blocks].to(torch.int32)
@@ -47,8 +53,9 @@ def scrambled_case(seq_lens, q_lens, *, num_kv_heads=2, group=2, head_dim=32, bl
         pos = torch.arange(seq_len)
         blocks, offsets = block_tables[s, pos // block_size].long(), pos % block_size
         if kv_fp8:
-            key_cache[blocks, offsets] = quantize_fp8(k_new[s], k_scale)
-            value_cache[blocks, offsets] = quantize_fp8(v_new[s], v_scale)
+            ks, vs = fp8_scales(k_new[s]), fp8_scales(v_new[s])  # [n, Hkv]
+            key_cache[blocks, offsets], k_scale[blocks, offsets] = quantize_fp8(k_new[s], ks), ks
+            value_cache[blocks, offsets], v_scale[blocks, offsets] = quantize_fp8(v_new[s], vs), vs
         else:
             key_cache[blocks, offsets] = k_new[s].to(dtype)
             value_cache[blocks, offsets] = v_new[s].to(dtype)
@@ -82,16 +89,16 @@ def attention_float64(query, key_cache, value_cache, block_tables, seq_lens, que
     """Per sequence, per position: gather the visible keys by hand and do softmax(q k^T) v in float64, on the CPU.
 
     Takes what ``ops.paged_attention`` takes (a :func:`scrambled_case`) and returns ``[num_tokens, Hq, D]`` float64.
-    fp8 blocks are dequantized in float64 (bits -> e4m3fn value -> times the head's scale); ``softcap`` caps the
+    fp8 blocks are dequantized in float64 (bits -> e4m3fn value -> times the slot's scale); ``softcap`` caps the
     scaled scores before the mask; ``sinks`` adds one logit per head to the softmax denominator and no value.
     """
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = query.shape[1] // num_kv_heads
 
-    def gather(cache, scale_per_head, blocks, offsets):  # -> [L, Hq, D] float64
+    def gather(cache, scales, blocks, offsets):  # -> [L, Hq, D] float64
         x = cache.cpu()[blocks, offsets]  # [L, Hkv, D]
         if cache.dtype == torch.uint8:
-            x = x.view(torch.float8_e4m3fn).double() * scale_per_head.cpu().double()[:, None]
+            x = x.view(torch.float8_e4m3fn).double() * scales.cpu()[blocks, offsets].double()[..., None]
         return x.double().repeat_interleave(group, 1)
 
     out = torch.zeros(query.shape, dtype=torch.float64)  # [T, Hq, D]
