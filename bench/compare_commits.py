@@ -8,9 +8,13 @@ not patched) and with PagedCache (torch backend, eager), alternated. Each round 
 ``--reps`` runs). Printed: per round the two ratios, then the median of the rounds and the change in percent.
 Every row generates exactly ``--new-tokens`` tokens (min_new_tokens), so both caches do the same work.
 
+On a machine shared with other jobs wall-clock rates swing several-fold from run to run; by default the workers
+run torch on one thread and time with the process's CPU time (``--clock cpu``), which other jobs disturb far less.
+``--clock wall --threads 0`` times what a user sees (all cores).
+
 Default old commit: the parent of the commit that added ``hf_paged/rows.py`` (the row-model refactor).
 
-    python bench/compare_commits.py                       # 5 rounds, 8 prompts x 32 new tokens (~5 min, 2 cores)
+    python bench/compare_commits.py                       # 5 rounds, 4 prompts x 16 new tokens (~4 min)
     python bench/compare_commits.py --old 3f56f4a --new HEAD --rounds 3 --batch 4
 """
 
@@ -31,10 +35,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------- worker (runs inside one commit's checkout)
-def worker(root: str, model_dir: str, batch: int, new_tokens: int, reps: int) -> None:
+def worker(root: str, model_dir: str, batch: int, new_tokens: int, reps: int, threads: int, clock: str) -> None:
     """Serve ratio requests on stdin/stdout (one JSON line each) for the hf_paged at ``root``."""
     sys.path.insert(0, root)
     import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    now = time.process_time if clock == "cpu" else time.perf_counter
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
     import hf_paged
@@ -57,11 +65,11 @@ def worker(root: str, model_dir: str, batch: int, new_tokens: int, reps: int) ->
         else:
             disable_paged_attention(model)
             cache = DynamicCache()
-        start = time.perf_counter()
+        start = now()
         with torch.inference_mode():
             out = model.generate(**inputs, **{key: cache}, do_sample=False, max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id)
-        return time.perf_counter() - start, out
+        return now() - start, out
 
     _, expected = run(False)  # warm-up, both paths
     _, got = run(True)
@@ -94,7 +102,8 @@ class Worker:
     def __init__(self, name: str, root: Path, args):
         self.name = name
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(root), "--model-dir", args.model_dir,
-               "--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--reps", str(args.reps)]
+               "--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--reps", str(args.reps),
+               "--threads", str(args.threads), "--clock", args.clock]
         env = dict(os.environ, PYTHONPATH=str(root))
         self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.hello = self._read()
@@ -132,13 +141,16 @@ def main() -> None:
     p.add_argument("--new", default="WORKTREE", help="new commit (default: this checkout as it is)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=2, help="runs per cache per round and commit (the fastest counts)")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (0: torch's default)")
+    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="time generate() by process CPU time "
+                   "(steadier on a shared machine) or wall clock")
     p.add_argument("--model-dir", help="a local model directory (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args.worker, args.model_dir, args.batch, args.new_tokens, args.reps)
+        worker(args.worker, args.model_dir, args.batch, args.new_tokens, args.reps, args.threads, args.clock)
         return
 
     sys.path.insert(0, str(ROOT))
@@ -157,7 +169,8 @@ def main() -> None:
     print(f"old: {old[:8]} {git('log', '-1', '--format=%s', old)[:70]}")
     print(f"new: {labels['new']}")
     print(f"workload: {args.batch} chat prompts x {args.new_tokens} new tokens, greedy, fp32, PagedCache (torch, "
-          f"eager) vs DynamicCache; fastest of {args.reps} per round; {args.rounds} rounds alternated\n")
+          f"eager) vs DynamicCache; fastest of {args.reps} per round; {args.rounds} rounds alternated; "
+          f"{args.clock} time, torch threads {args.threads or torch.get_num_threads()}\n")
     trees: list[Path] = []
     workers = {}
     start = time.perf_counter()
@@ -175,9 +188,9 @@ def main() -> None:
                 got[name] = workers[name].ratio()
                 ratios[name].append(got[name]["ratio"])
             o, n = got["old"], got["new"]
+            tps = "  ".join(f"{g['dynamic_tps']:>11.1f} {g['paged_tps']:>11.1f}" for g in (o, n))
             print(f"{r + 1:>5}  {o['ratio']:>9.3f}  {n['ratio']:>9.3f}  {100 * (n['ratio'] / o['ratio'] - 1):>+6.1f}%  "
-                  f"{o['dynamic_tps']:>11.1f} {o['paged_tps']:>11.1f}  {n['dynamic_tps']:>11.1f} {n['paged_tps']:>11.1f}",
-                  flush=True)
+                  f"{tps}", flush=True)
         mo, mn = statistics.median(ratios["old"]), statistics.median(ratios["new"])
         change = 100 * (mn / mo - 1)
         print(f"{'median':>5}  {mo:>9.3f}  {mn:>9.3f}  {change:>+6.1f}%   "
