@@ -46,7 +46,7 @@ def call(label: str, new: int) -> None:
         model.generate(**inputs, cache=cache, do_sample=False, max_new_tokens=new, min_new_tokens=new, **extra)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    buffers = id(cache._buffers)
+    buffers = id(cache.step_buffers)
     del cache
     print(json.dumps(dict(label=label, new_tokens=new, seconds=round(seconds, 3), ms_per_step=round(1e3 * seconds / new, 2),
                           step_buffers=buffers, free_step_buffers=len(pool._free_step_buffers),

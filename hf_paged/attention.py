@@ -13,10 +13,11 @@ Where state lives, one place each:
 * A layer's step tensors reach the attention function in the kwargs transformers hands it (``PagedCache.update``
   adds them); transformers releases without that path (before 5.24) read the cache of the running forward from a
   context variable the decoder hooks set and clear around each forward (``compat.running_cache``).
-* The columns a forward consumed are counted once it has run (``PagedCache.forward_done``: by the decoder's
-  post-hook, or by the next plan when a compiled forward ran no hooks).
-* What a ``generate()`` call decided (release finished rows or not, compile or not) lives on the cache for the length
-  of the call (``GenerateCall``). Nothing refers to a cache after its forward or call ends.
+* The columns a forward consumed are counted once it has run (``PagedCache.forward_ran``: after the decoder's
+  post-hook, or at ``generate()``'s next input preparation when a compiled forward ran no hooks).
+* What a ``generate()`` call decided (release finished rows or not, compile or not) and how far it got live on the
+  cache for the length of the call (``GenerateCall``, passed to ``PagedCache.begin_call``; the cache's state by
+  lifetime is in ``cache_state.py``). Nothing refers to a cache after its forward or call ends.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import warnings
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -32,6 +32,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from . import compat
 from .cache import STEP_KWARG, PagedCache
+from .cache_state import GenerateCall
 from .ops import custom_ops
 
 _PREFIX = "hf_paged_"
@@ -39,17 +40,6 @@ _PREFIX = "hf_paged_"
 _GENERATE_CACHE: contextvars.ContextVar = contextvars.ContextVar("hf_paged_generate_cache", default=None)
 # Per-step outputs generate() returns for every row: finished rows must keep their history to match DynamicCache.
 _PER_STEP_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
-
-
-@dataclass
-class GenerateCall:
-    """What one ``generate()`` call on a :class:`PagedCache` decided; set on the cache for the call's length."""
-
-    backend: str
-    release: bool  # give back finished rows' blocks (off when per-step outputs are requested)
-    compile: bool  # the decoding forward may be compiled (the pool has a fixed size)
-    max_new_tokens: int | None = None  # what the call may generate per row (for out-of-blocks advice)
-    prompt_end: int | None = None  # the cache's columns once the call's prompt forward has run
 
 
 def _paged_forward(module, query, scaling, kwargs, layer) -> torch.Tensor:
@@ -117,7 +107,7 @@ def _post_hook(module, args, kwargs, output):
     compat.forward_ends()
     cache = compat.cache_from_kwargs(kwargs)
     if isinstance(cache, PagedCache):
-        cache.forward_done()
+        cache.forward_ran()
 
 
 class _ReleaseFinishedRows(StoppingCriteriaList):
@@ -172,15 +162,15 @@ def _wrap_generate(model, generate, backend_of):
             input_ids = input_ids.repeat_interleave(expand, dim=0)
             mask = mask.repeat_interleave(expand, dim=0) if mask is not None else None
         cache.check_continues(input_ids, mask)
-        cache.start_from_prefix(input_ids, mask)
         cache.begin_call(GenerateCall(backend=backend_of(), release=not per_step,
                                       compile=compat.STEP_IN_ATTENTION_KWARGS and wanted
                                       and not _generate_flag(model, kwargs, "disable_compile"),
                                       max_new_tokens=_generate_flag(model, kwargs, "max_new_tokens")))
-        if cache.is_compileable:
-            cache.pool.preallocate()  # the compiled steps read the pool at fixed addresses
         token = _GENERATE_CACHE.set(cache)
         try:
+            cache.start_from_prefix(input_ids, mask)
+            if cache.is_compileable:
+                cache.pool.preallocate()  # the compiled steps read the pool at fixed addresses
             return generate(*args, **kwargs)
         finally:
             _GENERATE_CACHE.reset(token)
@@ -194,7 +184,7 @@ def _wrap_prepare_inputs(prepare, model):
     def wrapped(input_ids, *args, **kwargs):
         cache = compat.cache_from_kwargs(kwargs)
         if isinstance(cache, PagedCache) and cache.call is not None:
-            cache.forward_done()  # the last forward ran (a compiled one runs no hooks): count it before sizing masks
+            cache.forward_ran()  # the last forward ran (a compiled one runs no hooks): count it before sizing masks
         inputs = prepare(input_ids, *args, **kwargs)
         cache = compat.cache_from_kwargs(inputs)
         if isinstance(cache, PagedCache) and cache.call is not None:

@@ -16,6 +16,7 @@ from transformers.cache_utils import Cache
 
 from . import compat
 from .allocator import cdiv
+from .cache_state import Contents, Forward, GenerateCall
 from .groups import LayerGroups
 from .errors import OutOfBlocksError
 from .pool import BlockPool
@@ -102,26 +103,19 @@ class PagedCache(Cache):
             _warn_once(f"prefix caching is off for {getattr(text_config, 'model_type', 'this model')}: its layers use "
                        f"different attention windows ({sorted(set(self.groups.windows), key=str)}), and a cached "
                        "prefix would need every window's blocks. Its rows still share blocks within a call.")
+        self._buffers = self.pool.lend_step_buffers(self)  # a compiled decode step's tensors, at fixed addresses
+        # The state, one object per lifetime (hf_paged/cache_state.py): until reset(), one generate() call, one
+        # planned forward.
         self.rows = Rows(self.pool, self.groups)  # per batch row: its sequences, tokens, released or not
-        self._columns = 0  # padded columns the forwards so far consumed
-        self._pending_columns = 0  # columns of the planned forward, not yet run
-        self._mode: str | None = None  # "paged" (attention reads the pool) or "gathered"
-        self._step: Step | None = None
-        self._planned = False  # a hook or generate() planned the coming forward
-        self._buffers = self.pool.lend_step_buffers(self)
-        self._backend_name = "auto"
-        self._beam_reordered = False
-        self._recording = False
-        self._warned = False
-        self._call = None  # the generate() call running on this cache (attention.GenerateCall)
-        self._new_call = False
-        self._prefix_start_pending = False  # rows were started from cached blocks for the coming forward
+        self._contents = Contents()
+        self._call: GenerateCall | None = None
+        self._forward: Forward | None = None
         self.prefix_queries = 0  # prompt tokens this cache looked up in the pool's prefix cache (its own calls)
         self.prefix_hits = 0  # of which found
 
     # ---------------------------------------------------------- Cache contract
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._columns
+        return self._contents.columns
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
@@ -131,7 +125,7 @@ class PagedCache(Cache):
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
         query_len = compat.query_length(query_length)
-        kv_length = self._columns + query_len
+        kv_length = self._contents.columns + query_len
         if query_len == 1 and self.is_compileable:
             # A compiled decode step: generate() builds a 4D mask outside the graph (the paged attention never reads
             # it); its width follows the block tables' bucket so the graph's input shapes stay fixed between buckets.
@@ -140,7 +134,7 @@ class PagedCache(Cache):
         return kv_length, 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self._columns
+        return self._contents.columns
 
     @property
     def is_compileable(self) -> bool:
@@ -175,44 +169,49 @@ class PagedCache(Cache):
         return self.num_layers or 0
 
     def __repr__(self) -> str:
-        return f"PagedCache(rows={len(self.rows)}, columns={self._columns}, block_size={self.pool.block_size})"
+        return f"PagedCache(rows={len(self.rows)}, columns={self._contents.columns}, block_size={self.pool.block_size})"
 
     def activate_past_recording(self):
-        self._recording = True
+        self._contents.recording = True
 
     def is_recording_past(self, layer_idx: int = 0) -> bool:
-        return self._recording
+        return self._contents.recording
 
     # ------------------------------------------------------------- the step
     @property
     def planned(self) -> bool:
-        """Whether the coming forward was planned (by ``generate()`` or a model hook)."""
-        return self._planned
+        """Whether the coming forward was planned (by ``generate()`` or a model hook) and has not run yet."""
+        return self._forward is not None and not self._forward.counted
 
     @property
     def last_step(self) -> Step | None:
         """The step of the last planned forward (what its layers read), for inspection."""
-        return self._step
+        return self._forward.step if self._forward is not None else None
+
+    @property
+    def step_buffers(self) -> StepBuffers:
+        """The device tensors this cache's compiled decode steps read (written in place, one per shape)."""
+        return self._buffers
 
     def layer_step(self, layer_idx: int) -> LayerStep | None:
         """Layer ``layer_idx``'s part of the running paged forward (None outside one)."""
-        if self._mode != "paged" or self._step is None:
+        if self._forward is None or not self._forward.paged:
             return None
-        return self._step.layers[layer_idx]
+        return self._forward.step.layers[layer_idx]
 
-    def begin_call(self, call) -> None:
-        """A ``generate()`` call starts on this cache (``call``: what it decided, an ``attention.GenerateCall``)."""
+    def begin_call(self, call: GenerateCall) -> None:
+        """A ``generate()`` call starts on this cache (``call``: what it decided); it ends with :meth:`end_call`."""
         self._call = call
-        self._new_call = True
 
     @property
-    def call(self):
-        """What the running ``generate()`` call decided (None outside one)."""
+    def call(self) -> GenerateCall | None:
+        """The running ``generate()`` call: what it decided and how far it got (None outside one)."""
         return self._call
 
     def end_call(self) -> None:
+        """The ``generate()`` call ended (its last forward ran)."""
         self._call = None
-        self.forward_done()
+        self.forward_ran()
 
     def plan(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, batch: int, query_len: int,
              backend: str = "auto", dtype: torch.dtype | None = None) -> None:
@@ -222,42 +221,46 @@ class PagedCache(Cache):
         self._check_mode("paged")
         if dtype is not None:
             self._apply_memory_cap(dtype)
-        self._backend_name = backend
         self._check_call_start(batch)
-        self.forward_done()
-        self._step = self._plan_rows(input_ids, attention_mask, batch, query_len, gathered=False)
-        if self._call is not None and self._call.prompt_end is None:
-            self._call.prompt_end = self._columns + query_len  # the columns once the call's prompt has run
-        self._pending_columns = query_len  # counted once the forward has run (get_seq_length is read inside it)
-        self._mode = "paged"
-        self._planned = True
-        for layer in range(len(self._step.layers)):  # what a compiled forward reads, ready before it runs
+        self.forward_ran()
+        step = self._plan_rows(input_ids, attention_mask, batch, query_len, self._resolved_backend(backend, input_ids),
+                               gathered=False)
+        call = self._call
+        if call is not None and not call.prompt_planned:
+            call.prompt_end = self._contents.columns + query_len  # the columns once the call's prompt has run
+        self._contents.mode = "paged"
+        # Its columns are counted once it has run: get_seq_length() is read inside it.
+        self._forward = Forward(step, query_len, paged=True)
+        for layer in range(len(step.layers)):  # what a compiled forward reads, ready before it runs
             if layer in self.pool.layer_shapes and (self.pool.kv_dtype is None or layer in self.pool.k_scales):
-                self._step.layers[layer] = build_layer_step(self.pool, self.groups, self._step, self._buffers,
-                                                            layer, self.num_layers, None, None)
+                step.layers[layer] = build_layer_step(self.pool, self.groups, step, self._buffers, layer,
+                                                      self.num_layers, None, None)
 
-    def _plan_rows(self, input_ids, attention_mask, batch: int, query_len: int, gathered: bool) -> Step:
+    def _plan_rows(self, input_ids, attention_mask, batch: int, query_len: int, backend: str, gathered: bool) -> Step:
         """The step planner over this cache's rows; a first forward creates them (and drops them if it fails)."""
-        first = not len(self.rows) or self._prefix_start_pending  # rows created for this forward
+        call = self._call
+        # Rows created for this forward: by it, or from cached prefix blocks at the start of the call.
+        first = not len(self.rows) or (call is not None and call.prefix_tokens > 0 and not call.prompt_planned)
         if not len(self.rows):
             self.rows.extend(batch)
-        self._prefix_start_pending = False
         try:
-            return plan_padded(self.rows, input_ids, attention_mask, batch, query_len, first=first,
-                               backend=self._resolved_backend(input_ids), num_layers=self.num_layers or 0,
-                               static=query_len == 1 and self.is_compileable,
-                               release_windows=not gathered and not self._recording, gathered=gathered)
+            return plan_padded(self.rows, input_ids, attention_mask, batch, query_len, first=first, backend=backend,
+                               num_layers=self.num_layers or 0, static=query_len == 1 and self.is_compileable,
+                               release_windows=not gathered and not self._contents.recording, gathered=gathered)
         except OutOfBlocksError as err:
             advice = self._out_of_blocks_advice(err, query_len)
             if first:  # leave the cache as it was: empty
-                self.rows.clear()
-                self._columns, self._mode = 0, None
+                self._drop_first_rows()
             raise advice from None
         except Exception:
             if first:
-                self.rows.clear()
-                self._columns, self._mode = 0, None
+                self._drop_first_rows()
             raise
+
+    def _drop_first_rows(self) -> None:
+        """A failed first forward: give its rows back, the cache is empty again (what it was asked stays)."""
+        self.rows.clear()
+        self._contents.columns, self._contents.mode = 0, None
 
     def _out_of_blocks_advice(self, err: OutOfBlocksError, query_len: int) -> OutOfBlocksError:
         """``err`` with what the whole request would hold at the call's ``max_new_tokens`` and the one call (as
@@ -268,7 +271,7 @@ class PagedCache(Cache):
             return err
         # Tokens the rows still take: this step's, then one per new token but the last (never fed back); the
         # first new token came from the prompt's forward, each decode step written since made one more.
-        written_steps = 0 if self._call.prompt_end is None else self._columns - self._call.prompt_end
+        written_steps = 0 if not self._call.prompt_planned else self._contents.columns - self._call.prompt_end
         still = query_len + max(0, new - 1 - written_steps)
         with self.pool.lock:
             mine = {b for row in self.rows.live for seq in row.seqs for b in a.block_table(seq) if b >= 0}
@@ -293,47 +296,51 @@ class PagedCache(Cache):
                 f"this PagedCache was built for a model with {self.num_layers} layers but layer {layer_idx} wrote to "
                 "it. Build the cache from this model's config: PagedCache(model.config)."
             )
-        if not self._planned and (layer_idx == 0 or self._step is None):
+        if not self.planned and (layer_idx == 0 or self._forward is None):
             self._plan_gathered(key_states)
-        layer = write_layer(self.pool, self.groups, self._step, self._buffers, layer_idx, self.num_layers,
-                            key_states, value_states, "torch" if self._mode == "gathered" else None)
-        if self._mode == "paged":
+        forward = self._forward
+        layer = write_layer(self.pool, self.groups, forward.step, self._buffers, layer_idx, self.num_layers,
+                            key_states, value_states, None if forward.paged else "torch")
+        if forward.paged:
             compat.attention_kwargs(kwargs)[STEP_KWARG] = layer
             return key_states, value_states
         return _gather(layer, layer.group.gather_slots), _gather(layer, layer.group.gather_slots, value=True)
 
-    def forward_done(self) -> None:
-        """The planned forward ran: count its columns; the next forward needs a new plan."""
-        self._columns += self._pending_columns
-        self._pending_columns = 0
-        self._planned = False
+    def forward_ran(self) -> None:
+        """The planned forward has run: count its columns, once (the only place the count grows); the next forward
+        needs a new plan. Called by the decoder's post-hook after an eager forward, by ``generate()``'s input
+        preparation (a compiled forward runs no hooks), and by this cache before it changes or reports its rows."""
+        forward = self._forward
+        if forward is not None and not forward.counted:
+            self._contents.columns += forward.columns
+            forward.counted = True
 
     def crop(self, max_length: int) -> None:
         """Drop tokens from the end: ``crop(-n)`` removes ``n`` (transformers' call); ``crop(n)`` with ``n > 0``
         keeps the first ``n`` (the older, absolute form)."""
-        self.forward_done()
-        new_columns = self._columns + max_length if max_length <= 0 else min(max_length, self._columns)
+        self.forward_ran()
+        columns = self._contents.columns
+        new_columns = columns + max_length if max_length <= 0 else min(max_length, columns)
         if new_columns < 0:
-            raise ValueError(f"cannot crop {-max_length} tokens from a cache of {self._columns}.")
-        drop = self._columns - new_columns
+            raise ValueError(f"cannot crop {-max_length} tokens from a cache of {columns}.")
+        drop = columns - new_columns
         if drop == 0:
             return
         self.rows.crop(drop)
-        self._columns = new_columns
+        self._contents.columns = new_columns
         self._invalidate_step()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: re-point block tables; no KV is copied."""
         self.rows.reorder(beam_idx.tolist())
-        self._beam_reordered = True
+        self._contents.beams_reordered = True
         self._invalidate_step()
 
     def reset(self) -> None:
         """Give every block back to the pool; the cache can then start a new generation."""
         self.rows.clear()
-        self._columns = 0
-        self._mode, self._step, self._planned, self._pending_columns = None, None, False, 0
-        self._beam_reordered = self._recording = False
+        self._contents = Contents()
+        self._forward = None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.rows.keep([i for i in range(len(self.rows)) for _ in range(repeats)])
@@ -382,9 +389,10 @@ class PagedCache(Cache):
 
     def _clone(self, indices: list[int]) -> "PagedCache":
         child = PagedCache.__new__(PagedCache)
-        child.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_step", "_buffers", "_call")})
-        child._step, child._buffers, child._call, child._planned = None, self.pool.lend_step_buffers(child), None, False
-        child._columns, child._pending_columns = self._columns + self._pending_columns, 0
+        child.__dict__.update(self.__dict__)  # the configuration (pool, groups, ...); the state is replaced below
+        child._buffers = self.pool.lend_step_buffers(child)
+        child._contents = dataclasses.replace(self._contents, columns=self._contents.columns + self._pending_columns())
+        child._call, child._forward = None, None
         child.rows = self.rows.select(indices)
         compat.init_cache_base(child)
         return child
@@ -398,7 +406,7 @@ class PagedCache(Cache):
         """
         from .persist import save_cache
 
-        self.forward_done()
+        self.forward_ran()
         save_cache(self, path)
 
     @classmethod
@@ -418,14 +426,14 @@ class PagedCache(Cache):
     @property
     def columns(self) -> int:
         """Padded input columns the forwards so far consumed (what ``get_seq_length()`` reports)."""
-        return self._columns
+        return self._contents.columns
 
     def restore(self, rows: Rows, columns: int, release_finished: bool) -> None:
         """Take ``rows`` (imported from a file, on this cache's pool) as this cache's rows (``load``)."""
         if len(self.rows):
             raise ValueError("restore() needs an empty cache.")
-        self.rows, self._columns, self.release_finished = rows, columns, release_finished
-        self._mode = "paged" if len(rows) else None
+        self.rows, self.release_finished = rows, release_finished
+        self._contents.columns, self._contents.mode = columns, "paged" if len(rows) else None
 
     # ------------------------------------------------------ finished rows
     def release_rows(self, rows) -> None:
@@ -437,7 +445,7 @@ class PagedCache(Cache):
     def mark_finished(self, done: torch.Tensor) -> None:
         """Called after each decoding step with the rows whose generation ended (``[B]`` bool)."""
         num_rows = len(self.rows)
-        if not self.release_finished or self._beam_reordered or num_rows < 2 or done.shape[0] != num_rows:
+        if not self.release_finished or self._contents.beams_reordered or num_rows < 2 or done.shape[0] != num_rows:
             return
         if self._call is not None and not self._call.release:
             return
@@ -476,20 +484,19 @@ class PagedCache(Cache):
                                    cache_prefix_hit_tokens=self.prefix_hits)
 
     # ------------------------------------------------------------- internals
-    def _resolved_backend(self, input_ids) -> str:
+    def _resolved_backend(self, backend: str, input_ids) -> str:
         from .ops import resolve_backend
 
-        if self._mode == "gathered" and not self._planned:
-            return "torch"
         devices = {s.device for s in self.pool.layer_shapes.values()}
         device = next(iter(devices)) if devices else (input_ids.device if input_ids is not None else torch.device("cpu"))
-        return resolve_backend(self._backend_name, device)
+        return resolve_backend(backend, device)
 
     def _check_mode(self, mode: str) -> None:
-        if self._mode is not None and self._mode != mode:
+        filled = self._contents.mode
+        if filled is not None and filled != mode:
             raise RuntimeError(
                 "this PagedCache was filled with paged attention "
-                f"{'on' if self._mode == 'paged' else 'off'} and is now used with it "
+                f"{'on' if filled == 'paged' else 'off'} and is now used with it "
                 f"{'on' if mode == 'paged' else 'off'}. Call enable_paged_attention(model) before the first "
                 "generate(), or reset() the cache."
             )
@@ -501,9 +508,8 @@ class PagedCache(Cache):
                 f"this PagedCache holds {num_rows} rows but the model got a batch of {batch}. Use a new "
                 "PagedCache (or cache.reset()) for a new batch."
             )
-        new_call, self._new_call = self._new_call, False
         released = self.rows.released
-        if new_call and released:
+        if self._call is not None and not self._call.prompt_planned and released:
             raise RuntimeError(
                 f"rows {released} of this PagedCache finished in an earlier generate() call and were "
                 "released (their blocks went back to the pool), so they cannot be continued. Use "
@@ -513,8 +519,7 @@ class PagedCache(Cache):
     def _plan_gathered(self, key: torch.Tensor) -> None:
         """A forward without enable_paged_attention: plan it here, at layer 0 (the model is not compiled)."""
         self._check_mode("gathered")
-        if self._mode is None and not self._warned:
-            self._warned = True
+        if self._contents.mode is None:  # a new fill (Python's warning filter shows it once per calling line)
             warnings.warn(
                 "PagedCache is used without enable_paged_attention(model): results are correct but the whole KV "
                 "history is gathered for every layer and padding is stored. Call hf_paged.enable_paged_attention(model) "
@@ -523,9 +528,12 @@ class PagedCache(Cache):
             )
         self._check_call_start(key.shape[0])
         self.pool.apply_memory_cap(key.shape[1], key.shape[3], key.dtype, self._slots_per_block())
-        self._step = self._plan_rows(None, None, key.shape[0], key.shape[2], gathered=True)
-        self._columns += key.shape[2]
-        self._mode = "gathered"
+        # The gathered history reads no paged kernel: the torch backend writes it.
+        step = self._plan_rows(None, None, key.shape[0], key.shape[2], "torch", gathered=True)
+        self._contents.mode = "gathered"
+        # Counted at once, at layer 0's write, as DynamicCache counts its tokens (no hook tells when it ran).
+        self._forward = Forward(step, key.shape[2], paged=False)
+        self.forward_ran()
 
     def _slots_per_block(self) -> int:
         return self.groups.group_size if self.groups.layer_slot else (self.num_layers or 1)
@@ -541,13 +549,17 @@ class PagedCache(Cache):
         self.pool.apply_memory_cap(heads, head_dim, dtype, self._slots_per_block())
 
     def _invalidate_step(self) -> None:
-        self.forward_done()
-        self._step = None
+        """The rows changed: count the last forward (it ran) and drop its step."""
+        self.forward_ran()
+        self._forward = None
+
+    def _pending_columns(self) -> int:
+        return self._forward.pending_columns if self._forward is not None else 0
 
     def check_continues(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
         """``ValueError`` when a ``generate()`` on a cache holding rows gets ``input_ids`` whose first columns are
         not the tokens those rows hold (another conversation in a batch of the same size)."""
-        columns = self._columns + self._pending_columns
+        columns = self._contents.columns + self._pending_columns()
         # generate() slices off the columns the cache holds (its mask, built when none is given, covers input_ids):
         # the first columns must be the rows' tokens, and at least one column must be new.
         if input_ids is None or not columns or not len(self.rows) or input_ids.shape[0] != len(self.rows):
@@ -579,8 +591,11 @@ class PagedCache(Cache):
         Rows with the same prompt then share those blocks and one copy of the rest. Returns the prompt tokens
         skipped per row."""
         bs = self.pool.block_size
-        if not self.pool.prefix_caching or len(self.rows) or self._columns:
+        if not self.pool.prefix_caching or len(self.rows) or self._contents.columns:
             return 0
+        if self._call is None:
+            raise RuntimeError("start_from_prefix() starts the rows of a generate() call: call it after "
+                               "begin_call(), before the call's first forward.")
         if not self.rows.prefix_caching or input_ids is None:
             _log.debug("prefix cache lookup skipped: %s", "the model's layers use different windows"
                        if not self.rows.prefix_caching else "generate() got embeddings, not token ids")
@@ -603,9 +618,8 @@ class PagedCache(Cache):
             return 0
         for m, row in zip(matches, tokens):
             self.rows.new(m[:common], row[: common * bs])
-        self._columns = common * bs
-        self._mode = "paged"
-        self._prefix_start_pending = True
+        self._contents.columns, self._contents.mode = common * bs, "paged"
+        self._call.prefix_tokens = common * bs  # the call's first plan then shares equal rows' blocks
         return common * bs
 
 
@@ -627,7 +641,6 @@ class StepCache(Cache):
         compat.init_cache_base(self)
         self.pool, self.groups, self.step, self.num_layers = rows.pool, rows.groups, step, num_layers
         self._buffers = buffers if buffers is not None else StepBuffers()  # a compiled step's: lent by the pool
-        self._columns = 0
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = write_layer(self.pool, self.groups, self.step, self._buffers, layer_idx, self.num_layers,

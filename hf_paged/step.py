@@ -107,6 +107,11 @@ class StepBuffers:
         buf.copy_(host, non_blocking=True)
         return buf
 
+    def staged(self) -> dict:
+        """Every buffer staged so far, by ``(name, device, shape, dtype)`` (for inspection: a compiled step's inputs
+        are among them)."""
+        return dict(self._buffers)
+
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()

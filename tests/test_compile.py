@@ -61,7 +61,7 @@ class StepProbe(StoppingCriteria):
         self.pool_ptrs.append(tuple(t.data_ptr() for t in pool_tensors(self.cache)))
         step = self.cache.last_step
         if step is not None and step.query_len == 1:
-            buffers = list(self.cache._buffers._buffers.values())
+            buffers = list(self.cache.step_buffers.staged().values())
             for layer in step.layers:
                 g = layer.group
                 # the torch backend's plan too, mask included: its presence and shapes depend on the bucket alone
@@ -99,7 +99,7 @@ def greedy_calls():
         record["released"].append(cache.seq_lens())
         record["static"].append({
             "pool": [getattr(t, "_dynamo_static_input_type", None) for t in pool_tensors(cache)],
-            "buffers": [getattr(t, "_dynamo_static_input_type", None) for t in cache._buffers._buffers.values()],
+            "buffers": [getattr(t, "_dynamo_static_input_type", None) for t in cache.step_buffers.staged().values()],
         })
         del probe
     record["graph_breaks"] = dict(counters["graph_break"])
@@ -242,17 +242,17 @@ def test_step_buffers_go_back_to_the_pool_for_the_next_cache():
     pool = BlockPool(num_blocks=NUM_BLOCKS)
     first = PagedCache(model.config, pool=pool)
     generate(model, left_padded([5, 8]), first, max_new_tokens=4, compile_config=compile_config())
-    buffers = first._buffers
-    assert buffers._buffers, "the compiled decode steps staged nothing"
-    addresses = {k: t.data_ptr() for k, t in buffers._buffers.items()}
+    buffers = first.step_buffers
+    assert buffers.staged(), "the compiled decode steps staged nothing"
+    addresses = {k: t.data_ptr() for k, t in buffers.staged().items()}
     other = PagedCache(model.config, pool=pool)
-    assert other._buffers is not buffers  # both alive: their own buffers
+    assert other.step_buffers is not buffers  # both alive: their own buffers
     del first
     gc.collect()
     second = PagedCache(model.config, pool=pool)
-    assert second._buffers is buffers
+    assert second.step_buffers is buffers
     generate(model, left_padded([5, 8]), second, max_new_tokens=4, compile_config=compile_config())
-    assert {k: t.data_ptr() for k, t in second._buffers._buffers.items()} == addresses
+    assert {k: t.data_ptr() for k, t in second.step_buffers.staged().items()} == addresses
     del other, second
     fresh_dynamo()
 
