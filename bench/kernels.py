@@ -36,6 +36,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from hf_paged.ops.metadata import AttentionMetadata  # noqa: E402
+
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -109,10 +111,8 @@ def bench_decode(args, do_bench, choose_num_kv_splits, paged_attention_triton, d
             window = args.sliding_window
 
             def paged():
-                return paged_attention_triton(
-                    query, data["key_cache"], data["value_cache"], data["block_tables"], data["seq_lens"],
-                    query_start_loc, scale, window, max_query_len=1, max_seq_len=ctx,
-                )
+                meta = AttentionMetadata(data["block_tables"], data["seq_lens"], query_start_loc, 1, ctx, window)
+                return paged_attention_triton(query, data["key_cache"], data["value_cache"], meta, scale)
 
             q4 = query[:, :, None]  # [B, Hq, 1, D]
             mask = None
@@ -171,10 +171,8 @@ def bench_prefill(args, do_bench, paged_attention_triton, device) -> list[dict]:
         query_start_loc = torch.arange(0, batch * new + 1, new, device=device, dtype=torch.int32)
 
         def paged():
-            return paged_attention_triton(
-                query, data["key_cache"], data["value_cache"], data["block_tables"], data["seq_lens"],
-                query_start_loc, scale, None, max_query_len=new, max_seq_len=length,
-            )
+            meta = AttentionMetadata(data["block_tables"], data["seq_lens"], query_start_loc, new, length)
+            return paged_attention_triton(query, data["key_cache"], data["value_cache"], meta, scale)
 
         q4 = query.view(batch, new, hq, d).transpose(1, 2)  # [B, Hq, new, D]
 
@@ -221,14 +219,13 @@ def bench_mixed(args, do_bench, paged_attention_triton, device) -> list[dict]:
     prefill_qsl = qsl[:2].contiguous()
 
     def mixed():
-        return paged_attention_triton(query, k, v, tables, seq_lens, qsl, scale, None, max_query_len=chunk,
-                                      max_seq_len=width)
+        return paged_attention_triton(query, k, v, AttentionMetadata(tables, seq_lens, qsl, chunk, width), scale)
 
     def separate():
-        first = paged_attention_triton(query[:chunk], k, v, tables[:1], seq_lens[:1], prefill_qsl, scale, None,
-                                       max_query_len=chunk, max_seq_len=width)
-        rest = paged_attention_triton(query[chunk:], k, v, tables[1:], seq_lens[1:], decode_qsl, scale, None,
-                                      max_query_len=1, max_seq_len=width)
+        first = paged_attention_triton(query[:chunk], k, v, AttentionMetadata(tables[:1], seq_lens[:1], prefill_qsl,
+                                                                             chunk, width), scale)
+        rest = paged_attention_triton(query[chunk:], k, v, AttentionMetadata(tables[1:], seq_lens[1:], decode_qsl, 1,
+                                                                            width), scale)
         return torch.cat([first, rest])
 
     max_diff = (mixed().float() - separate().float()).abs().max().item()
@@ -273,13 +270,12 @@ def host_cases(args, device) -> dict:
     def step(num_seqs: int, q_len: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor, LayerStep]:
         q = torch.randn(num_seqs * q_len, hq, d, dtype=dtype, device=device)  # [num_tokens, Hq, D]
         kv = torch.randn(num_seqs * q_len, hkv, d, dtype=dtype, device=device)  # [num_tokens, Hkv, D]
-        group = GroupStep(
-            slot_mapping=torch.arange(num_seqs * q_len, device=device),
+        group = GroupStep(slot_mapping=torch.arange(num_seqs * q_len, device=device), attention=AttentionMetadata(
             block_tables=table[: num_seqs * blocks].view(num_seqs, blocks),
             seq_lens=torch.full((num_seqs,), blocks * bs, dtype=torch.int32, device=device),
             query_start_loc=torch.arange(0, num_seqs * q_len + 1, q_len, dtype=torch.int32, device=device),
-            window=None)
-        layer = LayerStep(pool, pool.clone(), None, None, group, None, None, False, q_len, "triton")
+            max_query_len=q_len, max_seq_len=blocks * bs))
+        layer = LayerStep(pool, pool.clone(), None, None, group, None, None, False, "triton")
         return q, kv, layer
 
     q_dec, kv_dec, dec = step(batch, 1, width)
@@ -289,26 +285,25 @@ def host_cases(args, device) -> dict:
     g = dec.group
 
     def launcher(q, layer):
-        g = layer.group
-        return lambda: triton_kernels.paged_attention_triton(
-            q, layer.key_cache, layer.value_cache, g.block_tables, g.seq_lens, g.query_start_loc, scale, None,
-            layer.max_query_len, g.block_tables.shape[1] * bs, reuse_partials=True)
+        return lambda: triton_kernels.paged_attention_triton(q, layer.key_cache, layer.value_cache,
+                                                             layer.group.attention, scale, reuse_partials=True)
 
     def op_args(q, layer):  # torch.ops.hf_paged.paged_attention's arguments, as custom_ops.paged_attention makes them
-        g = layer.group
-        return (q, layer.key_cache, layer.value_cache, g.block_tables, g.seq_lens, g.query_start_loc,
-                *custom_ops.plan_arguments(None), None, None, None, scale, 0, 0.0, layer.max_query_len, "triton")
+        tables, lens, qsl, plan, plan_ints, window, max_query_len = layer.group.attention.op_arguments()
+        return (q, layer.key_cache, layer.value_cache, tables, lens, qsl, plan, plan_ints, None, None, None, scale,
+                window, 0.0, max_query_len, "triton")
 
     write_args = (kv_dec, kv_dec, dec.key_cache, dec.value_cache, g.slot_mapping, None, None, "triton")
     dec_args, pre_args = op_args(q_dec, dec), op_args(q_pre, pre)
-    kernels = len(triton_kernels.attention_plan(q_dec, pool, g.block_tables, scale, None, 1, width * bs).launches)
+    kernels = len(triton_kernels.attention_plan(q_dec, pool, g.attention.block_tables, scale, None, 1,
+                                                width * bs).launches)
     return {  # name -> (call, the empty op it is compared with)
         f"launcher  paged_attention decode ({batch} seqs, {kernels} kernels)": (launcher(q_dec, dec), None),
         f"launcher  paged_attention prefill ({args.host_prefill} tokens)": (launcher(q_pre, pre), None),
         f"launcher  write_kv ({batch} tokens)": (lambda: triton_kernels.write_kv_triton(*write_args[:5]), None),
-        "model     paged_attention decode": (lambda: custom_ops.paged_attention(q_dec, dec, scale, None, None, None),
+        "model     paged_attention decode": (lambda: custom_ops.paged_attention(q_dec, dec, scale, None, None),
                                                None),
-        "model     paged_attention prefill": (lambda: custom_ops.paged_attention(q_pre, pre, scale, None, None, None),
+        "model     paged_attention prefill": (lambda: custom_ops.paged_attention(q_pre, pre, scale, None, None),
                                                 None),
         "model     write_kv": (lambda: custom_ops.write_kv(*write_args), None),
         "torch.ops paged_attention decode": (lambda: torch.ops.hf_paged.paged_attention(*dec_args),

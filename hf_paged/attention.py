@@ -47,11 +47,10 @@ def _paged_forward(module, query, scaling, kwargs, layer) -> torch.Tensor:
     q = query.transpose(1, 2).reshape(batch * query_len, num_q_heads, head_dim)  # [B*S, Hq, D]
     if layer.token_index is not None:
         q = q.index_select(0, layer.token_index)  # [num_tokens, Hq, D]
-    # The window is the layer group's (hf_paged.patches.layer_windows): what the model's mask applies, also where
-    # its attention passes none (SmolLM3 with use_sliding_window=False slides through its mask alone).
-    out = custom_ops.paged_attention(
-        q, layer, scaling if scaling is not None else head_dim**-0.5, layer.group.window,
-        kwargs.get("softcap"), kwargs.get("s_aux"))  # [num_tokens, Hq, D]
+    # The window is the layer group's, in its step's metadata (hf_paged.patches.layer_windows): what the model's mask
+    # applies, also where its attention passes none (SmolLM3 with use_sliding_window=False slides through its mask).
+    out = custom_ops.paged_attention(q, layer, scaling if scaling is not None else head_dim**-0.5,
+                                     kwargs.get("softcap"), kwargs.get("s_aux"))  # [num_tokens, Hq, D]
     if layer.token_index is not None:
         full = out.new_zeros(batch * query_len, num_q_heads, head_dim)
         out = full.index_copy_(0, layer.token_index, out)

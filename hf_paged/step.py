@@ -19,21 +19,21 @@ from dataclasses import dataclass, field
 import torch
 
 from .allocator import cdiv, slot_of
-from .ops import plan_torch_attention
+from .ops import AttentionMetadata, plan_torch_attention
 from .rows import Row, Rows
 
 
 @dataclass
 class GroupStep:
-    """One layer group's view of a step on one device."""
+    """One layer group's view of a step on one device: where its tokens are written and what its attention reads."""
 
     slot_mapping: torch.Tensor  # [num_writes] int64
-    block_tables: torch.Tensor  # [B, W] int32, W bucketed to a power of two in decode steps
-    seq_lens: torch.Tensor  # [B] int32
-    query_start_loc: torch.Tensor  # [B + 1] int32
-    window: int | None
-    plan: object | None = None  # TorchAttentionPlan (torch backend)
+    attention: AttentionMetadata  # block tables (width bucketed to a power of two in decode steps), lengths, window
     gather_slots: torch.Tensor | None = None  # [B, L] int64, gathered mode only
+
+    @property
+    def window(self) -> int | None:
+        return self.attention.sliding_window
 
 
 @dataclass
@@ -48,13 +48,12 @@ class LayerStep:
     token_index: torch.Tensor | None  # [num_tokens] real tokens among the B*S columns; None: all
     write_index: torch.Tensor | None  # [num_writes] written tokens among the real ones; None: all
     no_history: bool  # a first prefill: the model's own attention over the fresh K/V gives the same result
-    max_query_len: int
     backend: str
 
 
 @dataclass
 class Step:
-    """A planned forward, host side; :meth:`layer` gives each layer its device view."""
+    """A planned forward, host side; :meth:`device_view` gives each layer group its tensors on a device."""
 
     batch_size: int
     query_len: int
@@ -79,15 +78,11 @@ class Step:
             else:
                 def put(name, t):
                     return None if t is None else t.to(device, non_blocking=True)
-            moved = {n: put(n, getattr(g, n)) for n in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")}
-            plan = None
-            if g.plan is not None:
-                plan = type(g.plan)(**{n: (put("plan." + n, v) if isinstance(v, torch.Tensor) or v is None else v)
-                                       for n, v in vars(g.plan).items()})
             packing = tuple(put(n, t) for n, t in (("token_index", self.token_index),
                                                    ("write_index", self.write_index)))
-            view = self._on_device[key] = (GroupStep(**moved, window=g.window, plan=plan,
-                                                     gather_slots=put("gather_slots", g.gather_slots)), packing)
+            view = self._on_device[key] = (GroupStep(put("slot_mapping", g.slot_mapping),
+                                                     g.attention.to(device, put), put("gather_slots", g.gather_slots)),
+                                           packing)
         return view
 
 
@@ -254,7 +249,9 @@ def plan(rows: Rows, inputs: list[RowInput], *, backend: str, num_layers: int, d
             lens = [0 if i.row.released else a.seq_len(i.row.seqs[g]) for i in inputs]
             block_tables, seq_lens, qsl, slots = group_tensors(
                 tables, lens, counts, starts, written, pool.scratch_block, bs, bucket=decode_bucket)
-            group_steps.append(GroupStep(slots, block_tables, seq_lens, qsl, window))
+            max_query_len = max(counts) if counts else 0
+            group_steps.append(GroupStep(slots, AttentionMetadata(block_tables, seq_lens, qsl, max_query_len,
+                                                                  block_tables.shape[1] * bs, window)))
 
     write_index = None
     if not all(written):
@@ -263,16 +260,18 @@ def plan(rows: Rows, inputs: list[RowInput], *, backend: str, num_layers: int, d
     max_query_len = max(counts) if counts else 0
     num_tokens = sum(counts)
     for g in group_steps:
+        meta = g.attention
         if gathered:
-            length = max(1, int(g.seq_lens.max()))
+            length = max(1, int(meta.seq_lens.max()))
             pos = torch.arange(length)
-            g.gather_slots = slot_of(g.block_tables.long()[:, pos // bs], pos, bs)  # [B, L]
+            g.gather_slots = slot_of(meta.block_tables.long()[:, pos // bs], pos, bs)  # [B, L]
         elif backend == "torch":
             # Whole blocks: the plan's width tells its length. A compiled step always carries the mask; its width
             # changes block by block (dynamo compiles that dimension as dynamic after the first change).
-            context = cdiv(int(g.seq_lens.max()), bs) * bs if len(inputs) else bs
-            g.plan = plan_torch_attention(g.block_tables, g.seq_lens, g.query_start_loc, bs, num_tokens, g.window,
-                                          max_query_len, context, always_mask=always_mask or static)
+            context = cdiv(int(meta.seq_lens.max()), bs) * bs if len(inputs) else bs
+            meta.plan = plan_torch_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, bs, num_tokens,
+                                             meta.sliding_window, max_query_len, context,
+                                             always_mask=always_mask or static)
     return Step(len(inputs), max_query_len, max_query_len, no_history, None, write_index, group_steps,
                 backend, static, layers=[None] * max(num_layers, 1))
 
@@ -323,7 +322,7 @@ def build_layer_step(pool, groups, step: Step, buffers: StepBuffers, layer_idx: 
     key_cache, value_cache = pool.layer_kv(layer_idx)
     k_scale, v_scale = pool.layer_scales(layer_idx)  # fp8 pools: [rows, block_size, Hkv] bf16, else None
     return LayerStep(key_cache, value_cache, k_scale, v_scale, view, token_index, write_index, step.no_history,
-                     step.max_query_len, step.backend)
+                     step.backend)
 
 
 def write_layer(pool, groups, step: Step, buffers: StepBuffers, layer_idx: int, num_layers: int | None,

@@ -63,11 +63,12 @@ class StepProbe(StoppingCriteria):
         if step is not None and step.query_len == 1:
             buffers = list(self.cache.step_buffers.staged().values())
             for layer in step.layers:
-                g = layer.group
+                g, meta = layer.group, layer.group.attention
                 # the torch backend's plan too, mask included: its presence and shapes depend on the bucket alone
-                read = (g.slot_mapping, g.block_tables, g.seq_lens, g.query_start_loc, g.plan.tables, g.plan.mask)
+                read = (g.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.plan.tables,
+                        meta.plan.mask)
                 self.decode_reads_buffers.append(all(any(t is b for b in buffers) for t in read))
-                self.widths.append((g.block_tables.shape[1], g.plan.mask.shape[-1], g.plan.tables.shape[0]))
+                self.widths.append((meta.block_tables.shape[1], meta.plan.mask.shape[-1], meta.plan.tables.shape[0]))
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 

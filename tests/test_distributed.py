@@ -7,6 +7,7 @@ KV bytes per rank, and ``memory_stats(all_ranks=True)`` equal to the single-proc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from helpers import dynamic, generate, left_padded, tiny_model
 from hf_paged import PagedCache, enable_paged_attention
+from hf_paged.ops import AttentionMetadata
 from hf_paged.step import GroupStep, Step, StepBuffers
 from hf_paged.distributed import gather_stats, sum_over_ranks
 
@@ -227,27 +229,30 @@ def test_device_map_pool_follows_each_layer(tmp_path, placement):
 
 
 def test_step_moves_once_per_device():
-    group = GroupStep(slot_mapping=torch.tensor([5, 9]), block_tables=torch.tensor([[1, 0], [2, 3]], dtype=torch.int32),
-                      seq_lens=torch.tensor([2, 6], dtype=torch.int32),
-                      query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32), window=None)
+    group = GroupStep(slot_mapping=torch.tensor([5, 9]), attention=AttentionMetadata(
+        block_tables=torch.tensor([[1, 0], [2, 3]], dtype=torch.int32), seq_lens=torch.tensor([2, 6], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32), max_query_len=1, max_seq_len=4))
     step = Step(batch_size=2, query_len=1, max_query_len=1, no_history=False, token_index=None, write_index=None,
                 groups=[group], backend="torch", static=True)  # a compiled decode step
     buffers = StepBuffers()
     meta = torch.device("meta")  # stands in for a second device on a CPU-only machine
     moved, packing = step.device_view(0, meta, buffers)
     assert step.device_view(0, meta, buffers)[0] is moved  # every layer on that device gets the one copy
-    assert moved.slot_mapping.device == meta and moved.block_tables.device == meta and moved.seq_lens.device == meta
+    assert moved.slot_mapping.device == meta and moved.attention.block_tables.device == meta
+    assert moved.attention.seq_lens.device == meta
     assert packing == (None, None)
     on_cpu, _ = step.device_view(0, torch.device("cpu"), buffers)
-    assert torch.equal(on_cpu.block_tables, group.block_tables)
+    assert torch.equal(on_cpu.attention.block_tables, group.attention.block_tables)
     # A compiled decode step stages its tensors in buffers that the next one with the same shapes reuses in place;
     # an eager step just moves them.
-    groups = [GroupStep(group.slot_mapping + 1, group.block_tables, group.seq_lens + 1, group.query_start_loc, None)]
+    groups = [GroupStep(group.slot_mapping + 1, dataclasses.replace(group.attention,
+                                                                    seq_lens=group.attention.seq_lens + 1))]
     again = Step(batch_size=2, query_len=1, max_query_len=1, no_history=False, token_index=None, write_index=None,
                  groups=groups, backend="torch", static=True)
     staged, _ = again.device_view(0, torch.device("cpu"), buffers)
-    assert staged.seq_lens.data_ptr() == on_cpu.seq_lens.data_ptr() and staged.seq_lens.tolist() == [3, 7]
+    assert staged.attention.seq_lens.data_ptr() == on_cpu.attention.seq_lens.data_ptr() and staged.attention.seq_lens.tolist() == [3, 7]
     eager = Step(batch_size=2, query_len=1, max_query_len=1, no_history=False, token_index=None, write_index=None,
                  groups=groups, backend="torch")
     moved_only, _ = eager.device_view(0, torch.device("cpu"), buffers)
-    assert moved_only.seq_lens.data_ptr() != on_cpu.seq_lens.data_ptr() and moved_only.seq_lens.tolist() == [3, 7]
+    assert moved_only.attention.seq_lens.data_ptr() != on_cpu.attention.seq_lens.data_ptr()
+    assert moved_only.attention.seq_lens.tolist() == [3, 7]

@@ -27,7 +27,7 @@ from hf_paged.ops.reference import (  # noqa: E402
     fp8_scales, paged_attention_torch, plan_torch_attention, quantize_fp8, write_kv_torch,
 )
 from hf_paged.ops.triton_kernels import choose_num_kv_splits, paged_attention_triton, write_kv_triton  # noqa: E402
-from helpers import attention_float64, scrambled_case  # noqa: E402
+from helpers import attention_float64, on_backend, scrambled_case  # noqa: E402
 
 if triton_kernels._INTERPRETED:
     DEVICE = "cpu"
@@ -59,7 +59,7 @@ def assert_close_to_float64(case, run_kernel, reference_case=None):
     """
     expected = attention_float64(**case)  # [num_tokens, num_q_heads, head_dim] float64
     dtype = case["query"].dtype
-    reference = paged_attention_torch(**(case if reference_case is None else reference_case))
+    reference = on_backend(paged_attention_torch, case if reference_case is None else reference_case)
     kernel = run_kernel(case)
     assert kernel.shape == case["query"].shape and kernel.dtype == dtype
     ref_err = (reference.cpu().double() - expected).abs().max().item()
@@ -75,7 +75,7 @@ def assert_close_to_float64(case, run_kernel, reference_case=None):
 
 
 def triton_direct(**kw):
-    return lambda case: paged_attention_triton(**case, **kw)
+    return lambda case: on_backend(paged_attention_triton, case, **kw)
 
 
 def triton_public(case):
@@ -157,7 +157,7 @@ def test_prefill_matches_float64(name):
 
 def test_empty_batch_and_all_idle():
     case = make_case([4, 7], [0, 0], num_kv_heads=1, group=2, head_dim=64, block_size=8, dtype=torch.float32)
-    out = paged_attention_triton(**case)
+    out = on_backend(paged_attention_triton, case)
     assert out.shape == (0, 2, 64)
 
 
@@ -333,11 +333,9 @@ def test_bucketed_width_and_zero_padded_tables(decode, options):
     plan = plan_torch_attention(tables, case["seq_lens"], case["query_start_loc"], block_size, num_tokens,
                                 None, max_query_len, max_seq_len)
     assert (plan.mask if decode else plan.segments[0].mask).shape[-1] == max_seq_len > max(seq_lens)
-    extra = {k: case[k] for k in ("softcap", "sinks", "k_scale", "v_scale") if k in case}
-    positional = [case[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens",
-                                    "query_start_loc", "scale", "sliding_window")]
-    torch_out = ops.paged_attention_unchecked(*positional, "torch", max_query_len, max_seq_len, plan, **extra)
-    triton_out = ops.paged_attention_unchecked(*positional, "triton", max_query_len, max_seq_len, **extra)
+    sizes = dict(max_query_len=max_query_len, max_seq_len=max_seq_len)
+    torch_out = on_backend(functools.partial(ops.paged_attention_unchecked, backend="torch"), case, plan=plan, **sizes)
+    triton_out = on_backend(functools.partial(ops.paged_attention_unchecked, backend="triton"), case, **sizes)
     for out in (torch_out, triton_out):
         assert (out.cpu().double() - expected).abs().max() < 1e-5
 
@@ -501,19 +499,19 @@ def test_launchers_do_not_sync_when_maxima_are_given(monkeypatch, decode):
         case["seq_lens"] = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
         with monkeypatch.context() as m:
             _forbid_host_sync(m)
-            paged_attention_triton(**case, max_query_len=max(q_lens), max_seq_len=640)
+            on_backend(paged_attention_triton, case, max_query_len=max(q_lens), max_seq_len=640)
         grids.append([grid for _, grid, _, _ in calls])
         calls.clear()
     assert grids[0] == grids[1]
     with monkeypatch.context() as m, pytest.raises(AssertionError, match="device sync"):
         _forbid_host_sync(m)  # the guard sees a sync: without the maxima the launcher must read them
-        paged_attention_triton(**case)
+        on_backend(paged_attention_triton, case)
     expected = triton_kernels.launch_choices(
         torch.bfloat16, torch.uint8, 64, 4, 16, len(grids[0]) > 1, "decode" if decode else "prefill", softcap=True,
         sinks=True, max_query_len=max(q_lens), num_splits=grids[0][0][2] if decode else None)
     assert len(grids[0]) == len(expected)
     calls.clear()
-    paged_attention_triton(**case, max_query_len=max(q_lens), max_seq_len=640)
+    on_backend(paged_attention_triton, case, max_query_len=max(q_lens), max_seq_len=640)
     for (name, _, _, kwargs), choice in zip(calls, expected):  # the launchers launch what launch_choices says
         assert name == choice.kernel
         assert {k: kwargs[k] for k in choice.constexprs} == choice.constexprs
@@ -536,7 +534,7 @@ def test_launch_plan_cache_returns_the_same_plan_per_key(monkeypatch):
             m.setattr(triton_kernels, name, lambda *a, **k: pytest.fail("a cached plan was worked out again"))
         assert triton_kernels.attention_plan(q.clone(), kc, bt.clone(), 0.125, None, 1, 640) is plan
         calls = _record_launches(m)
-        paged_attention_triton(**case, max_query_len=1, max_seq_len=640)  # the launcher too: from the cache
+        on_backend(paged_attention_triton, case, max_query_len=1, max_seq_len=640)  # the launcher too: from the cache
     assert [(name, grid) for name, grid, _, _ in calls] == [(launch.kernel, launch.grid) for launch in plan.launches]
 
     three = make_case([600, 20, 7], [1, 1, 1], num_kv_heads=2, group=4, head_dim=64, block_size=16,
@@ -594,7 +592,7 @@ def test_torch_plan_groups_rows_by_query_count():
     assert plan.tables.shape == (3 * 5,) and plan.mask.shape == (3, 1, 1, 80)  # 70 tokens -> 5 blocks, not 13
     assert not plan.ordered and plan.decode_index.tolist() == [40, 41, 42]  # the chunk comes first: scattered
     expected = attention_float64(**case)
-    out = paged_attention_torch(**case, plan=plan)
+    out = on_backend(paged_attention_torch, case, plan=plan)
     assert (out.double() - expected).abs().max() < 1e-5
     decode_only = plan_torch_attention(case["block_tables"][1:], case["seq_lens"][1:],
                                        case["query_start_loc"][1:] - 40, block_size, 3, None, 1)
@@ -617,7 +615,7 @@ def test_torch_plan_packed_step_reads_slices_and_fresh_chunks_unmasked(window):
     assert sorted(by_count) == [9, 17] and by_count[17].sizes() == (3, 17)
     assert (by_count[9].mask is None) == (window is None or window >= 9)  # fresh: causal, unless the window cuts
     assert by_count[17].mask is not None  # one of its rows has history
-    assert (paged_attention_torch(**case, plan=plan).double() - attention_float64(**case)).abs().max() < 1e-5
+    assert (on_backend(paged_attention_torch, case, plan=plan).double() - attention_float64(**case)).abs().max() < 1e-5
     in_order = [0, 1, 4, 2, 3, 5]  # decode, then the 9, then the 17s: the engine's order
     reordered = {k: case[k] for k in ("key_cache", "value_cache", "scale", "sliding_window")}
     reordered["block_tables"] = case["block_tables"][in_order]
@@ -630,7 +628,7 @@ def test_torch_plan_packed_step_reads_slices_and_fresh_chunks_unmasked(window):
                                 block_size, sum(q_lens), window, max(q_lens), zero_unowned=True)
     assert plan.ordered and plan.decode_index is None and all(seg.q_index is None for seg in plan.segments)
     expected = attention_float64(**reordered)
-    assert (paged_attention_torch(**reordered, plan=plan).double() - expected).abs().max() < 1e-5
+    assert (on_backend(paged_attention_torch, reordered, plan=plan).double() - expected).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
@@ -647,7 +645,7 @@ def test_torch_plan_reads_a_run_of_blocks_as_a_view(decode):
     case = dict(case, key_cache=pool_k, value_cache=pool_v, block_tables=tables)
     plan = plan_torch_attention(tables, case["seq_lens"], case["query_start_loc"], 8, q_len, None, q_len)
     assert (plan.decode_run if decode else plan.segments[0].run) == 2
-    out = paged_attention_torch(**case, plan=plan)
+    out = on_backend(paged_attention_torch, case, plan=plan)
     assert (out.double() - attention_float64(**case)).abs().max() < 1e-5
     compiled = plan_torch_attention(tables, case["seq_lens"], case["query_start_loc"], 8, q_len, None, q_len,
                                     always_mask=True)

@@ -569,20 +569,24 @@ def test_one_torch_plan_per_step_shared_by_every_layer(monkeypatch):
     layer), and a decode step's plan is one batched decode part with no index to scatter through."""
     from helpers import dynamic, generate, left_padded, tiny_model
 
+    import hf_paged.ops
     from hf_paged import PagedCache, enable_paged_attention
-    from hf_paged.ops import custom_ops
+    from hf_paged.ops import reference
 
     model = tiny_model("llama", num_hidden_layers=3)
     inputs = left_padded([3, 7])
     expected = generate(model, inputs, dynamic(model), max_new_tokens=4)
     enable_paged_attention(model, backend="torch")
-    plans, real = [], custom_ops.paged_attention_torch
+    plans = []
+    # the step planner holds its own reference; only a plan built inside the attention (per layer) would call this
+    monkeypatch.setattr(reference, "plan_torch_attention", lambda *a, **k: pytest.fail("a plan built per layer"))
 
-    def recording(*args, **kwargs):
-        plans.append(args[10])  # the plan argument
-        return real(*args, **kwargs)
+    def recording(query, key_cache, value_cache, meta, scale, **kwargs):
+        plans.append(meta.plan)
+        return real_attention(query, key_cache, value_cache, meta, scale, **kwargs)
 
-    monkeypatch.setattr(custom_ops, "paged_attention_torch", recording)
+    real_attention = hf_paged.ops.paged_attention_torch
+    monkeypatch.setattr(hf_paged.ops, "paged_attention_torch", recording)
     out = generate(model, inputs, PagedCache(model.config, block_size=4), max_new_tokens=4)
     assert torch.equal(out, expected)
     per_step = [plans[i:i + 3] for i in range(0, len(plans), 3)]

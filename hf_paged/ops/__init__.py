@@ -42,10 +42,11 @@ import sys
 
 import torch
 
+from .metadata import AttentionMetadata
 from .reference import copy_blocks_torch, fp8_scales, paged_attention_torch, plan_torch_attention, write_kv_torch
 
 __all__ = ["paged_attention", "write_kv", "copy_blocks", "fp8_scales", "plan_torch_attention", "resolve_backend",
-           "BACKENDS", "triton_available"]
+           "AttentionMetadata", "BACKENDS", "triton_available"]
 
 BACKENDS = ("auto", "torch", "triton")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -347,29 +348,28 @@ def paged_attention(
     if max_seq_len is not None and max_seq_len > block_tables.shape[1] * block_size:
         _fail(f"max_seq_len={max_seq_len} exceeds what block_tables can address ({block_tables.shape[1]} blocks x "
               f"{block_size} = {block_tables.shape[1] * block_size}); pass a width <= that, or None.")
+    meta = AttentionMetadata(block_tables, seq_lens.contiguous(), query_start_loc.contiguous(), max_query_len,
+                             max_seq_len, sliding_window)
     return paged_attention_unchecked(
-        query, key_cache, value_cache, block_tables, seq_lens.contiguous(), query_start_loc.contiguous(), float(scale),
-        sliding_window, resolve_backend(backend, query.device), max_query_len, max_seq_len,
+        query, key_cache, value_cache, meta, float(scale), resolve_backend(backend, query.device),
         softcap=None if softcap is None else float(softcap),
         sinks=None if sinks is None else sinks.to(torch.float32).contiguous(), k_scale=k_scale, v_scale=v_scale,
     )
 
 
-def paged_attention_unchecked(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                              sliding_window, backend: str, max_query_len=None, max_seq_len=None, plan=None, *,
-                              softcap=None, sinks=None, k_scale=None, v_scale=None):
-    """:func:`paged_attention` without argument checks; ``backend`` is ``"torch"`` or ``"triton"``; ``seq_lens`` and
-    ``query_start_loc`` contiguous.
+def paged_attention_unchecked(query, key_cache, value_cache, meta: AttentionMetadata, scale: float, backend: str, *,
+                              softcap=None, sinks=None, k_scale=None, v_scale=None, reuse_partials: bool = False):
+    """:func:`paged_attention` without argument checks, on an :class:`~hf_paged.ops.metadata.AttentionMetadata`;
+    ``backend`` is ``"torch"`` or ``"triton"``; ``seq_lens`` and ``query_start_loc`` contiguous. The model path and
+    the custom op call the backends through here.
 
-    ``plan`` (torch backend): a :class:`~hf_paged.ops.reference.TorchAttentionPlan` shared by the layers of a step.
+    ``meta.plan`` (torch backend): a :class:`~hf_paged.ops.reference.TorchAttentionPlan` shared by the layers of a
+    step. ``reuse_partials`` (Triton): split-KV scratch kept per device and shape (eager calls only).
     """
     if backend == "triton":
         return _triton_kernels().paged_attention_triton(
-            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-            max_query_len, max_seq_len, softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+            query, key_cache, value_cache, meta, scale, softcap=softcap, sinks=sinks, k_scale=k_scale,
+            v_scale=v_scale, reuse_partials=reuse_partials,
         )
-    return paged_attention_torch(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-        max_query_len=max_query_len, max_seq_len=max_seq_len, plan=plan, softcap=softcap, sinks=sinks,
-        k_scale=k_scale, v_scale=v_scale,
-    )
+    return paged_attention_torch(query, key_cache, value_cache, meta, scale, softcap=softcap, sinks=sinks,
+                                 k_scale=k_scale, v_scale=v_scale)

@@ -9,18 +9,20 @@ the dispatcher (two calls per layer per step: the round trip and the plan's conv
 call on this CPU); while dynamo traces, it emits the operators.
 
 Only tensors and values that stay fixed over a generation cross the op boundary (a varying Python int would be
-baked into a compiled graph and force a recompile each step): the torch backend's plan travels as a list of tensors
-whose shapes carry its sizes (its ints, the first blocks of runs read as views and the sizes of parts read without
-a mask, are constant in compiled steps), and the Triton kernels get the block tables' (bucketed) width as their length bound. The implementations call the backends
-directly, without the public functions' argument checks (the step planner made the arguments).
+baked into a compiled graph and force a recompile each step): the step's
+:class:`~hf_paged.ops.metadata.AttentionMetadata` is flattened by its ``op_arguments`` (the torch backend's plan as a
+list of tensors whose shapes carry its sizes; its ints are constant in compiled steps) and rebuilt inside by
+``from_op_arguments``, which takes the block tables' (bucketed) width as the length bound. The implementations call
+the backends directly, without the public functions' argument checks (the step planner made the arguments).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _triton_kernels
-from .reference import TorchAttentionPlan, paged_attention_torch, write_kv_torch
+from . import _triton_kernels, paged_attention_unchecked
+from .metadata import AttentionMetadata
+from .reference import write_kv_torch
 
 WRITE_KV_SCHEMA = ("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
                    "Tensor slot_mapping, Tensor(c!)? k_scale, Tensor(d!)? v_scale, str backend) -> ()")
@@ -33,9 +35,7 @@ _LIB = torch.library.Library("hf_paged", "DEF")
 _LIB.define(WRITE_KV_SCHEMA)
 _LIB.define(PAGED_ATTENTION_SCHEMA)
 
-_NO_WINDOW = 0  # sliding_window=0 means none
 _NO_SOFTCAP = 0.0
-_NO_PLAN = ([None] * len(TorchAttentionPlan.TENSORS), [-1, 1, 0])
 
 
 def _write_kv_impl(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, backend: str) -> None:
@@ -54,19 +54,13 @@ def _(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, backen
     return None
 
 
-def _paged_attention_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, plan,
-                          plan_ints: list[int], sinks, k_scale, v_scale, scale: float,
-                          sliding_window: int, softcap: float, max_query_len: int, backend: str) -> torch.Tensor:
-    if backend == "triton":
-        return _triton_kernels().paged_attention_triton(
-            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window or None,
-            max_query_len, block_tables.shape[1] * key_cache.shape[1], softcap=softcap or None, sinks=sinks,
-            k_scale=k_scale, v_scale=v_scale)
-    return paged_attention_torch(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window or None,
-        max_query_len, block_tables.shape[1] * key_cache.shape[1],
-        TorchAttentionPlan.from_arguments(plan, plan_ints),
-        softcap=softcap or None, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+def _paged_attention_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, plan_tensors,
+                          plan_ints: list[int], sinks, k_scale, v_scale, scale: float, sliding_window: int,
+                          softcap: float, max_query_len: int, backend: str) -> torch.Tensor:
+    meta = AttentionMetadata.from_op_arguments(block_tables, seq_lens, query_start_loc, plan_tensors, plan_ints,
+                                               sliding_window, max_query_len, key_cache.shape[1])
+    return paged_attention_unchecked(query, key_cache, value_cache, meta, scale, backend,
+                                     softcap=softcap or None, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 
 
 _LIB.impl("paged_attention", _paged_attention_impl, "CompositeExplicitAutograd")
@@ -86,28 +80,15 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
     torch.ops.hf_paged.write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, backend)
 
 
-def plan_arguments(plan: TorchAttentionPlan | None) -> tuple[list, list[int]]:
-    """The ``plan, plan_ints`` arguments of the op for a torch plan (None: the Triton backend)."""
-    return _NO_PLAN if plan is None else plan.arguments()
-
-
-def paged_attention(query, layer, scale: float, sliding_window: int | None, softcap: float | None,
-                    sinks: torch.Tensor | None) -> torch.Tensor:
+def paged_attention(query, layer, scale: float, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
     """``[N, Hq, D]`` packed queries attending through ``layer`` (a :class:`~hf_paged.step.LayerStep`)."""
-    g = layer.group
-    if not torch.compiler.is_compiling():  # eager: the implementation itself, the plan as it is
-        if layer.backend == "triton":
-            return _triton_kernels().paged_attention_triton(
-                query, layer.key_cache, layer.value_cache, g.block_tables, g.seq_lens, g.query_start_loc, float(scale),
-                sliding_window or None, layer.max_query_len, g.block_tables.shape[1] * layer.key_cache.shape[1],
-                softcap=softcap or None, sinks=sinks, k_scale=layer.k_scale, v_scale=layer.v_scale,
-                reuse_partials=True)
-        return paged_attention_torch(
-            query, layer.key_cache, layer.value_cache, g.block_tables, g.seq_lens, g.query_start_loc, float(scale),
-            sliding_window or None, layer.max_query_len, g.block_tables.shape[1] * layer.key_cache.shape[1], g.plan,
-            softcap=softcap or None, sinks=sinks, k_scale=layer.k_scale, v_scale=layer.v_scale)
-    plan, plan_ints = plan_arguments(g.plan)
+    meta = layer.group.attention
+    if not torch.compiler.is_compiling():  # eager: the implementation itself, the metadata as it is
+        return paged_attention_unchecked(query, layer.key_cache, layer.value_cache, meta, float(scale), layer.backend,
+                                         softcap=softcap or None, sinks=sinks, k_scale=layer.k_scale,
+                                         v_scale=layer.v_scale, reuse_partials=True)
+    block_tables, seq_lens, query_start_loc, plan_tensors, plan_ints, window, max_query_len = meta.op_arguments()
     return torch.ops.hf_paged.paged_attention(
-        query, layer.key_cache, layer.value_cache, g.block_tables, g.seq_lens, g.query_start_loc, plan, plan_ints,
-        sinks, layer.k_scale, layer.v_scale, float(scale), int(sliding_window or _NO_WINDOW),
-        float(softcap or _NO_SOFTCAP), int(layer.max_query_len), layer.backend)
+        query, layer.key_cache, layer.value_cache, block_tables, seq_lens, query_start_loc, plan_tensors, plan_ints,
+        sinks, layer.k_scale, layer.v_scale, float(scale), window, float(softcap or _NO_SOFTCAP), max_query_len,
+        layer.backend)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .metadata import AttentionMetadata
+
 
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 FP8_SCALE_DTYPE = torch.bfloat16  # the scale caches' dtype: fp32's range in 2 bytes; see fp8_scales
@@ -143,10 +145,10 @@ class TorchAttentionPlan:
     decode first, then the segments in order, are the packed batch itself (``ordered``), the output is their
     concatenation; otherwise each part has index tensors and its output is scattered.
 
-    Every field is a tensor, an int or None (the step planner moves the tensors to the model's device). A compiled
-    step (``always_mask``) carries every size the attention needs in a tensor's shape (a compiled graph sees no
-    varying Python int): see :meth:`arguments` and :meth:`from_arguments`, through which the plan crosses the
-    custom-op boundary.
+    Every field is a tensor, an int or None (the step planner moves the tensors to the model's device, :meth:`moved`).
+    A compiled step (``always_mask``) carries every size the attention needs in a tensor's shape (a compiled graph
+    sees no varying Python int): see :meth:`op_arguments` and :meth:`from_op_arguments`, through which the plan
+    crosses the custom-op boundary.
     """
 
     # rows with one query: the query heads of a KV head become its queries (one SDPA call, no repeated K/V)
@@ -162,18 +164,33 @@ class TorchAttentionPlan:
 
     TENSORS = ("tables", "mask", "decode_index", "kv_valid")
 
-    def arguments(self) -> tuple[list, list[int]]:
-        """``(tensors, ints)``: the decode part's tensors then each segment's (``TENSORS`` order); the ints
-        ``[decode_run, ordered, decode_count, then per segment: run, q_start, num_rows, queries]`` (-1: none)."""
-        tensors = [getattr(self, n) for n in self.TENSORS]
-        ints = [-1 if self.decode_run is None else self.decode_run, int(self.ordered), self.decode_count]
-        for seg in self.segments:
+    def moved(self, put) -> "TorchAttentionPlan":
+        """A copy whose tensors are ``put(name, tensor)`` (e.g. moved to a device or staged in a step buffer)."""
+        def move(obj, prefix):
+            return {n: put(prefix + n, v) if isinstance(v, torch.Tensor) else v
+                    for n, v in vars(obj).items() if n != "segments"}
+
+        return TorchAttentionPlan(**move(self, ""), segments=[
+            PrefillSegment(**move(seg, f"segments.{i}.")) for i, seg in enumerate(self.segments)])
+
+    @staticmethod
+    def op_arguments(plan: "TorchAttentionPlan | None") -> tuple[list, list[int]]:
+        """``(tensors, ints)`` for the op's schema: the decode part's tensors then each segment's (``TENSORS``
+        order); the ints ``[decode_run, ordered, decode_count, then per segment: run, q_start, num_rows, queries]``
+        (-1: none). No plan (the Triton backend): two empty lists."""
+        if plan is None:
+            return [], []
+        tensors = [getattr(plan, n) for n in plan.TENSORS]
+        ints = [-1 if plan.decode_run is None else plan.decode_run, int(plan.ordered), plan.decode_count]
+        for seg in plan.segments:
             tensors += [getattr(seg, n) for n in PrefillSegment.TENSORS]
             ints += [-1 if seg.run is None else seg.run, seg.q_start, seg.num_rows, seg.queries]
         return tensors, ints
 
     @classmethod
-    def from_arguments(cls, tensors, ints) -> "TorchAttentionPlan":
+    def from_op_arguments(cls, tensors, ints) -> "TorchAttentionPlan | None":
+        if not ints:
+            return None
         head = len(cls.TENSORS)
         plan = cls(**dict(zip(cls.TENSORS, tensors[:head])), decode_run=None if ints[0] < 0 else ints[0],
                    ordered=bool(ints[1]), decode_count=ints[2])
@@ -338,22 +355,17 @@ def paged_attention_torch(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
-    seq_lens: torch.Tensor,  # [num_seqs] int32
-    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    meta: AttentionMetadata,
     scale: float,
-    sliding_window: int | None = None,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
-    plan: TorchAttentionPlan | None = None,
     *,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Gather each part's blocks (:class:`TorchAttentionPlan`), then one batched SDPA call per part: the decode
-    rows with the query heads of each KV head as its queries, the others with a causal (and window) mask.
+    """Gather each part's blocks (``meta.plan``, a :class:`TorchAttentionPlan`; built here when None), then one
+    batched SDPA call per part: the decode rows with the query heads of each KV head as its queries, each segment of
+    rows with more queries causal (with a mask where a history or a window needs one).
 
     With ``softcap`` or ``sinks`` (which SDPA cannot express) the scores take an explicit fp32 softmax instead. A uint8
     (fp8) pool is dequantized with its scale caches ``k_scale``/``v_scale``, gathered with the blocks.
@@ -361,11 +373,13 @@ def paged_attention_torch(
     num_tokens, num_q_heads, head_dim = query.shape
     if num_tokens == 0:
         return query.new_empty(query.shape)
+    plan = meta.plan
     if plan is None:
         # A caller's pool may hold NaN in slots no sequence owns (torch.empty); masked scores still multiply them,
         # so zero them. hf_paged's own pools start zeroed and only hold written tokens, so the model path skips it.
-        plan = plan_torch_attention(block_tables, seq_lens, query_start_loc, key_cache.shape[1], num_tokens,
-                                    sliding_window, max_query_len, max_seq_len, zero_unowned=True)
+        plan = plan_torch_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, key_cache.shape[1],
+                                    num_tokens, meta.sliding_window, meta.max_query_len, meta.max_seq_len,
+                                    zero_unowned=True)
     explicit = softcap is not None or sinks is not None
     kv_dtype = torch.float32 if explicit else query.dtype
     features = (scale, softcap, sinks, explicit)

@@ -42,8 +42,12 @@ imported: triton decides interpreter or compiler when the kernels are defined).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # only read (this module also loads from a bare path: python -m hf_paged check-kernels)
+    from .metadata import AttentionMetadata
 
 try:
     import triton
@@ -969,15 +973,10 @@ def paged_attention_triton(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
+    meta: AttentionMetadata,
     scale: float,
-    sliding_window: int | None = None,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
-    num_kv_splits: int | None = None,
     *,
+    num_kv_splits: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
@@ -989,15 +988,18 @@ def paged_attention_triton(
 
     A batch whose sequences have at most one query each runs the decode kernel (split-KV when
     ``choose_num_kv_splits`` asks for it, or ``num_kv_splits`` forces a count); anything else the prefill kernel.
-    With ``max_query_len`` and ``max_seq_len`` given nothing here waits for the device (CUDA-graph capturable): the
-    grid depends only on tensor shapes and those ints, and the launches come from :func:`attention_plan`'s cache.
-    ``reuse_partials``: take the split-KV partials from scratch kept per device, stream and shape instead of allocating
-    them (the eager model path; a compiled graph's call allocates, so its memory stays the graph's).
+    With ``meta.max_query_len`` and ``meta.max_seq_len`` given nothing here waits for the device (CUDA-graph
+    capturable): the grid depends only on tensor shapes and those ints, and the launches come from
+    :func:`attention_plan`'s cache. ``reuse_partials``: take the split-KV partials from scratch kept per device,
+    stream and shape instead of allocating them (the eager model path; a compiled graph's call allocates, so its
+    memory stays the graph's).
 
     Returns:
         ``[num_tokens, num_q_heads, head_dim]``, same dtype as ``query``.
     """
     device = query.device
+    block_tables, seq_lens, query_start_loc = meta.block_tables, meta.seq_lens, meta.query_start_loc
+    max_query_len, max_seq_len = meta.max_query_len, meta.max_seq_len
     out = torch.empty(query.shape, dtype=query.dtype, device=device)  # [num_tokens, num_q_heads, head_dim]
     if max_query_len is None:
         if query.shape[0] == 0 or seq_lens.shape[0] == 0:
@@ -1007,7 +1009,7 @@ def paged_attention_triton(
         max_seq_len = int(seq_lens.max())
     if sinks is not None and sinks.dtype != torch.float32:
         sinks = sinks.float()
-    plan = attention_plan(query, key_cache, block_tables, scale, sliding_window, max_query_len, max_seq_len,
+    plan = attention_plan(query, key_cache, block_tables, scale, meta.sliding_window, max_query_len, max_seq_len,
                           num_kv_splits, softcap=softcap, sinks=sinks is not None, kv_scales=k_scale is not None)
     if not plan.launches:
         return out

@@ -347,11 +347,11 @@ def _launch(module, config: Config) -> None:
         features["softcap"] = 30.0
     if config.sinks:
         features["sinks"] = t["sinks"]
-    module.paged_attention_triton(
-        t["query"], t["key_cache"], t["key_cache"], t["block_tables"], t["seq_lens"], t["query_start_loc"],
-        scale=config.head_dim**-0.5, max_query_len=config.query_len, max_seq_len=CONTEXT_LEN,
-        num_kv_splits=config.splits if config.kind == "decode" else None, **features,
-    )
+    from hf_paged.ops.metadata import AttentionMetadata
+
+    meta = AttentionMetadata(t["block_tables"], t["seq_lens"], t["query_start_loc"], config.query_len, CONTEXT_LEN)
+    module.paged_attention_triton(t["query"], t["key_cache"], t["key_cache"], meta, config.head_dim**-0.5,
+                                  num_kv_splits=config.splits if config.kind == "decode" else None, **features)
 
 
 @contextmanager

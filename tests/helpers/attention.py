@@ -128,3 +128,15 @@ def attention_float64(query, key_cache, value_cache, block_tables, seq_lens, que
             probs = scores.softmax(-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v)
     return out
+
+
+def on_backend(backend_fn, case: dict, *, plan=None, max_query_len=None, max_seq_len=None, **options):
+    """Call a backend (``paged_attention_torch`` / ``paged_attention_triton`` / ``ops.paged_attention_unchecked``
+    with its backend bound) on a :func:`scrambled_case`: the case's sequences become the
+    :class:`~hf_paged.ops.AttentionMetadata`, its layer options (soft-cap, sinks, fp8 scale caches) keywords."""
+    from hf_paged.ops import AttentionMetadata
+
+    meta = AttentionMetadata(case["block_tables"], case["seq_lens"], case["query_start_loc"], max_query_len,
+                             max_seq_len, case.get("sliding_window"), plan)
+    layer = {k: case[k] for k in ("softcap", "sinks", "k_scale", "v_scale") if k in case}
+    return backend_fn(case["query"], case["key_cache"], case["value_cache"], meta, case["scale"], **layer, **options)

@@ -1,0 +1,68 @@
+"""What a batch of packed queries needs to read the pool: one object every paged-attention backend takes.
+
+The step planner builds one :class:`AttentionMetadata` per layer group and step (the group's layers share it, on their
+device); :func:`hf_paged.ops.paged_attention` builds one from its arguments. What differs per layer travels beside
+it: the pool tensors, the softmax scale, soft-capping, sinks and the fp8 scale caches. Crossing the custom-op
+boundary (``torch.ops.hf_paged.paged_attention``, whose schema takes only tensors and scalars) it is flattened by
+:meth:`AttentionMetadata.op_arguments` and rebuilt by :meth:`AttentionMetadata.from_op_arguments`, nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .reference import TorchAttentionPlan
+
+NO_WINDOW = 0  # how the op's schema spells "no sliding window"
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's queries sit among the packed queries and where its KV sits in the pool.
+
+    Query ``i`` of a sequence with ``q_len`` queries is at position ``seq_lens[s] - q_len + i`` and attends to the
+    positions ``<=`` its own (the last ``sliding_window`` of them with a window).
+    """
+
+    block_tables: torch.Tensor  # [num_seqs, W] int32, logical block -> physical block
+    seq_lens: torch.Tensor  # [num_seqs] int32, tokens each sequence holds, its new ones included
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, each sequence's first query among the packed ones
+    max_query_len: int | None = None  # host-side maxima (None: read from the tensors, a device sync)
+    max_seq_len: int | None = None  # may be a bucketed bound above every seq_lens, up to W * block_size
+    sliding_window: int | None = None
+    plan: TorchAttentionPlan | None = None  # the torch backend's gather plan, built once per step
+
+    def to(self, device: torch.device, put=None) -> "AttentionMetadata":
+        """The same metadata with its tensors on ``device``; ``put(name, tensor)`` moves each one (e.g. into a
+        step buffer) instead of ``tensor.to(device)``."""
+        if put is None:
+            def put(name, t):
+                return t.to(device, non_blocking=True)
+        plan = self.plan
+        if plan is not None:
+            plan = plan.moved(lambda name, t: put("plan." + name, t))
+        return replace(self, block_tables=put("block_tables", self.block_tables),
+                       seq_lens=put("seq_lens", self.seq_lens),
+                       query_start_loc=put("query_start_loc", self.query_start_loc), plan=plan)
+
+    def op_arguments(self) -> tuple:
+        """``(block_tables, seq_lens, query_start_loc, plan_tensors, plan_ints, sliding_window, max_query_len)`` as
+        the op's schema takes them. ``max_seq_len`` does not cross: the op reads the tables' width times the block
+        size (a shape, which a compiled graph keeps symbolic) instead of a Python int it would bake in."""
+        from .reference import TorchAttentionPlan
+
+        plan_tensors, plan_ints = TorchAttentionPlan.op_arguments(self.plan)
+        return (self.block_tables, self.seq_lens, self.query_start_loc, plan_tensors, plan_ints,
+                int(self.sliding_window or NO_WINDOW), int(self.max_query_len))
+
+    @classmethod
+    def from_op_arguments(cls, block_tables, seq_lens, query_start_loc, plan_tensors, plan_ints, sliding_window: int,
+                          max_query_len: int, block_size: int) -> "AttentionMetadata":
+        from .reference import TorchAttentionPlan
+
+        return cls(block_tables, seq_lens, query_start_loc, max_query_len, block_tables.shape[1] * block_size,
+                   sliding_window or None, TorchAttentionPlan.from_op_arguments(plan_tensors, plan_ints))
