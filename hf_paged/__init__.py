@@ -7,7 +7,7 @@
 
 from . import ops
 from .allocator import BlockAllocator
-from .attention import disable_paged_attention, enable_paged_attention, is_paged
+from .attention import disable_paged_attention, enable_paged_attention, is_paged, paged_backend
 from .cache import PagedCache
 from .embedded import local_model_dir as embedded_model_dir
 from .engine import EngineStats, GenerationOutput, QueueFullError, RequestStatus, RequestTooLargeError
@@ -38,6 +38,7 @@ __all__ = [
     "init_continuous_batching",
     "is_paged",
     "ops",
+    "paged_backend",
     "parse_memory",
 ]
 

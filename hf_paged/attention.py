@@ -17,7 +17,12 @@ Where state lives, one place each:
   post-hook, or at ``generate()``'s next input preparation when a compiled forward ran no hooks).
 * What a ``generate()`` call decided (release finished rows or not, compile or not) and how far it got live on the
   cache for the length of the call (``GenerateCall``, passed to ``PagedCache.begin_call``; the cache's state by
-  lifetime is in ``cache_state.py``). Nothing refers to a cache after its forward or call ends.
+  lifetime is in ``cache_state.py``). The stopping criteria ``generate()`` builds inside the call find its cache in a
+  context variable the ``generate()`` wrapper sets for the call (per thread and task). Nothing refers to a cache
+  after its forward or call ends.
+* What ``enable_paged_attention`` did to a model (its original attention, hooks, backend) is one ``PagedModel`` on
+  the model, which the hooks and wrappers are bound to; each attention module also knows its family's eager
+  attention (``_hf_paged_eager``), the fallback the shared attention function calls without a paged step.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -79,7 +85,17 @@ def _make_attention(original: str):
     return attention
 
 
-def _pre_hook(module, args, kwargs):
+@dataclass
+class PagedModel:
+    """What :func:`enable_paged_attention` did to a model (``model._hf_paged_state``), to use and to undo."""
+
+    original: str  # the attention implementation the model had
+    decoder: nn.Module  # the module whose hooks plan and count forwards
+    handles: tuple  # those hooks
+    backend: str  # "auto", "torch" or "triton", as asked
+
+
+def _pre_hook(state: PagedModel, module, args, kwargs):
     if torch.compiler.is_compiling():
         return
     cache = compat.cache_from_kwargs(kwargs)
@@ -91,7 +107,7 @@ def _pre_hook(module, args, kwargs):
         embeds = kwargs.get("inputs_embeds")
         batch, query_len = (input_ids if input_ids is not None else embeds).shape[:2]
         attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-        cache.plan(input_ids, attention_mask, batch, query_len, module._hf_paged_backend, _dtype(module))
+        cache.plan(input_ids, attention_mask, batch, query_len, state.backend, _dtype(module))
     compat.forward_begins(cache)
 
 
@@ -129,7 +145,7 @@ def _generate_flag(model, kwargs, name):
     return kwargs.get(name, getattr(config, name, None))
 
 
-def _wrap_generate(model, generate, backend_of):
+def _wrap_generate(model, generate, state: PagedModel):
     @functools.wraps(generate)
     def wrapped(*args, **kwargs):
         cache = compat.cache_from_kwargs(kwargs)
@@ -161,7 +177,7 @@ def _wrap_generate(model, generate, backend_of):
             input_ids = input_ids.repeat_interleave(expand, dim=0)
             mask = mask.repeat_interleave(expand, dim=0) if mask is not None else None
         cache.check_continues(input_ids, mask)
-        cache.begin_call(GenerateCall(backend=backend_of(), release=not per_step,
+        cache.begin_call(GenerateCall(backend=state.backend, release=not per_step,
                                       compile=compat.STEP_IN_ATTENTION_KWARGS and wanted
                                       and not _generate_flag(model, kwargs, "disable_compile"),
                                       max_new_tokens=_generate_flag(model, kwargs, "max_new_tokens")))
@@ -234,20 +250,21 @@ def enable_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module
         original = model.config._attn_implementation or "eager"
         name = _PREFIX + original
         compat.register_attention(name, _make_attention(original), compat.mask_function(original))
-        handles = (
-            decoder.register_forward_pre_hook(_pre_hook, with_kwargs=True),
+        state = PagedModel(original, decoder, (), backend)
+        state.handles = (
+            decoder.register_forward_pre_hook(functools.partial(_pre_hook, state), with_kwargs=True),
             decoder.register_forward_hook(_post_hook, with_kwargs=True, always_call=True),
         )
         for sub in model.modules():
             if hasattr(sub, "layer_idx") and hasattr(sub, "head_dim"):
                 sub._hf_paged_eager = patch.eager_attention
         compat.set_attn_implementation(model, name)
-        state = model._hf_paged_state = {"original": original, "handles": handles, "decoder": decoder}
+        model._hf_paged_state = state
         if hasattr(model, "generate"):
-            model.generate = _wrap_generate(model, model.generate, lambda: decoder._hf_paged_backend)
+            model.generate = _wrap_generate(model, model.generate, state)
             model.prepare_inputs_for_generation = _wrap_prepare_inputs(model.prepare_inputs_for_generation, model)
             model._get_stopping_criteria = _wrap_stopping_criteria(model._get_stopping_criteria)
-    decoder._hf_paged_backend = backend
+    state.backend = backend
     return model
 
 
@@ -256,17 +273,24 @@ def disable_paged_attention(model: nn.Module) -> nn.Module:
     state = getattr(model, "_hf_paged_state", None)
     if state is None:
         return model
-    for handle in state["handles"]:
+    for handle in state.handles:
         handle.remove()
-    compat.set_attn_implementation(model, state["original"])
+    compat.set_attn_implementation(model, state.original)
     for name in ("_get_stopping_criteria", "generate", "prepare_inputs_for_generation"):
         model.__dict__.pop(name, None)
     for sub in model.modules():
         sub.__dict__.pop("_hf_paged_eager", None)
-    state["decoder"].__dict__.pop("_hf_paged_backend", None)
     del model._hf_paged_state
     return model
 
 
 def is_paged(model: nn.Module) -> bool:
     return getattr(model, "_hf_paged_state", None) is not None
+
+
+def paged_backend(model: nn.Module) -> str:
+    """The backend :func:`enable_paged_attention` set for ``model`` (``"auto"``, ``"torch"`` or ``"triton"``);
+    ``ValueError`` if the model is not paged."""
+    if not is_paged(model):
+        raise ValueError("the model is not on the paged path: call hf_paged.enable_paged_attention(model) first.")
+    return model._hf_paged_state.backend

@@ -11,7 +11,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from helpers import dynamic, early_eos_model, generate, left_padded, live_blocks_expected, tiny_model
-from hf_paged import PagedCache, disable_paged_attention, enable_paged_attention
+from hf_paged import PagedCache, disable_paged_attention, enable_paged_attention, paged_backend
 
 LENGTHS = [3, 17, 9, 1]  # very different prompt lengths in one left-padded batch
 
@@ -100,12 +100,17 @@ def test_enable_twice_and_disable(llama):
     inputs = left_padded([4, 9])
     expected = generate(llama, inputs, dynamic(llama))
     assert enable_paged_attention(llama) is llama
+    assert paged_backend(llama) == "auto"
     enable_paged_attention(llama, backend="torch")
+    assert paged_backend(llama) == "torch"  # the second call changes the backend, the hooks stay one pair
+    assert len(llama.model._forward_pre_hooks) == 1 and len(llama.model._forward_hooks) == 1
     assert llama.config._attn_implementation == "hf_paged_" + before
     assert torch.equal(generate(llama, inputs, PagedCache(llama.config, block_size=4)), expected)
     disable_paged_attention(llama)
     assert llama.config._attn_implementation == before
     assert not llama.model._forward_pre_hooks and not llama.model._forward_hooks
+    with pytest.raises(ValueError, match="enable_paged_attention"):
+        paged_backend(llama)
     # generate() and the stopping criteria are transformers' own again, not wrappers around them.
     assert llama.generate.__func__ is cls.generate
     assert llama._get_stopping_criteria.__func__ is cls._get_stopping_criteria

@@ -599,7 +599,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
         print(tokenizer.decode(manager.get_result(rid).generated_tokens))
         manager.stop()
     """
-    from ..attention import enable_paged_attention, is_paged
+    from ..attention import enable_paged_attention, is_paged, paged_backend
     from ..groups import LayerGroups
     from ..patches import check_model, layer_windows
     from .core import EngineCore
@@ -644,7 +644,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     watermark = options.pop("watermark", None)
     scheduler = Scheduler(kv, batch_tokens, max_num_seqs=options.pop("max_num_seqs", None),
                           watermark=DEFAULT_WATERMARK if watermark is None else watermark)
-    runner = ModelRunner(model, kv, model._hf_paged_state["decoder"]._hf_paged_backend, num_layers)
+    runner = ModelRunner(model, kv, paged_backend(model), num_layers)
     limit, reason = context_limit(config)
     core = EngineCore(scheduler, runner, Sampler(device=device), max_context=limit, context_reason=reason)
     defaults = {"logprobs": options.pop("logprobs")} if "logprobs" in options else {}
