@@ -36,8 +36,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from hf_paged.ops.metadata import AttentionMetadata  # noqa: E402
-
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -94,6 +92,8 @@ def scrambled_pool(num_seqs: int, seq_len: int, args, device, contiguous: bool =
 
 
 def bench_decode(args, do_bench, choose_num_kv_splits, paged_attention_triton, device, num_sms) -> list[dict]:
+    from hf_paged.ops.metadata import AttentionMetadata
+
     dtype = DTYPES[args.dtype]
     elem = torch.finfo(dtype).bits // 8
     hq, hkv, d = args.num_q_heads, args.num_kv_heads, args.head_dim
@@ -158,6 +158,8 @@ def sdpa_lower_right(q, k, v, scale: float):
 def bench_prefill(args, do_bench, paged_attention_triton, device) -> list[dict]:
     """Prefill without history (batch x length, vs SDPA ``is_causal``) and extend rows (new tokens over a cached
     history, vs SDPA with a lower-right causal mask)."""
+    from hf_paged.ops.metadata import AttentionMetadata
+
     dtype = DTYPES[args.dtype]
     hq, hkv, d = args.num_q_heads, args.num_kv_heads, args.head_dim
     scale = d**-0.5
@@ -202,6 +204,8 @@ def bench_prefill(args, do_bench, paged_attention_triton, device) -> list[dict]:
 def bench_mixed(args, do_bench, paged_attention_triton, device) -> list[dict]:
     """One continuous-batching step, a prefill chunk plus decode rows, in one launch vs its two kinds launched
     separately (the prefill kernel on the chunk, the decode kernel on the decode rows)."""
+    from hf_paged.ops.metadata import AttentionMetadata
+
     if len(args.mixed) != 3:
         return []
     chunk, decodes, context = args.mixed
@@ -259,6 +263,7 @@ def host_cases(args, device) -> dict:
     """name -> zero-argument call, on tensors built once: decode, prefill and KV write through the launchers and
     through the custom ops with a fixed layer step (the Triton backend), and the empty op."""
     from hf_paged.ops import custom_ops, triton_kernels
+    from hf_paged.ops.metadata import AttentionMetadata
     from hf_paged.step import GroupStep, LayerStep
 
     dtype = DTYPES[args.dtype]
