@@ -173,7 +173,7 @@ def serve_many(model, tokenizer, model_path=None, num_requests: int = 16, max_ne
     disable_paged_attention(model)
     padded_tokens, t_padded, kv_padded = _padded_runs(model, tokenizer, prompts, max_new_tokens, batch_size, eos)
 
-    pool = BlockPool(block_size=block_size, num_blocks=num_blocks)
+    pool = BlockPool(block_size=block_size, num_blocks=num_blocks, prefix_caching=True)
     with init_continuous_batching(model, pool=pool, max_batch_tokens=512) as manager:
         start = time.perf_counter()
         ids = manager.add_requests(prompts, max_new_tokens=max_new_tokens, do_sample=False)
