@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .allocator import cdiv, slot_of
-from .ops import AttentionMetadata, plan_torch_attention
+from .ops import AttentionMetadata, copy_blocks, custom_ops, plan_torch_attention
 from .rows import Row, Rows
 
 
@@ -300,8 +300,6 @@ def _copy_on_write(pool, copies) -> None:
     """Copy shared blocks before they are written, in every K/V tensor (host side, before the forward)."""
     if not copies:
         return
-    from .ops import copy_blocks
-
     src = torch.tensor([c[0] for c in copies], dtype=torch.long)
     dst = torch.tensor([c[1] for c in copies], dtype=torch.long)
     for slot, k in pool.key_caches.items():  # fp8 pools: the blocks' scales with them
@@ -329,8 +327,6 @@ def write_layer(pool, groups, step: Step, buffers: StepBuffers, layer_idx: int, 
                 key: torch.Tensor, value: torch.Tensor, backend: str | None) -> LayerStep:
     """Write layer ``layer_idx``'s new K/V ``[B, Hkv, S, D]`` into the pool through ``step``'s slot mapping;
     returns the layer's :class:`LayerStep` (what its attention reads). ``backend``: override the step's."""
-    from .ops import custom_ops
-
     layer = step.layers[layer_idx]
     if layer is None:  # first forward of this layer (never compiled): bind its shape, make its tensors
         layer = step.layers[layer_idx] = build_layer_step(pool, groups, step, buffers, layer_idx, num_layers, key, value)
