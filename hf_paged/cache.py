@@ -53,7 +53,8 @@ class PagedCache(Cache):
         release_finished: give back a row's blocks as soon as it finishes while other rows continue (default). Rows
             are kept anyway when ``generate()`` is asked for per-step outputs (scores, logits, attentions).
         prefix_caching: keep full blocks of finished rows for reuse by later calls on the same pool.
-        kv_dtype: ``torch.float8_e4m3fn`` stores K/V in fp8 (per-layer, per-head scales); default the model's dtype.
+        kv_dtype: ``torch.float8_e4m3fn`` stores K/V in fp8 (a scale per token and KV head, written with it);
+            default the model's dtype.
 
     Compiled decoding (``generate(..., compile_config=CompileConfig(...))``) needs a pool of fixed size
     (``num_blocks=`` or ``max_memory=``).
@@ -416,8 +417,8 @@ class PagedCache(Cache):
         The file is untrusted input: every field is checked against the file itself, the model and the pool before
         the pool is touched; a file that fails raises :class:`~hf_paged.CacheFileError` (a ``ValueError``) naming
         the file and the field. Its blocks serve the loaded rows only. ``trusted=True`` also publishes them to a
-        prefix-caching pool (later prompts that start with the same tokens reuse them) and lets an fp8 file set a
-        shared pool's scales: use it only for files you wrote.
+        prefix-caching pool (later prompts that start with the same tokens reuse them): use it only for files you
+        wrote. (An fp8 file's scales belong to its own tokens, so they never change anyone else's blocks.)
         """
         from .persist import load_cache
 
