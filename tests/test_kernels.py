@@ -610,7 +610,7 @@ def test_torch_plan_packed_step_reads_slices_and_fresh_chunks_unmasked(window):
                      dtype=torch.float32, seed=12, window=window)
     plan = plan_torch_attention(case["block_tables"], case["seq_lens"], case["query_start_loc"], block_size,
                                 sum(q_lens), window, max(q_lens), zero_unowned=True)
-    assert plan.ordered is False  # the 9-token row sits between two 17-token rows: its segment comes first
+    assert plan.ordered is False  # the 9-token row sits between 17-token rows: one call for the 17s cannot slice
     by_count = {seg.sizes()[1]: seg for seg in plan.segments}
     assert sorted(by_count) == [9, 17] and by_count[17].sizes() == (3, 17)
     assert (by_count[9].mask is None) == (window is None or window >= 9)  # fresh: causal, unless the window cuts
@@ -629,6 +629,13 @@ def test_torch_plan_packed_step_reads_slices_and_fresh_chunks_unmasked(window):
     assert plan.ordered and plan.decode_index is None and all(seg.q_index is None for seg in plan.segments)
     expected = attention_float64(**reordered)
     assert (on_backend(paged_attention_torch, reordered, plan=plan).double() - expected).abs().max() < 1e-5
+    # a longer chunk before a shorter one (the engine's CPU padding row comes last) stays ordered too
+    tail = make_case([50, 33, 40, 5], [1, 1, 17, 5], num_kv_heads=2, group=2, head_dim=32, block_size=block_size,
+                     dtype=torch.float32, seed=13, window=window)
+    plan = plan_torch_attention(tail["block_tables"], tail["seq_lens"], tail["query_start_loc"], block_size, 24,
+                                window, 17, zero_unowned=True)
+    assert plan.ordered and [seg.sizes()[1] for seg in plan.segments] == [17, 5]
+    assert (on_backend(paged_attention_torch, tail, plan=plan).double() - attention_float64(**tail)).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])

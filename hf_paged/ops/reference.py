@@ -238,7 +238,7 @@ def plan_torch_attention(
     starts = query_start_loc.to(torch.long)
     counts = q_lens.tolist()
     decode_rows = [r for r, c in enumerate(counts) if c == 1]
-    kinds = sorted({c for c in counts if c > 1})
+    kinds = list(dict.fromkeys(c for c in counts if c > 1))  # in order of first appearance
     groups = [[r for r, c in enumerate(counts) if c == q] for q in kinds]
     # ordered: the decode rows' queries, then each segment's in turn, are the packed batch as it is
     plan.ordered = not always_mask and decode_rows + [r for g in groups for r in g] == [
