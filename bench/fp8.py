@@ -47,21 +47,7 @@ from hf_paged.report import cpu_name, format_table  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 CHUNKS = (16, 64, 512, None)  # None: the whole passage in one forward
-LIGHTHOUSE = (
-    "The lighthouse stood at the end of a long stone pier, and for more than a century its keepers had climbed the "
-    "same one hundred and twelve steps every evening to light the lamp. In the early years the light came from a "
-    "row of oil lamps set before polished copper reflectors; later a great glass lens, ground in Paris and shipped "
-    "in crates packed with straw, bent the beam into a single bright ray that sailors could see from twenty miles "
-    "away. The keepers kept a log of every night: the weather, the ships that passed, the hours the fog horn "
-    "sounded, and the small repairs that never seemed to end. Salt wind ate at the iron railings, gulls nested in "
-    "the gutters, and winter storms threw spray high enough to wet the lantern glass. When electricity finally "
-    "reached the pier, the oil lamps were taken down and stored in the shed, and the last keeper, a quiet man "
-    "named Thomas Reed, wrote in the log that the new bulb was brighter than any flame he had tended. A few years "
-    "later the light was automated, the keeper's cottage was sold, and the log books were sent to the county "
-    "museum, where visitors can still read, in faded ink, the long record of storms survived and ships brought "
-    "safely home. Today the tower is painted white and red, a small museum fills the ground floor, and on summer "
-    "evenings children climb the steps to look out over the harbour, counting the boats as the light begins to turn."
-)
+LIGHTHOUSE = embedded.STORY  # the fp8 tests' passage
 # Held out from the tests: technical prose with numbers and code-like words.
 MEMORY = (
     "A key-value cache stores, for every layer and every token already processed, the key and value vectors that "

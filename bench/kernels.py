@@ -380,14 +380,20 @@ def host_main(args) -> int:
     for r in rows:
         minus = f"{r['minus_empty_op']:.1f}" if "minus_empty_op" in r else ""
         print(f"{r['call']:<{width}}  {r['us']:>8.1f}  {minus:>14}")
-    if args.json is not None:
-        payload = json.dumps(dict(machine=machine, host=rows), indent=2)
-        if args.json == "-":
-            print(payload)
-        else:
-            Path(args.json).write_text(payload + "\n")
-            print(f"\nwrote {args.json}")
+    write_json(args.json, dict(machine=machine, host=rows))
     return 0
+
+
+def write_json(path: str | None, figures: dict) -> None:
+    """``--json``: the figures to ``path`` (``-``: stdout); nothing when None."""
+    if path is None:
+        return
+    payload = json.dumps(figures, indent=2)
+    if path == "-":
+        print(payload)
+    else:
+        Path(path).write_text(payload + "\n")
+        print(f"\nwrote {path}")
 
 
 def print_table(title: str, rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
@@ -449,13 +455,7 @@ def main(argv=None) -> int:
             ("mixed_over_separate", "one/two", ".2f"), ("max_abs_diff", "max|diff|", ".1e"),
         ])
 
-    if args.json is not None:
-        payload = json.dumps(dict(machine=machine, decode=decode, prefill=prefill, mixed=mixed), indent=2)
-        if args.json == "-":
-            print(payload)
-        else:
-            Path(args.json).write_text(payload + "\n")
-            print(f"\nwrote {args.json}")
+    write_json(args.json, dict(machine=machine, decode=decode, prefill=prefill, mixed=mixed))
     return 0
 
 

@@ -77,6 +77,23 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float
     return model.eval(), tokenizer
 
 
+# A plain-English story for perplexity checks (the fp8 tests and bench/fp8.py read it).
+STORY = (
+    "The lighthouse stood at the end of a long stone pier, and for more than a century its keepers had climbed the "
+    "same one hundred and twelve steps every evening to light the lamp. In the early years the light came from a "
+    "row of oil lamps set before polished copper reflectors; later a great glass lens, ground in Paris and shipped "
+    "in crates packed with straw, bent the beam into a single bright ray that sailors could see from twenty miles "
+    "away. The keepers kept a log of every night: the weather, the ships that passed, the hours the fog horn "
+    "sounded, and the small repairs that never seemed to end. Salt wind ate at the iron railings, gulls nested in "
+    "the gutters, and winter storms threw spray high enough to wet the lantern glass. When electricity finally "
+    "reached the pier, the oil lamps were taken down and stored in the shed, and the last keeper, a quiet man "
+    "named Thomas Reed, wrote in the log that the new bulb was brighter than any flame he had tended. A few years "
+    "later the light was automated, the keeper's cottage was sold, and the log books were sent to the county "
+    "museum, where visitors can still read, in faded ink, the long record of storms survived and ships brought "
+    "safely home. Today the tower is painted white and red, a small museum fills the ground floor, and on summer "
+    "evenings children climb the steps to look out over the harbour, counting the boats as the light begins to turn."
+)
+
 # A system prompt paragraph for prefix-reuse demos and tests (repeat it for a longer shared prefix).
 SYSTEM_PARAGRAPH = (
     "You are a careful, friendly assistant for engineers who run language models on their own machines. Answer "

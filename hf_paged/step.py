@@ -31,10 +31,6 @@ class GroupStep:
     attention: AttentionMetadata  # block tables (width bucketed to a power of two in decode steps), lengths, window
     gather_slots: torch.Tensor | None = None  # [B, L] int64, gathered mode only
 
-    @property
-    def window(self) -> int | None:
-        return self.attention.sliding_window
-
 
 @dataclass
 class LayerStep:
@@ -81,7 +77,7 @@ class Step:
             packing = tuple(put(n, t) for n, t in (("token_index", self.token_index),
                                                    ("write_index", self.write_index)))
             view = self._on_device[key] = (GroupStep(put("slot_mapping", g.slot_mapping),
-                                                     g.attention.to(device, put), put("gather_slots", g.gather_slots)),
+                                                     g.attention.moved(put), put("gather_slots", g.gather_slots)),
                                            packing)
         return view
 
@@ -213,8 +209,9 @@ def plan(rows: Rows, inputs: list[RowInput], *, backend: str, num_layers: int, d
                          f"hf_paged.ops.resolve_backend(backend, device) first.")
     pool, groups = rows.pool, rows.groups
     a, bs = pool.allocator, pool.block_size
-    keyed = [pool.prefix_caching and window is None for window in groups.windows]
     counts = [i.num_tokens for i in inputs]
+    max_query_len, num_tokens = max(counts, default=0), sum(counts)
+    keyed = [pool.prefix_caching and window is None for window in groups.windows]
     live = [i for i in inputs if not i.row.released]
 
     with pool.lock:
@@ -249,7 +246,6 @@ def plan(rows: Rows, inputs: list[RowInput], *, backend: str, num_layers: int, d
             lens = [0 if i.row.released else a.seq_len(i.row.seqs[g]) for i in inputs]
             block_tables, seq_lens, qsl, slots = group_tensors(
                 tables, lens, counts, starts, written, pool.scratch_block, bs, bucket=decode_bucket)
-            max_query_len = max(counts) if counts else 0
             group_steps.append(GroupStep(slots, AttentionMetadata(block_tables, seq_lens, qsl, max_query_len,
                                                                   block_tables.shape[1] * bs, window)))
 
@@ -257,8 +253,6 @@ def plan(rows: Rows, inputs: list[RowInput], *, backend: str, num_layers: int, d
     if not all(written):
         writes = torch.repeat_interleave(torch.tensor(written), torch.tensor(counts, dtype=torch.long))
         write_index = writes.nonzero().flatten()
-    max_query_len = max(counts) if counts else 0
-    num_tokens = sum(counts)
     for g in group_steps:
         meta = g.attention
         if gathered:

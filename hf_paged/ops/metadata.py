@@ -36,15 +36,10 @@ class AttentionMetadata:
     sliding_window: int | None = None
     plan: TorchAttentionPlan | None = None  # the torch backend's gather plan, built once per step
 
-    def to(self, device: torch.device, put=None) -> "AttentionMetadata":
-        """The same metadata with its tensors on ``device``; ``put(name, tensor)`` moves each one (e.g. into a
-        step buffer) instead of ``tensor.to(device)``."""
-        if put is None:
-            def put(name, t):
-                return t.to(device, non_blocking=True)
-        plan = self.plan
-        if plan is not None:
-            plan = plan.moved(lambda name, t: put("plan." + name, t))
+    def moved(self, put) -> "AttentionMetadata":
+        """The same metadata with each tensor replaced by ``put(name, tensor)`` (moved to a device, or staged in a
+        step buffer)."""
+        plan = None if self.plan is None else self.plan.moved(lambda name, t: put("plan." + name, t))
         return replace(self, block_tables=put("block_tables", self.block_tables),
                        seq_lens=put("seq_lens", self.seq_lens),
                        query_start_loc=put("query_start_loc", self.query_start_loc), plan=plan)
