@@ -3,9 +3,12 @@
 A random-weight Llama of Llama-3.2-1B's shape (bf16, built on the device; nothing downloaded), 256 requests of
 bench/serve.py's mix (lognormal prompt and output lengths: prompts <= 1,000 tokens, outputs <= 128, random token
 ids, no EOS so every request generates its own max_new_tokens), all submitted at once. Contenders, alternated after
-an untimed warm-up each: ``hf_paged.init_continuous_batching`` with its defaults, and transformers'
+an untimed warm-up each: ``hf_paged.init_continuous_batching`` with its defaults (decode-only steps replayed from
+CUDA graphs), the same with ``cuda_graphs=False`` (every step eager: what the graphs buy), and transformers'
 ``init_continuous_batching`` with its defaults (the persistent manager ``generate_batch`` uses, with its CUDA-graph
-warm-up), each on its own copy of the model.
+warm-up), each on its own copy of the model; the engines' managers persist from the warm-up to the timed run as
+transformers' does (graphs captured in the warm-up replay in the run; those captured in the run count in its time). The dry run on CPU emulates the graphs
+(``hf_paged.engine.graphs.EmulatedGraph``) so that their path runs too.
 
     python bench/gpu_engine.py                     # on the GPU machine (bench/gpu.sh runs it)
     DRY=1 python bench/gpu_engine.py               # CPU, tiny shapes, 8 short requests: checks the script runs
@@ -40,7 +43,7 @@ SHAPES = {  # hidden, layers, q heads, kv heads, head_dim, intermediate, vocab
     "1b": (2048, 16, 32, 8, 64, 8192, 128256),
     "tiny": (64, 2, 4, 2, 16, 128, 256),
 }
-ENGINE, CB = "hf_paged engine", "transformers generate_batch"
+ENGINE, EAGER, CB = "hf_paged engine", "hf_paged engine, eager", "transformers generate_batch"
 
 
 def build_model(shape: str, device: torch.device, dtype: torch.dtype):
@@ -66,30 +69,42 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def run_engine(model, requests, device, small: bool):
-    """The engine with its defaults; ``small`` (the CPU dry run): a pool of 64 blocks and 128 tokens a step."""
+def start_engine(model, small: bool, graphs: bool):
+    """A started engine manager with its defaults (``graphs=False``: ``cuda_graphs=False``), kept for the warm-up and
+    the timed run as transformers' persistent manager is; ``small`` (the CPU dry run): a pool of 64 blocks and 128
+    tokens a step."""
     options = dict(pool=hf_paged.BlockPool(block_size=16, num_blocks=64), max_batch_tokens=128) if small else {}
-    manager = hf_paged.init_continuous_batching(model, **options)
+    manager = hf_paged.init_continuous_batching(model, cuda_graphs=None if graphs else False, **options)
     manager.start()
-    try:
-        sync(device)
-        start = time.perf_counter()
-        ids = [manager.add_request(p, max_new_tokens=m) for p, m in requests]
-        results = [manager.get_result(rid) for rid in ids]
-        sync(device)
-        seconds = time.perf_counter() - start
-        stats = manager.stats()
-    finally:
-        manager.stop(block=True, timeout=60)
+    return manager
+
+
+COUNTED = ("host_time_s", "forward_time_s", "steps", "preemptions", "graphs_captured", "graph_replays",
+           "graph_capture_s")
+
+
+def run_engine(manager, requests, device):
+    """``requests`` through a started manager; its counters over this run only."""
+    before = manager.stats()
+    sync(device)
+    start = time.perf_counter()
+    ids = [manager.add_request(p, max_new_tokens=m) for p, m in requests]
+    results = [manager.get_result(rid) for rid in ids]
+    sync(device)
+    seconds = time.perf_counter() - start
+    after = manager.stats()
     errors = [r.error for r in results if r is None or r.error is not None]
     if errors:
         raise RuntimeError(f"{len(errors)} engine requests failed, e.g. {errors[0]}")
+    counted = {k: getattr(after, k) - getattr(before, k) for k in COUNTED}
     return dict(seconds=seconds, generated=sum(len(r.generated_tokens) for r in results),
                 tokens=[list(r.generated_tokens) for r in results], ttft=[r.first_token_time - start for r in results],
                 itl=[g for r in results for g in gaps(r.timestamps)],
                 kv_reserved_bytes=manager.pool.memory_stats().bytes_reserved,
-                host_s=stats.host_time_s, forward_s=stats.forward_time_s, steps=stats.steps,
-                preemptions=stats.preemptions)
+                host_s=counted["host_time_s"], forward_s=counted["forward_time_s"], steps=counted["steps"],
+                preemptions=counted["preemptions"], graphs_captured=counted["graphs_captured"],
+                graph_replays=counted["graph_replays"], graph_capture_s=counted["graph_capture_s"],
+                graphs_off=after.graphs_off)
 
 
 def run_cb(model, requests, device, warmup: bool, small: bool):
@@ -139,8 +154,12 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() and not dry else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
+    if dry:  # CPU: the graph path runs with emulated graphs
+        from hf_paged.engine import graphs
+
+        graphs.graph_type = lambda device: graphs.EmulatedGraph
     print(f"machine: {machine()}", flush=True)
-    models = {name: build_model(args.shape, device, dtype) for name in (ENGINE, CB)}
+    models = {name: build_model(args.shape, device, dtype) for name in (ENGINE, EAGER, CB)}
     vocab = SHAPES[args.shape][-1]
     requests = workload(args.requests, args.max_prompt, args.max_output, args.output_mean, vocab)
     prompt_tokens = sum(len(p) for p, _ in requests)
@@ -149,14 +168,22 @@ def main(argv=None) -> int:
 
     warm = [(p[:32], 2) for p, _ in requests[:4]]
     warm_s = {}
-    for name, call in ((ENGINE, lambda r: run_engine(models[ENGINE], r, device, small=dry)),
-                       (CB, lambda r: run_cb(models[CB], r, device, warmup=True, small=dry))):
+    managers = {ENGINE: start_engine(models[ENGINE], dry, graphs=True),
+                EAGER: start_engine(models[EAGER], dry, graphs=False)}
+    calls = {ENGINE: lambda r: run_engine(managers[ENGINE], r, device),
+             EAGER: lambda r: run_engine(managers[EAGER], r, device),
+             CB: lambda r: run_cb(models[CB], r, device, warmup=True, small=dry)}
+    for name, call in calls.items():
         start = time.perf_counter()
         call(warm)
         warm_s[name] = time.perf_counter() - start
     rows, out = [], []
-    results = {ENGINE: run_engine(models[ENGINE], requests, device, small=dry),
-               CB: run_cb(models[CB], requests, device, warmup=False, small=dry)}
+    try:
+        results = {ENGINE: calls[ENGINE](requests), EAGER: calls[EAGER](requests),
+                   CB: run_cb(models[CB], requests, device, warmup=False, small=dry)}
+    finally:
+        for manager in managers.values():
+            manager.stop(block=True, timeout=60)
     same = sum(a == b for a, b in zip(results[ENGINE]["tokens"], results[CB]["tokens"]))
     for name, r in results.items():
         tok_s = r["generated"] / r["seconds"]
@@ -166,7 +193,8 @@ def main(argv=None) -> int:
                    itl_p99=pct(r["itl"], 99), warmup_s=warm_s[name], kv_reserved_bytes=r["kv_reserved_bytes"],
                    requests_equal=same,
                    torch=torch.__version__, transformers=transformers.__version__,
-                   **{k: r[k] for k in ("host_s", "forward_s", "steps", "preemptions") if k in r})
+                   **{k: r[k] for k in ("host_s", "forward_s", "steps", "preemptions", "graphs_captured",
+                                        "graph_replays", "graph_capture_s", "graphs_off") if k in r})
         out.append(row)
         kv = r["kv_reserved_bytes"]
         rows.append([name, f"{r['seconds']:.1f}", r["generated"], f"{tok_s:.0f}",
@@ -176,10 +204,13 @@ def main(argv=None) -> int:
                      "-" if kv is None else f"{kv / 2**30:.2f}", f"{warm_s[name]:.1f}"])
     print(format_table(["contender", "wall s", "tokens", "tokens/s", "vs generate_batch", "TTFT p50 / p99 s",
                         "ITL p50 / p99 ms", "KV GiB", "warm-up s"], rows))
-    engine = results[ENGINE]
-    print(f"engine: {engine['steps']} steps, host {engine['host_s']:.1f} s + forward {engine['forward_s']:.1f} s, "
-          f"{engine['preemptions']} preemptions; requests with the same tokens in both: {same}/{len(requests)} "
-          f"(random weights in {dtype}: near-ties flip greedy tokens)")
+    for name in (ENGINE, EAGER):
+        r = results[name]
+        print(f"{name}: {r['steps']} steps, host {r['host_s']:.1f} s + forward {r['forward_s']:.1f} s, "
+              f"{r['preemptions']} preemptions, {r['graphs_captured']} graphs captured in this run "
+              f"({r['graph_capture_s']:.1f} s), {r['graph_replays']} steps replayed{'' if r['graphs_off'] is None else ' (graphs turned off: ' + r['graphs_off'] + ')'}")
+    print(f"requests with the same tokens in the engine and generate_batch: {same}/{len(requests)} (random weights in "
+          f"{dtype}: near-ties flip greedy tokens)")
     lines = "".join(json.dumps(row) + "\n" for row in out)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "engine.jsonl"), "a") as f:

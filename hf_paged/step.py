@@ -194,14 +194,15 @@ class RowInput:
 
 def plan(rows: Rows, inputs: list[RowInput], *, backend: str, num_layers: int, decode_bucket: bool = False,
          static: bool = False, release_windows: bool = True, no_history: bool = False, gathered: bool = False,
-         always_mask: bool = False) -> Step:
+         always_mask: bool = False, full_width: bool = False) -> Step:
     """Plan one forward over ``inputs`` (packed in that order): allocate, copy-on-write, window release, step tensors.
 
     A released row still runs (a batch keeps its shape): its tokens are written to the pool's scratch block.
     ``decode_bucket``: round the block tables' width up to a power of two (decode steps keep fewer shapes);
     ``static``: a compiled decode step (its tensors are staged in step buffers); ``release_windows``: give back
     blocks that left every query's window; ``no_history``: a first prefill (the model's own attention serves it);
-    ``gathered``: the history is gathered for the model's attention (no paged attention).
+    ``gathered``: the history is gathered for the model's attention (no paged attention); ``full_width``: the torch
+    plan reads the tables' whole width, masked (a CUDA graph's shapes then depend only on the rows and the width).
     Raises :class:`~hf_paged.OutOfBlocksError` with every row unchanged when the blocks do not fit.
     """
     if backend not in ("torch", "triton"):
@@ -263,6 +264,8 @@ def plan(rows: Rows, inputs: list[RowInput], *, backend: str, num_layers: int, d
             # Whole blocks: the plan's width tells its length. A compiled step always carries the mask; its width
             # changes block by block (dynamo compiles that dimension as dynamic after the first change).
             context = cdiv(int(meta.seq_lens.max()), bs) * bs if len(inputs) else bs
+            if full_width:
+                context = meta.max_seq_len
             meta.plan = plan_torch_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, bs, num_tokens,
                                              meta.sliding_window, max_query_len, context,
                                              always_mask=always_mask or static)

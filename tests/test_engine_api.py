@@ -246,6 +246,11 @@ def test_continuous_batching_config_is_mapped_or_refused_by_name():
         allow_block_sharing=False, return_logprobs=True, auto_switch_to_flash=False))
     assert got == {"block_size": 32, "num_blocks": 100, "max_batch_tokens": 256, "max_queue_size": 5,
                    "max_num_seqs": 7, "prefix_caching": False, "logprobs": 0}
+    assert from_continuous_batching_config(ContinuousBatchingConfig(use_cuda_graph=False)) == {"cuda_graphs": False}
+    assert from_continuous_batching_config(ContinuousBatchingConfig(use_cuda_graph=(False, True))) == {
+        "cuda_graphs": True}  # (varlen, decode): decode-only steps are graphed here
+    with pytest.raises(ValueError, match=r"use_cuda_graph=\(True, True\) \(this engine graphs decode-only steps"):
+        from_continuous_batching_config(ContinuousBatchingConfig(use_cuda_graph=(True, True)))
     with pytest.raises(ValueError, match=r"scheduler_type='prefill_first'.*cpu_offload_space=1\.0"):
         from_continuous_batching_config(ContinuousBatchingConfig(scheduler_type="prefill_first",
                                                                  cpu_offload_space=1.0))

@@ -419,3 +419,77 @@ def test_pool_shared_with_a_paged_cache():
         out = manager.get_result(rid, timeout=60)
     check_tokens("shared-pool", out.generated_tokens, reference(model, prompt, 6), TIES)
     assert pool.allocator.blocks_in_use == 0
+
+
+GRAPHED = {  # name: (model type, kv_dtype, pool blocks: preemption on this workload)
+    "llama": ("llama", None, 22),
+    "llama_fp8": ("llama", torch.float8_e4m3fn, 22),
+    "gemma2_mixed_windows": ("gemma2", None, 32),  # two layer groups: two tables per request
+}
+
+
+@pytest.mark.parametrize("name", [n for n, (t, *_) in GRAPHED.items() if t in AVAILABLE])
+def test_decode_graphs_replay_their_buffers_only(name, monkeypatch):
+    """Decode-only steps through the graph path (emulated on CPU: a replay re-runs the captured forward with the
+    captured step, so it sees each new step only through the staged buffers): tokens equal the eager engine's and
+    generate() alone, over buckets of rows that shrink and grow, block tables that widen, preemption, chunked prefill
+    and prefix hits; mixed-window models with one width per layer group."""
+    from hf_paged.engine import graphs
+
+    monkeypatch.setattr(graphs, "graph_type", lambda device: graphs.EmulatedGraph)
+    model_type, kv_dtype, num_blocks = GRAPHED[name]
+    model = (tiny_model("llama", seed=3) if model_type == "llama" else tiny_family_model(model_type, seed=2))
+    enable_paged_attention(model, backend="torch")
+    prefix = random_prompts(1, VOCAB, (9, 9), 50)[0]
+    prompts = random_prompts(10, VOCAB, (1, 20), seed=8, shared=[prefix])
+    specs = [(f"g{i}", p, 2 + (i * 7) % 23) for i, p in enumerate(prompts)]
+    outs = {}
+    for graphed in (True, False):
+        pool = BlockPool(block_size=BLOCK, num_blocks=num_blocks, prefix_caching=True, kv_dtype=kv_dtype)
+        manager, core = engine(model, pool, max_batch_tokens=12, cuda_graphs=graphed)
+        reqs = drive(core, specs, seed=4, steps_between=3)
+        outs[graphed] = {rid: r.generated for rid, r in reqs.items()}
+        assert all(r.status == RequestStatus.FINISHED for r in reqs.values())
+        assert pool.allocator.blocks_in_use == 0
+        stats = manager.stats()
+        if graphed:
+            runner_graphs = core.runner.graphs
+            widths = {key[1] for key in runner_graphs._entries}
+            buckets = {key[0] for key in runner_graphs._entries}
+            assert stats.graphs_off is None and stats.graph_replays > stats.graphs_captured >= 3, stats
+            assert len(buckets) >= 3 and len(widths) >= 2, (buckets, widths)
+            assert core.scheduler.counters.preemptions > 0
+            assert core.scheduler.counters.prefix_hit_tokens > 0 or not core.kv.prefix_caching  # mixed windows: none
+        else:
+            assert core.runner.graphs is None and stats.graph_replays == 0
+    assert outs[True] == outs[False]
+    if kv_dtype is None:
+        assert_like_generate(model, reqs, specs, f"graphs/{name}")
+
+
+def test_decode_graphs_off_where_they_cannot_run(monkeypatch):
+    """cuda_graphs=True is refused on a CPU model and on a pool without a cap; a capture that fails turns the graphs
+    off with a warning and the step's eager result stands (the tokens stay right)."""
+    from hf_paged.engine import graphs
+
+    model = enable_paged_attention(tiny_model("llama", seed=3), backend="torch")
+    with pytest.raises(ValueError, match="needs a CUDA model"):
+        init_continuous_batching(model, pool=BlockPool(block_size=BLOCK, num_blocks=20), cuda_graphs=True)
+    assert init_continuous_batching(model, pool=BlockPool(block_size=BLOCK, num_blocks=20))._core.runner.graphs is None
+
+    class FailingGraph(graphs.EmulatedGraph):
+        def capture(self, fn):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "graph_type", lambda device: FailingGraph)
+    with pytest.raises(ValueError, match="needs a pool with a cap"):
+        init_continuous_batching(model, pool=BlockPool(block_size=BLOCK), cuda_graphs=True)
+    pool = BlockPool(block_size=BLOCK, num_blocks=40)
+    manager, core = engine(model, pool, max_batch_tokens=16, cuda_graphs=True)
+    assert pool.preallocated
+    specs = [(f"f{i}", p, 5) for i, p in enumerate(random_prompts(3, VOCAB, (4, 12), seed=9))]
+    with pytest.warns(RuntimeWarning, match="CUDA graphs turned off.*operation not permitted"):
+        reqs = drive(core, specs, seed=2, steps_between=0)
+    stats = manager.stats()
+    assert stats.graphs_captured == 0 and "capturing the" in stats.graphs_off
+    assert_like_generate(model, reqs, specs, "graphs-off")

@@ -405,7 +405,7 @@ class ContinuousBatchingManager:
             num_blocks=num_blocks, steps=core.steps, ttft=list(core.ttft), inter_token=list(core.inter_token),
             host_time_s=t.host, forward_time_s=t.forward, schedule_time_s=t.schedule, plan_time_s=t.plan,
             sample_time_s=t.sample, output_time_s=t.output, tokens_computed=c.tokens_computed,
-            uptime_s=time.perf_counter() - core.started,
+            uptime_s=time.perf_counter() - core.started, **_graph_stats(getattr(core.runner, "graphs", None)),
         )
 
     # ------------------------------------------------ engine-thread side (locked)
@@ -565,7 +565,8 @@ def _engine_loop(manager_ref, core: EngineCore, lock, cond, signals) -> None:
 def init_continuous_batching(model, generation_config=None, *, pool=None, max_batch_tokens: int | None = None,
                              max_queue_size: int | None = None, continuous_batching_config=None,
                              max_num_seqs: int | None = None, max_unread_results: int = DEFAULT_MAX_UNREAD,
-                             watermark: float | None = None, backend: str = "auto") -> ContinuousBatchingManager:
+                             watermark: float | None = None, backend: str = "auto",
+                             cuda_graphs: bool | None = None) -> ContinuousBatchingManager:
     """A continuous-batching manager serving ``model`` from a shared block pool (start it, or use ``with``).
 
     Args:
@@ -587,6 +588,10 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
         watermark: share of the pool kept free when admitting new requests (default 1%).
         backend: ``"auto"`` (Triton on CUDA, torch on CPU; a model already paged keeps its backend), ``"torch"`` or
             ``"triton"``.
+        cuda_graphs: replay decode-only steps from CUDA graphs, one per bucket of rows (1, 2, 4, ... 512) and
+            block-table width; steps with prefill chunks run eagerly. ``None`` (default): on where it applies (a CUDA
+            model and a pool with a cap, which is then preallocated); ``True``: required (``ValueError`` where it
+            cannot apply); ``False``: off.
 
     Requires transformers >= 5.24 (the attention plumbing the packed forward needs); ``generate()`` with a
     ``PagedCache`` works from 4.56.
@@ -644,7 +649,10 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     watermark = options.pop("watermark", None)
     scheduler = Scheduler(kv, batch_tokens, max_num_seqs=options.pop("max_num_seqs", None),
                           watermark=DEFAULT_WATERMARK if watermark is None else watermark)
-    runner = ModelRunner(model, kv, paged_backend(model), num_layers)
+    if cuda_graphs is not None:
+        options["cuda_graphs"] = cuda_graphs
+    runner = ModelRunner(model, kv, paged_backend(model), num_layers,
+                         decode_graphs(options.pop("cuda_graphs", None), device, pool, scheduler.max_num_seqs))
     limit, reason = context_limit(config)
     core = EngineCore(scheduler, runner, Sampler(device=device), max_context=limit, context_reason=reason)
     defaults = {"logprobs": options.pop("logprobs")} if "logprobs" in options else {}
@@ -652,6 +660,36 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
                                      else model.generation_config, vocab_size=config.vocab_size,
                                      max_queue_size=options.pop("max_queue_size", None),
                                      max_unread_results=max_unread_results, default_options=defaults)
+
+
+def _graph_stats(graphs) -> dict:
+    if graphs is None:
+        return {}
+    return dict(graphs_captured=graphs.captured, graph_replays=graphs.replays, graph_capture_s=graphs.capture_s,
+                graphs_off=graphs.disabled_reason)
+
+
+def decode_graphs(wanted: bool | None, device, pool, max_rows: int):
+    """The runner's :class:`~hf_paged.engine.graphs.DecodeGraphs` (None: every step eager); preallocates the pool,
+    whose tensors a graph reads at fixed addresses."""
+    from . import graphs
+
+    kind = graphs.graph_type(device)
+    if wanted is False:
+        return None
+    if wanted and kind is None:
+        raise ValueError(f"cuda_graphs=True needs a CUDA model; this one is on {device}. Leave cuda_graphs unset "
+                         "(graphs apply where they can) or move the model to a GPU.")
+    if not pool.fixed:
+        if wanted:
+            raise ValueError("cuda_graphs=True needs a pool with a cap (the graphs read its tensors at fixed "
+                             "addresses): pass pool=BlockPool(num_blocks=N) or BlockPool(max_memory='8GiB'), or "
+                             "leave pool unset.")
+        return None
+    if kind is None:
+        return None
+    pool.preallocate()
+    return graphs.DecodeGraphs(device, max_rows, kind)
 
 
 def _cap_pool(pool, config, dtype, groups) -> None:

@@ -32,9 +32,9 @@ CB_IRRELEVANT = {
     "cpu_offload_space_safety_threshold",
 }
 _CB_REFUSED_WHY = {
-    "use_cuda_graph": "this engine does not capture CUDA graphs yet",
-    "q_padding_interval_size": "it sizes CUDA-graph padding, which this engine does not do",
-    "kv_padding_interval_size": "it sizes CUDA-graph padding, which this engine does not do",
+    "use_cuda_graph": "this engine graphs decode-only steps only; steps with prefill chunks run eagerly",
+    "q_padding_interval_size": "this engine pads graphed decode steps to power-of-two row buckets",
+    "kv_padding_interval_size": "this engine pads graphed decode steps' block tables to power-of-two widths",
     "varlen_compile_config": "this engine runs its forwards eagerly",
     "decode_compile_config": "this engine runs its forwards eagerly",
     "default_compile_level": "this engine runs its forwards eagerly",
@@ -52,7 +52,8 @@ def from_continuous_batching_config(config) -> dict:
     Mapped: ``page_size`` -> block size, ``num_blocks``, ``max_batch_tokens``, ``max_memory_percent`` (share of free
     memory for the default pool), ``max_requests_per_batch`` -> ``max_num_seqs``, ``allow_block_sharing`` -> prefix
     caching, ``max_queue_size`` (0: unlimited), ``safety_margin`` -> admission watermark, ``return_logprobs`` ->
-    logprobs of the sampled tokens by default. Fields about transformers' own machinery are ignored (they change
+    logprobs of the sampled tokens by default, ``use_cuda_graph`` -> ``cuda_graphs`` (a bool, or ``(varlen, decode)``
+    with varlen False: steps with prefill chunks always run eagerly here). Fields about transformers' own machinery are ignored (they change
     nothing here); any other field set to a value other than its default raises ``ValueError`` naming it.
     """
     if config is None:
@@ -72,8 +73,9 @@ def from_continuous_batching_config(config) -> dict:
             out[CB_MAPPED[f.name]] = value
         elif f.name in CB_IRRELEVANT or _same(value, default):
             continue
-        elif f.name == "use_cuda_graph" and value in (False, (False, False)):
-            continue
+        elif f.name == "use_cuda_graph" and (isinstance(value, bool) or (
+                isinstance(value, tuple) and len(value) == 2 and not value[0])):
+            out["cuda_graphs"] = value if isinstance(value, bool) else bool(value[1])  # (varlen, decode)
         else:
             refused.append(f"{f.name}={value!r} ({_CB_REFUSED_WHY.get(f.name, 'not supported by this engine')})")
     if refused:

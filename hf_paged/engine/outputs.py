@@ -79,6 +79,8 @@ class EngineStats:
         steps: forwards run. ttft / inter_token: recent times to first token / between tokens (seconds).
         host_time_s: seconds the engine thread spent outside the forward (= schedule + plan + sample + output);
             forward_time_s: inside the model's forward (logits included).
+        graphs_captured / graph_replays / graph_capture_s: CUDA graphs recorded for decode-only steps / steps served
+            by a replay / seconds spent capturing (each capture's own eager step included); graphs_off: why they were turned off (a failed or disagreeing capture), None while on or never used.
     """
 
     running: int = 0
@@ -107,6 +109,10 @@ class EngineStats:
     output_time_s: float = 0.0
     tokens_computed: int = 0  # tokens through forwards (prompt, recompute and decode)
     uptime_s: float = 0.0
+    graphs_captured: int = 0
+    graph_replays: int = 0
+    graph_capture_s: float = 0.0
+    graphs_off: str | None = None
 
     @property
     def prefix_hit_rate(self) -> float:

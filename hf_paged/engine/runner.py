@@ -42,10 +42,16 @@ class PackedInputs:
     num_sampled: int  # k: the real rows of the logits
     padding: int  # P
 
+    def moved(self, put) -> "PackedInputs":
+        """The same inputs with each tensor replaced by ``put(name, tensor)`` (moved to a device, or staged)."""
+        return PackedInputs(put("input_ids", self.input_ids), put("position_ids", self.position_ids),
+                            put("logits_index", self.logits_index), self.num_sampled, self.padding)
 
-def pack(batch: Batch, device: torch.device) -> PackedInputs:
-    """The packed inputs of ``batch`` (host lists built once, then one copy each to ``device``), padded to GEMM-friendly
-    sizes on CPU."""
+
+def pack(batch: Batch, device: torch.device, rows: int | None = None) -> PackedInputs:
+    """The packed inputs of ``batch`` as host tensors (built from host lists once), padded to GEMM-friendly sizes on
+    CPU; ``rows``: a decode-only batch padded to that many one-token rows (a graph's bucket), every row's logits
+    kept."""
     ids, positions, keep = [], [], []
     for chunk in batch.chunks:
         ids.extend(chunk.tokens)
@@ -53,28 +59,28 @@ def pack(batch: Batch, device: torch.device) -> PackedInputs:
         if chunk.sample:
             keep.append(len(ids) - 1)
     num_sampled, padding = len(keep), 0
-    if device.type == "cpu":
+    if rows is not None:
+        padding = rows - len(ids)
+        keep = list(range(rows))
+    elif device.type == "cpu":
         padding = cpu_rows(len(ids), 7) - len(ids)  # fewer than 7 tokens run faster unpadded
-        ids.extend([0] * padding)
-        positions.extend(range(padding))
         if keep:
             keep.extend([keep[-1]] * (cpu_rows(len(keep), 4) - len(keep)))
-    return PackedInputs(
-        torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True),  # [T + P]
-        torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),  # [T + P]
-        torch.tensor(keep, dtype=torch.long).to(device, non_blocking=True),  # [k']
-        num_sampled, padding,
-    )
+    ids.extend([0] * padding)
+    positions.extend(range(padding) if rows is None else [0] * padding)
+    return PackedInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                        torch.tensor(keep, dtype=torch.long), num_sampled, padding)
 
 
 class ModelRunner:
     """Runs a :class:`~hf_paged.engine.scheduler.Batch` through ``model`` on the engine's rows.
 
     ``run(batch) -> logits [k, vocab]`` (float, the model's dtype) for the batch's k sampling chunks. ``plan_time`` /
-    ``forward_time``: seconds of the last call's host preparation and of its forward.
+    ``forward_time``: seconds of the last call's host preparation and of its forward. ``graphs``: a
+    :class:`~hf_paged.engine.graphs.DecodeGraphs` replaying decode-only steps (None: every step eager).
     """
 
-    def __init__(self, model, kv, backend: str, num_layers: int):
+    def __init__(self, model, kv, backend: str, num_layers: int, graphs=None):
         from ..cache import StepCache
         from ..ops import resolve_backend
         from ..step import RowInput, plan
@@ -84,6 +90,7 @@ class ModelRunner:
         self.backend = resolve_backend(backend, model.device)  # "auto" -> what runs on this device
         self.num_layers = num_layers
         self.device = model.device
+        self.graphs = graphs
         self._plan, self._row_input, self._step_cache = plan, RowInput, StepCache
         self._buffers = kv.pool.lend_step_buffers(self)
         params = inspect.signature(model.forward).parameters
@@ -92,13 +99,32 @@ class ModelRunner:
 
     def run(self, batch: Batch) -> torch.Tensor:
         t0 = time.perf_counter()
-        inputs = pack(batch, self.device)
+        bucket = self.graphs.rows_for(batch.chunks) if self.graphs is not None else None
+        inputs = pack(batch, self.device, bucket)
         rows = [self._row_input(c.request.row, c.num_tokens, c.tokens) for c in batch.chunks]
-        if inputs.padding:
-            rows.append(self._row_input(PAD_ROW, inputs.padding, None))
-        step = self._plan(self.kv.rows, rows, backend=self.backend, num_layers=self.num_layers)
+        if bucket is not None:  # one released row per padding token: every row of a graphed step has one query
+            rows += [self._row_input(PAD_ROW, 1, None) for _ in range(inputs.padding)]
+            step = self._plan(self.kv.rows, rows, backend=self.backend, num_layers=self.num_layers,
+                              decode_bucket=True, static=True, full_width=True)
+        else:
+            if inputs.padding:
+                rows.append(self._row_input(PAD_ROW, inputs.padding, None))
+            step = self._plan(self.kv.rows, rows, backend=self.backend, num_layers=self.num_layers)
         t1 = time.perf_counter()
         self.plan_time = t1 - t0
+        if bucket is not None:
+            logits = self.graphs.run(step, inputs, self._buffers, self._forward)
+        else:
+            logits = self._forward(step, inputs.moved(lambda name, t: t.to(self.device, non_blocking=True)))
+        logits = logits[: inputs.num_sampled]  # [k, vocab]
+        if logits.device.type == "cuda":  # the time is the forward's, not the sampler's first sync
+            torch.cuda.synchronize(logits.device)
+        self.forward_time = time.perf_counter() - t1
+        self.kv.publish([c.request.row for c in batch.chunks])
+        return logits
+
+    def _forward(self, step, inputs: PackedInputs) -> torch.Tensor:
+        """``[k', vocab]`` logits of the sampled rows (``inputs`` on the model's device)."""
         cache = self._step_cache(self.kv.rows, step, self.num_layers, self._buffers)
         kwargs = {compat.FORWARD_CACHE_KWARG: cache, "use_cache": True}
         if self.keeps_logits:
@@ -107,9 +133,4 @@ class ModelRunner:
         logits = out.logits[0]  # [k', vocab] (or [T + P, vocab] for a model without logits_to_keep)
         if not self.keeps_logits:
             logits = logits.index_select(0, inputs.logits_index)
-        logits = logits[: inputs.num_sampled]  # [k, vocab]
-        if logits.device.type == "cuda":  # the time is the forward's, not the sampler's first sync
-            torch.cuda.synchronize(logits.device)
-        self.forward_time = time.perf_counter() - t1
-        self.kv.publish([c.request.row for c in batch.chunks])
         return logits
