@@ -387,19 +387,28 @@ def test_init_options_and_continuous_batching_config():
     assert default.fixed and default.prefix_caching and default.allocator.max_blocks > 0
 
 
-def test_triton_backend():
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphs"])
+def test_triton_backend(graphed, monkeypatch):
     """The packed varlen forward through the Triton kernels (real ones on CUDA, the interpreter on CPU): requests
-    chunked and preempted equal generate() alone."""
+    chunked and preempted equal generate() alone; with decode steps through CUDA graphs (emulated on CPU: no host
+    read inside the captured forward, the launcher included)."""
+    from hf_paged.engine import graphs
+
+    if graphed and DEVICE.type == "cpu":
+        monkeypatch.setattr(graphs, "graph_type", lambda device: graphs.EmulatedGraph)
     model = enable_paged_attention(tiny_model("llama", seed=3, device=DEVICE), backend="triton")
     prompts = random_prompts(3, VOCAB, (14, 24), seed=7)
     specs = [(f"t{i}", p, 6) for i, p in enumerate(prompts)]
     pool = BlockPool(block_size=BLOCK, num_blocks=10)
-    _, core = engine(model, pool, max_batch_tokens=16)
+    manager, core = engine(model, pool, max_batch_tokens=16, cuda_graphs=graphed)
     chunks = []
     reqs = drive(core, specs, seed=1, chunks=chunks, steps_between=0)
     assert core.scheduler.counters.preemptions > 0
     assert any(start + n < prompt_len for _, start, n, prompt_len in chunks)
     assert_like_generate(model, reqs, specs, "triton")
+    if graphed:
+        stats = manager.stats()
+        assert stats.graphs_off is None and stats.graph_replays > 0, stats
 
 
 def test_pool_shared_with_a_paged_cache():
@@ -493,3 +502,24 @@ def test_decode_graphs_off_where_they_cannot_run(monkeypatch):
     stats = manager.stats()
     assert stats.graphs_captured == 0 and "capturing the" in stats.graphs_off
     assert_like_generate(model, reqs, specs, "graphs-off")
+
+
+@pytest.mark.parametrize("model_type", AVAILABLE)
+def test_decode_graphs_every_family(model_type, monkeypatch):
+    """Every listed family's decode steps through the (emulated) graph path: no host read of a tensor inside the
+    captured forward (a CUDA capture would fail there) and the same tokens as the eager engine."""
+    from hf_paged.engine import graphs
+
+    monkeypatch.setattr(graphs, "graph_type", lambda device: graphs.EmulatedGraph)
+    model = enable_paged_attention(tiny_family_model(model_type, seed=2), backend="torch")
+    specs = [(f"{model_type}{i}", p, 4 + i) for i, p in enumerate(random_prompts(5, VOCAB, (3, 14), seed=12))]
+    outs = {}
+    for graphed in (True, False):
+        manager, core = engine(model, BlockPool(block_size=BLOCK, num_blocks=48), max_batch_tokens=16,
+                               cuda_graphs=graphed)
+        reqs = drive(core, specs, seed=3, steps_between=1)
+        outs[graphed] = {rid: (r.status, r.generated) for rid, r in reqs.items()}
+        if graphed:
+            stats = manager.stats()
+            assert stats.graphs_off is None and stats.graph_replays > 0, stats
+    assert outs[True] == outs[False]

@@ -10,7 +10,8 @@ steps (any prefill chunk) always run eagerly.
 
 On CPU, :class:`EmulatedGraph` stands in for ``torch.cuda.CUDAGraph``: its replay re-runs the captured forward with
 the captured Python objects, so a step that reached the forward through anything but its staged buffers would
-replay another step's values (the tests' check that replays read only the buffers).
+replay another step's values (the tests' check that replays read only the buffers), and its capture refuses what a
+CUDA capture cannot do, reading a tensor's value on the host.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -46,9 +48,23 @@ class CudaGraph:
         self.graph.replay()
 
 
+class NoHostReads(TorchFunctionMode):
+    """Raises on a tensor's value read on the host (``item``, ``tolist``, ``bool``, ``int``, ...): on CUDA each is a
+    device sync, which a graph capture cannot contain."""
+
+    READS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+                       torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.cpu})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            raise RuntimeError(f"{func.__name__}() reads a tensor on the host inside a captured forward")
+        return func(*args, **(kwargs or {}))
+
+
 class EmulatedGraph:
-    """A CPU stand-in for :class:`CudaGraph`: ``replay`` calls the captured function again and copies its result into
-    the captured output, as a graph fills its output tensor in place."""
+    """A CPU stand-in for :class:`CudaGraph`: ``capture`` runs the function once under :class:`NoHostReads`;
+    ``replay`` calls it again and copies its result into the captured output, as a graph fills its output tensor in
+    place."""
 
     def __init__(self, pool):
         self.fn = None
@@ -60,7 +76,8 @@ class EmulatedGraph:
 
     def capture(self, fn):
         self.fn = fn
-        self.output = fn()
+        with NoHostReads():
+            self.output = fn()
         return self.output
 
     def replay(self) -> None:
