@@ -1,7 +1,7 @@
 """The engine on the embedded SmolLM2 (the one real-model engine test): 16 chat requests, half sharing a system
 prompt, through generate_batch: greedy tokens equal each request alone through generate() with a DynamicCache (8 of
 them checked, to keep the test short), the shared system prompt is served from the prefix cache, and an fp8 pool's
-tokens agree with full precision on most positions up to each request's first difference (the figure is printed;
+tokens agree with full precision on >= 90% of the positions up to each request's first difference (printed;
 each fp8 token is scaled by its own amax, and the exactness of the engine's fp8 path is pinned by
 test_engine_models.py::test_request_alone_and_among_fifteen_others)."""
 
@@ -32,11 +32,15 @@ def chat_ids(tokenizer, prompt: str, system: str | None) -> list[int]:
     return tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
 
 
-def agreement(full: list[list[int]], other: list[list[int]]) -> tuple[int, int]:
-    """Positions equal up to each sequence's first difference, and all positions of ``full``."""
-    agree = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                for a, b in zip(full, other))
-    return agree, sum(len(a) for a in full)
+def agreement(full: list[list[int]], other: list[list[int]]) -> tuple[int, int, int]:
+    """Positions equal before each sequence's first difference; the positions compared up to and including each first
+    difference (all of an identical sequence); all positions of ``full``."""
+    agree = compared = 0
+    for a, b in zip(full, other):
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        agree += first
+        compared += len(a) if a == b else min(first + 1, len(a))
+    return agree, compared, sum(len(a) for a in full)
 
 
 def test_smollm_chat_requests_equal_generate_alone_and_fp8_agrees():
@@ -61,7 +65,8 @@ def test_smollm_chat_requests_equal_generate_alone_and_fp8_agrees():
     print(f"\nSmolLM2: {len(ties.ties)} tie(s) accepted of {ties.requests} requests")
     assert stats[None].prefix_hit_tokens > 0  # the system prompt's blocks, computed once
     full, fp8 = [o.generated_tokens for o in outs[None]], [o.generated_tokens for o in outs[torch.float8_e4m3fn]]
-    agree, total = agreement(full, fp8)
-    print(f"fp8 pool: {agree}/{total} = {agree / total:.1%} of positions agree with full precision up to each "
-          "request's first difference")
-    assert agree >= 0.8 * total  # a wrong scale or block gives garbage; fp8 rounding flips a few near-ties
+    agree, compared, total = agreement(full, fp8)
+    print(f"fp8 pool: {agree}/{compared} = {agree / compared:.1%} of the positions up to each request's first "
+          f"difference agree with full precision ({agree}/{total} = {agree / total:.1%} of all positions)")
+    assert agree >= 0.9 * compared  # the issue's target; a wrong scale or block gives garbage at once
+    assert agree >= 0.8 * total
