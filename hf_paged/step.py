@@ -14,6 +14,7 @@ pool's scratch block and its output is discarded by ``generate()``.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -151,7 +152,8 @@ def row_tokens(input_ids: torch.Tensor | None, real: torch.Tensor | None) -> lis
 
 
 def group_tensors(tables, lens, counts, starts, written, scratch: int, block_size: int, bucket: bool):
-    """The step tensors of one group (host).
+    """The step tensors of one group, built as host lists (one tensor each at the end: a decode step's handful of
+    values costs less in Python than in small tensor ops).
 
     ``tables``/``lens``: per row (``None`` for a released row); ``counts``: per row, its real new tokens;
     ``starts``: per row, the position of its first new token; ``written``: per row, whether its tokens are written.
@@ -161,25 +163,28 @@ def group_tensors(tables, lens, counts, starts, written, scratch: int, block_siz
                 max((cdiv(c, block_size) for t, c in zip(tables, counts) if t is None), default=1))  # released rows
     if bucket:
         width = next_pow2(width)
-    block_tables = torch.zeros((batch, width), dtype=torch.int32)
-    for row, table in enumerate(tables):
-        if table:
-            block_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    block_tables.clamp_(min=0)  # NULL_BLOCK entries (slid out of the window) are masked, never read
-    seq_lens = torch.tensor([lens[r] if tables[r] is not None else counts[r] for r in range(batch)], dtype=torch.int32)
-    query_start_loc = torch.zeros(batch + 1, dtype=torch.int32)
-    torch.cumsum(torch.tensor(counts, dtype=torch.int32), 0, out=query_start_loc[1:])
-
-    # Slots of the written tokens, vectorised: token t of row r sits at position starts[r] + t.
-    n = torch.tensor([c if w else 0 for c, w in zip(counts, written)], dtype=torch.long)
-    token_row = torch.repeat_interleave(torch.arange(batch), n)
-    first = torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
-    pos = torch.repeat_interleave(torch.tensor(starts, dtype=torch.long), n) + (torch.arange(token_row.shape[0]) - first)
-    released = torch.tensor([t is None for t in tables])[token_row]
-    pos[released] = 0  # a released row's tokens all go to the scratch slot
-    slot_mapping = slot_of(block_tables[token_row, pos // block_size].long(), pos, block_size)
-    slot_mapping[released] = scratch * block_size
-    return block_tables, seq_lens, query_start_loc, slot_mapping
+    rows, seq_lens, slots = [], [], []
+    for table, length, count, start, write in zip(tables, lens, counts, starts, written):
+        if table is None:  # a released row: its tokens all go to the scratch slot
+            rows.append([0] * width)
+            seq_lens.append(count)
+            if write:
+                slots.extend([scratch * block_size] * count)
+            continue
+        # NULL_BLOCK entries (slid out of the window) become 0: masked, never read
+        rows.append([max(b, 0) for b in table] + [0] * (width - len(table)))
+        seq_lens.append(length)
+        pos, end = start, start + count
+        while write and pos < end:  # token t of the row sits at position start + t: one range per block touched
+            block, offset = divmod(pos, block_size)
+            n = min(block_size - offset, end - pos)
+            first = slot_of(max(table[block], 0), pos, block_size)
+            slots.extend(range(first, first + n))
+            pos += n
+    block_tables = torch.tensor(rows, dtype=torch.int32).view(batch, width)
+    query_start_loc = torch.tensor(list(itertools.accumulate(counts, initial=0)), dtype=torch.int32)
+    return (block_tables, torch.tensor(seq_lens, dtype=torch.int32), query_start_loc,
+            torch.tensor(slots, dtype=torch.long))
 
 
 @dataclass

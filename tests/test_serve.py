@@ -375,6 +375,7 @@ def test_models_health_and_metrics(served):
     assert samples[("hf_paged_time_to_first_token_seconds_count", ())] >= 1
     assert families["hf_paged_inter_token_latency_seconds"].type == "histogram"
     assert "hf_paged_requests_running" in families and "hf_paged_preemptions" in families
+    assert "hf_paged_decode_graph_replays" in families
     assert samples[("hf_paged_http_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] >= 1
 
 

@@ -38,6 +38,9 @@ def parser() -> argparse.ArgumentParser:
                    help="paged attention kernels")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not keep finished prompts' blocks for reuse")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="token budget of one engine step")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run every step eagerly (default on CUDA with --max-memory: decode steps replay CUDA graphs, "
+                        "and the pool is allocated whole at start)")
     p.add_argument("--max-queue", type=int, default=None,
                    help="waiting requests beyond which new ones get 429 with Retry-After (default: unbounded)")
     p.add_argument("--api-key", default=os.environ.get("HF_PAGED_API_KEY"),
@@ -81,7 +84,8 @@ def build(args):
                      prefix_caching=not args.no_prefix_caching,
                      kv_dtype=torch.float8_e4m3fn if args.kv_dtype == "fp8" else None)
     manager = init_continuous_batching(model, pool=pool, max_batch_tokens=args.max_batch_tokens,
-                                       max_queue_size=args.max_queue)
+                                       max_queue_size=args.max_queue,
+                                       cuda_graphs=False if args.no_cuda_graphs else None)
     settings = ServeSettings(model_name=name, api_key=args.api_key,
                              max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
                              drain_timeout=args.drain_timeout, cors_origins=tuple(args.cors_origin))

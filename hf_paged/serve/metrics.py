@@ -35,6 +35,8 @@ class _EngineCollector:
         yield GaugeMetricFamily(f"{PREFIX}_requests_waiting", "Requests waiting for room", value=s.waiting)
         yield CounterMetricFamily(f"{PREFIX}_preemptions", "Requests preempted for lack of blocks",
                                   value=s.preemptions)
+        yield CounterMetricFamily(f"{PREFIX}_decode_graph_replays", "Decode steps replayed from CUDA graphs",
+                                  value=s.graph_replays)
         yield CounterMetricFamily(f"{PREFIX}_prompt_tokens", "Prompt tokens admitted", value=s.prompt_tokens)
         yield CounterMetricFamily(f"{PREFIX}_prefix_cache_hit_tokens", "Prompt tokens found in cached blocks",
                                   value=s.prefix_hit_tokens)
