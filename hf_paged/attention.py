@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -79,10 +80,25 @@ def _make_attention(original: str):
         if layer is not None and not layer.no_history:
             return _paged_forward(module, query, scaling, kwargs, layer), None
         # No cache, another cache, or a first prefill (its K/V are already in the pool; nothing to read back).
-        fallback = compat.attention_function(original, module._hf_paged_eager)
+        fallback = compat.attention_function(original, _eager_of(module))
         return fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
     return attention
+
+
+def _eager_of(module):
+    """The module's own eager attention: set by :func:`enable_paged_attention`; for a module it never saw (a second
+    model built on the same config object, whose attention name the call changed too) the one its modeling file
+    defines."""
+    eager = getattr(module, "_hf_paged_eager", None)
+    if eager is None:
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise RuntimeError(
+            f"{type(module).__name__} runs hf_paged's attention but enable_paged_attention() was never called on its "
+            "model (it shares a config object with a model that was): build each model with its own config "
+            "(copy.deepcopy(config)) or call enable_paged_attention() on this model too.")
+    return eager
 
 
 @dataclass

@@ -267,3 +267,20 @@ class _SharedExclusiveLock:
             with self._cond:
                 self._writer = False
                 self._cond.notify_all()
+
+
+def test_second_model_on_the_same_config_object_still_generates():
+    """Two models built on one config object: enable_paged_attention on one changes the attention name both read; the
+    other (never enabled) still computes what it did, through its family's own attention, with or without a cache."""
+    from transformers import DynamicCache, LlamaForCausalLM
+
+    config = tiny_config("llama", attn_implementation="eager")
+    torch.manual_seed(0)
+    plain, paged = LlamaForCausalLM(config).eval(), LlamaForCausalLM(config).eval()
+    paged.load_state_dict(plain.state_dict())
+    inputs = left_padded([5, 9])
+    before = generate(plain, inputs, DynamicCache(), max_new_tokens=6)
+    enable_paged_attention(paged, backend="torch")
+    assert plain.config._attn_implementation == paged.config._attn_implementation  # one object: both renamed
+    assert torch.equal(generate(plain, inputs, DynamicCache(), max_new_tokens=6), before)
+    assert torch.equal(generate(paged, inputs, PagedCache(paged.config), max_new_tokens=6), before)
