@@ -216,7 +216,7 @@ def plan(rows: Rows, inputs: list[RowInput], *, backend: str, num_layers: int, d
     pool, groups = rows.pool, rows.groups
     a, bs = pool.allocator, pool.block_size
     counts = [i.num_tokens for i in inputs]
-    max_query_len, num_tokens = max(counts, default=0), sum(counts)
+    max_query_len = max(counts, default=0)
     keyed = [pool.prefix_caching and window is None for window in groups.windows]
     live = [i for i in inputs if not i.row.released]
 
@@ -271,8 +271,8 @@ def plan(rows: Rows, inputs: list[RowInput], *, backend: str, num_layers: int, d
             context = cdiv(int(meta.seq_lens.max()), bs) * bs if len(inputs) else bs
             if full_width:
                 context = meta.max_seq_len
-            meta.plan = plan_torch_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, bs, num_tokens,
-                                             meta.sliding_window, max_query_len, context,
+            meta.plan = plan_torch_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, bs,
+                                             sliding_window=meta.sliding_window, max_seq_len=context,
                                              always_mask=always_mask or static)
     return Step(len(inputs), max_query_len, max_query_len, no_history, None, write_index, group_steps,
                 backend, static, layers=[None] * max(num_layers, 1))

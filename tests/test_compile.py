@@ -65,10 +65,10 @@ class StepProbe(StoppingCriteria):
             for layer in step.layers:
                 g, meta = layer.group, layer.group.attention
                 # the torch backend's plan too, mask included: its presence and shapes depend on the bucket alone
-                read = (g.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.plan.tables,
-                        meta.plan.mask)
+                (part,) = meta.plan.parts
+                read = (g.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, part.tables, part.mask)
                 self.decode_reads_buffers.append(all(any(t is b for b in buffers) for t in read))
-                self.widths.append((meta.block_tables.shape[1], meta.plan.mask.shape[-1], meta.plan.tables.shape[0]))
+                self.widths.append((meta.block_tables.shape[1], part.mask.shape[-1], part.tables.shape[0]))
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 

@@ -329,10 +329,9 @@ def test_bucketed_width_and_zero_padded_tables(decode, options):
     block_size, width = case["key_cache"].shape[1], tables.shape[1]
     case = dict(case, block_tables=tables)
     expected = attention_float64(**case)
-    max_seq_len, max_query_len, num_tokens = width * block_size, max(q_lens), sum(q_lens)
-    plan = plan_torch_attention(tables, case["seq_lens"], case["query_start_loc"], block_size, num_tokens,
-                                None, max_query_len, max_seq_len)
-    assert (plan.mask if decode else plan.segments[0].mask).shape[-1] == max_seq_len > max(seq_lens)
+    max_seq_len, max_query_len = width * block_size, max(q_lens)
+    plan = plan_torch_attention(tables, case["seq_lens"], case["query_start_loc"], block_size, max_seq_len=max_seq_len)
+    assert len(plan.parts) == 1 and plan.parts[0].mask.shape[-1] == max_seq_len > max(seq_lens)
     sizes = dict(max_query_len=max_query_len, max_seq_len=max_seq_len)
     torch_out = on_backend(functools.partial(ops.paged_attention_unchecked, backend="torch"), case, plan=plan, **sizes)
     triton_out = on_backend(functools.partial(ops.paged_attention_unchecked, backend="triton"), case, **sizes)
@@ -584,19 +583,18 @@ def test_torch_plan_groups_rows_by_query_count():
     seq_lens, q_lens, block_size = [200, 30, 45, 12, 70], [40, 1, 1, 0, 1], 16
     case = make_case(seq_lens, q_lens, num_kv_heads=2, group=3, head_dim=32, block_size=block_size,
                      dtype=torch.float32, seed=9)
-    num_tokens = sum(q_lens)
     plan = plan_torch_attention(case["block_tables"], case["seq_lens"], case["query_start_loc"], block_size,
-                                num_tokens, None, max(q_lens), zero_unowned=True)  # NaN pool: unowned slots zeroed
-    (chunk,) = plan.segments
+                                zero_unowned=True)  # NaN pool: unowned slots zeroed
+    decode, chunk = plan.parts  # the decode rows first (contexts 30-70: one part), then the chunk
     assert chunk.q_index.tolist() == list(range(40)) and chunk.mask.shape == (1, 1, 40, 208)
-    assert plan.tables.shape == (3 * 5,) and plan.mask.shape == (3, 1, 1, 80)  # 70 tokens -> 5 blocks, not 13
-    assert not plan.ordered and plan.decode_index.tolist() == [40, 41, 42]  # the chunk comes first: scattered
+    assert decode.tables.shape == (3 * 5,) and decode.mask.shape == (3, 1, 1, 80)  # 70 tokens -> 5 blocks, not 13
+    assert not plan.ordered and decode.q_index.tolist() == [40, 41, 42]  # the chunk comes first: scattered
     expected = attention_float64(**case)
     out = on_backend(paged_attention_torch, case, plan=plan)
     assert (out.double() - expected).abs().max() < 1e-5
     decode_only = plan_torch_attention(case["block_tables"][1:], case["seq_lens"][1:],
-                                       case["query_start_loc"][1:] - 40, block_size, 3, None, 1)
-    assert decode_only.decode_index is None and not decode_only.segments  # rows in order: no scatter
+                                       case["query_start_loc"][1:] - 40, block_size)
+    assert len(decode_only.parts) == 1 and decode_only.ordered  # rows in order: no scatter
 
 
 @pytest.mark.parametrize("window", [None, 6, 24])
@@ -609,10 +607,10 @@ def test_torch_plan_packed_step_reads_slices_and_fresh_chunks_unmasked(window):
     case = make_case(seq_lens, q_lens, num_kv_heads=2, group=2, head_dim=32, block_size=block_size,
                      dtype=torch.float32, seed=12, window=window)
     plan = plan_torch_attention(case["block_tables"], case["seq_lens"], case["query_start_loc"], block_size,
-                                sum(q_lens), window, max(q_lens), zero_unowned=True)
+                                sliding_window=window, zero_unowned=True)
     assert plan.ordered is False  # the 9-token row sits between 17-token rows: one call for the 17s cannot slice
-    by_count = {seg.sizes()[1]: seg for seg in plan.segments}
-    assert sorted(by_count) == [9, 17] and by_count[17].sizes() == (3, 17)
+    by_count = {part.sizes()[1]: part for part in plan.parts}
+    assert sorted(by_count) == [1, 9, 17] and by_count[17].sizes() == (3, 17)
     assert (by_count[9].mask is None) == (window is None or window >= 9)  # fresh: causal, unless the window cuts
     assert by_count[17].mask is not None  # one of its rows has history
     assert (on_backend(paged_attention_torch, case, plan=plan).double() - attention_float64(**case)).abs().max() < 1e-5
@@ -625,16 +623,16 @@ def test_torch_plan_packed_step_reads_slices_and_fresh_chunks_unmasked(window):
     starts = case["query_start_loc"].tolist()
     reordered["query"] = torch.cat([case["query"][starts[r]:starts[r + 1]] for r in in_order])
     plan = plan_torch_attention(reordered["block_tables"], reordered["seq_lens"], reordered["query_start_loc"],
-                                block_size, sum(q_lens), window, max(q_lens), zero_unowned=True)
-    assert plan.ordered and plan.decode_index is None and all(seg.q_index is None for seg in plan.segments)
+                                block_size, sliding_window=window, zero_unowned=True)
+    assert plan.ordered and all(part.q_index is None for part in plan.parts)
     expected = attention_float64(**reordered)
     assert (on_backend(paged_attention_torch, reordered, plan=plan).double() - expected).abs().max() < 1e-5
     # a longer chunk before a shorter one (the engine's CPU padding row comes last) stays ordered too
     tail = make_case([50, 33, 40, 5], [1, 1, 17, 5], num_kv_heads=2, group=2, head_dim=32, block_size=block_size,
                      dtype=torch.float32, seed=13, window=window)
-    plan = plan_torch_attention(tail["block_tables"], tail["seq_lens"], tail["query_start_loc"], block_size, 24,
-                                window, 17, zero_unowned=True)
-    assert plan.ordered and [seg.sizes()[1] for seg in plan.segments] == [17, 5]
+    plan = plan_torch_attention(tail["block_tables"], tail["seq_lens"], tail["query_start_loc"], block_size,
+                                sliding_window=window, zero_unowned=True)
+    assert plan.ordered and [part.sizes()[1] for part in plan.parts] == [1, 17, 5]
     assert (on_backend(paged_attention_torch, tail, plan=plan).double() - attention_float64(**tail)).abs().max() < 1e-5
 
 
@@ -650,13 +648,32 @@ def test_torch_plan_reads_a_run_of_blocks_as_a_view(decode):
     pool_k[7, 5:], pool_v[7, 5:] = 0.0, 0.0  # past the row's 45 tokens: zeros, as hf_paged's own pools hold
     tables = torch.arange(2, 8, dtype=torch.int32, device=DEVICE)[None]
     case = dict(case, key_cache=pool_k, value_cache=pool_v, block_tables=tables)
-    plan = plan_torch_attention(tables, case["seq_lens"], case["query_start_loc"], 8, q_len, None, q_len)
-    assert (plan.decode_run if decode else plan.segments[0].run) == 2
+    plan = plan_torch_attention(tables, case["seq_lens"], case["query_start_loc"], 8)
+    assert plan.parts[0].run == 2
     out = on_backend(paged_attention_torch, case, plan=plan)
     assert (out.double() - attention_float64(**case)).abs().max() < 1e-5
-    compiled = plan_torch_attention(tables, case["seq_lens"], case["query_start_loc"], 8, q_len, None, q_len,
-                                    always_mask=True)
-    assert compiled.decode_run is None and all(seg.run is None for seg in compiled.segments)
+    compiled = plan_torch_attention(tables, case["seq_lens"], case["query_start_loc"], 8, always_mask=True)
+    assert all(part.run is None for part in compiled.parts)
     scrambled = tables.flip(1)
-    assert plan_torch_attention(scrambled, case["seq_lens"], case["query_start_loc"], 8, q_len, None,
-                                q_len).decode_run is None
+    assert plan_torch_attention(scrambled, case["seq_lens"], case["query_start_loc"], 8).parts[0].run is None
+
+
+def test_torch_plan_splits_decode_rows_by_context():
+    """Decode rows of very different contexts (a few blocks and many) are read in separate parts, each only as wide
+    as its own rows need; rows of similar context stay together (a split costs a call); the result is the float64
+    one either way, the rows' outputs scattered back to their places."""
+    seq_lens, block_size = [20, 300, 25, 290, 18, 30], 8
+    case = make_case(seq_lens, [1] * 6, num_kv_heads=2, group=2, head_dim=32, block_size=block_size,
+                     dtype=torch.float32, seed=14)
+    plan = plan_torch_attention(case["block_tables"], case["seq_lens"], case["query_start_loc"], block_size,
+                                zero_unowned=True)
+    short, long = plan.parts
+    assert short.sizes() == (4, 1) and short.mask.shape[-1] == 32 and long.mask.shape[-1] == 304
+    assert short.q_index.tolist() == [0, 2, 4, 5] and long.q_index.tolist() == [1, 3] and not plan.ordered
+    assert (on_backend(paged_attention_torch, case, plan=plan).double() - attention_float64(**case)).abs().max() < 1e-5
+    similar = plan_torch_attention(case["block_tables"][[0, 2, 4, 5]], case["seq_lens"][[0, 2, 4, 5]],
+                                   case["query_start_loc"][:5], block_size)
+    assert len(similar.parts) == 1 and similar.ordered  # 18-30 tokens: splitting would save too little
+    compiled = plan_torch_attention(case["block_tables"], case["seq_lens"], case["query_start_loc"], block_size,
+                                    always_mask=True)
+    assert len(compiled.parts) == 1  # a compiled step's shapes: one part per query count

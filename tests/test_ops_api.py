@@ -593,5 +593,6 @@ def test_one_torch_plan_per_step_shared_by_every_layer(monkeypatch):
     assert len(per_step) == 3 and all(len(step) == 3 for step in per_step)  # 3 decode steps (the prefill: no history)
     for step in per_step:
         assert step[0] is step[1] is step[2]
-        assert step[0].tables.shape == (2 * step[0].mask.shape[-1] // 4,) and step[0].decode_index is None
+        (part,) = step[0].parts  # one decode part, rows in order: sliced, not gathered
+        assert part.tables.shape == (2 * part.mask.shape[-1] // 4,) and part.q_index is None
     assert len({id(step[0]) for step in per_step}) == 3

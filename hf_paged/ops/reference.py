@@ -105,13 +105,22 @@ def copy_blocks_torch(key_cache, value_cache, src, dst, k_scale=None, v_scale=No
             cache.index_copy_(0, dst, cache.index_select(0, src))
 
 
-@dataclass
-class PrefillSegment:
-    """Rows of a step with the same number of queries (> 1), read together: one attention call, no query padding.
+# A decode row's context is read in whole blocks up to its part's longest: a part of rows with very different
+# contexts reads mostly masked positions. Decode rows are split into parts of similar context (power-of-two ranges of
+# blocks) unless a split would save fewer positions than this (another call's fixed cost; measured on the 2-core Xeon:
+# ~40 us per layer for a call against ~0.25 us per position read and attended).
+SPLIT_MIN_POSITIONS = 256
 
-    ``mask`` None: every row's queries are its first positions (a fresh prompt or chunk with no history and no window
-    cutting it), so the call is SDPA's causal one, with no mask built. ``q_index`` None: the segment's queries are the
-    packed batch's ``q_start .. q_start + rows * queries - 1`` in order (a slice, nothing gathered).
+
+@dataclass
+class AttentionPart:
+    """Rows of a step read together: one attention call over their blocks, no query padding.
+
+    The rows have the same number of queries ``Q``. With one (decode), the query heads of each KV head become that
+    head's queries (one call, no repeated K/V); with several, the call is causal over each row's history. ``mask``
+    None: nothing to mask (decode rows whose contexts fill the part's whole blocks; rows whose queries are their first
+    positions, a fresh prompt or chunk with no window cutting it, take SDPA's causal path). ``q_index`` None: the
+    part's queries are the packed batch's ``q_start .. q_start + rows * Q - 1`` in order (a slice, nothing gathered).
     """
 
     tables: torch.Tensor  # [Sx * nb] int64, physical block of each context block
@@ -136,124 +145,116 @@ class PrefillSegment:
 class TorchAttentionPlan:
     """How :func:`paged_attention_torch` reads one batch: built once per step and shared by its layers.
 
-    Rows are grouped by their query count, so no row is padded to another's: the rows with one query (decode) form one
-    batched call; those with several (prefill, chunked prefill, extend, verification) form one
-    :class:`PrefillSegment` per distinct count (a continuous-batching step's chunks mostly one each; a ``generate()``
-    batch one in all). A row with none takes no part. Each part gathers its rows' blocks up to its own longest
-    context, in whole blocks (``L = nb * block_size``), or reads them as a view of the pool when the part is a single
-    row whose blocks are consecutive (``decode_run`` / a segment's ``run``: the first block). When the parts' queries,
-    decode first, then the segments in order, are the packed batch itself (``ordered``), the output is their
-    concatenation; otherwise each part has index tensors and its output is scattered.
+    Rows are split into :class:`AttentionPart` s so that no row is padded to another's query count, nor a decode row
+    to a much longer context: the rows with one query by context (power-of-two ranges of blocks, see
+    ``SPLIT_MIN_POSITIONS``), then one part per distinct larger query count, in order of first appearance (a
+    continuous-batching step's chunks mostly one each; a ``generate()`` batch one part in all). A row with no query
+    takes no part. Each part gathers its rows' blocks up to its own longest context, in whole blocks
+    (``L = nb * block_size``), or reads them as a view of the pool when it is a single row whose blocks are
+    consecutive (``run``). When the parts' queries, in order, are the packed batch itself (``ordered``), the output
+    is their concatenation; otherwise each part has index tensors and its output is scattered.
 
     Every field is a tensor, an int or None (the step planner moves the tensors to the model's device, :meth:`moved`).
-    A compiled step (``always_mask``) carries every size the attention needs in a tensor's shape (a compiled graph
-    sees no varying Python int): see :meth:`op_arguments` and :meth:`from_op_arguments`, through which the plan
-    crosses the custom-op boundary.
+    A compiled step (``always_mask``) keeps one part per query count and carries every size the attention needs in a
+    tensor's shape (a compiled graph sees no varying Python int): see :meth:`op_arguments` and
+    :meth:`from_op_arguments`, through which the plan crosses the custom-op boundary.
     """
 
-    # rows with one query: the query heads of a KV head become its queries (one SDPA call, no repeated K/V)
-    tables: torch.Tensor | None  # [Sd * nb] int64, physical block of each context block
-    mask: torch.Tensor | None = None  # [Sd, 1, 1, L] bool; None: every row sees all L positions
-    decode_index: torch.Tensor | None = None  # [Sd] int64, each row's query in the packed batch (not ordered)
-    decode_run: int | None = None  # Sd == 1 and its blocks are decode_run .. decode_run + nb - 1
-    kv_valid: torch.Tensor | None = None  # [Sd, L, 1, 1] bool: slots holding a token (public entry only)
-    # rows with several queries
-    segments: list[PrefillSegment] = field(default_factory=list)
+    parts: list[AttentionPart] = field(default_factory=list)
     ordered: bool = True
-    decode_count: int = 0  # Sd when the decode rows are not the whole batch and ``ordered`` (their queries come first)
-
-    TENSORS = ("tables", "mask", "decode_index", "kv_valid")
 
     def moved(self, put) -> "TorchAttentionPlan":
         """A copy whose tensors are ``put(name, tensor)`` (e.g. moved to a device or staged in a step buffer)."""
-        def move(obj, prefix):
-            return {n: put(prefix + n, v) if isinstance(v, torch.Tensor) else v
-                    for n, v in vars(obj).items() if n != "segments"}
+        def move(part, prefix):
+            return AttentionPart(**{n: put(prefix + n, v) if isinstance(v, torch.Tensor) else v
+                                    for n, v in vars(part).items()})
 
-        return TorchAttentionPlan(**move(self, ""), segments=[
-            PrefillSegment(**move(seg, f"segments.{i}.")) for i, seg in enumerate(self.segments)])
+        return TorchAttentionPlan([move(part, f"parts.{i}.") for i, part in enumerate(self.parts)], self.ordered)
 
     @staticmethod
     def op_arguments(plan: "TorchAttentionPlan | None") -> tuple[list, list[int]]:
-        """``(tensors, ints)`` for the op's schema: the decode part's tensors then each segment's (``TENSORS``
-        order); the ints ``[decode_run, ordered, decode_count, then per segment: run, q_start, num_rows, queries]``
-        (-1: none). No plan (the Triton backend): two empty lists."""
+        """``(tensors, ints)`` for the op's schema: each part's tensors (``AttentionPart.TENSORS`` order); the ints
+        ``[ordered, then per part: run, q_start, num_rows, queries]`` (-1: none). No plan (the Triton backend): two
+        empty lists."""
         if plan is None:
             return [], []
-        tensors = [getattr(plan, n) for n in plan.TENSORS]
-        ints = [-1 if plan.decode_run is None else plan.decode_run, int(plan.ordered), plan.decode_count]
-        for seg in plan.segments:
-            tensors += [getattr(seg, n) for n in PrefillSegment.TENSORS]
-            ints += [-1 if seg.run is None else seg.run, seg.q_start, seg.num_rows, seg.queries]
+        tensors, ints = [], [int(plan.ordered)]
+        for part in plan.parts:
+            tensors += [getattr(part, n) for n in AttentionPart.TENSORS]
+            ints += [-1 if part.run is None else part.run, part.q_start, part.num_rows, part.queries]
         return tensors, ints
 
     @classmethod
     def from_op_arguments(cls, tensors, ints) -> "TorchAttentionPlan | None":
         if not ints:
             return None
-        head = len(cls.TENSORS)
-        plan = cls(**dict(zip(cls.TENSORS, tensors[:head])), decode_run=None if ints[0] < 0 else ints[0],
-                   ordered=bool(ints[1]), decode_count=ints[2])
-        width = len(PrefillSegment.TENSORS)
-        for i in range((len(tensors) - head) // width):
-            fields = dict(zip(PrefillSegment.TENSORS, tensors[head + i * width: head + (i + 1) * width]))
-            run, q_start, num_rows, queries = ints[3 + 4 * i: 7 + 4 * i]
-            plan.segments.append(PrefillSegment(**fields, num_rows=num_rows, queries=queries, q_start=q_start,
-                                                run=None if run < 0 else run))
+        plan = cls(ordered=bool(ints[0]))
+        width = len(AttentionPart.TENSORS)
+        for i in range(len(tensors) // width):
+            fields = dict(zip(AttentionPart.TENSORS, tensors[i * width: (i + 1) * width]))
+            run, q_start, num_rows, queries = ints[1 + 4 * i: 5 + 4 * i]
+            plan.parts.append(AttentionPart(**fields, num_rows=num_rows, queries=queries, q_start=q_start,
+                                            run=None if run < 0 else run))
         return plan
 
 
 def plan_torch_attention(
-    block_tables, seq_lens, query_start_loc, block_size: int, num_tokens: int,
-    sliding_window: int | None = None, max_query_len: int | None = None, max_seq_len: int | None = None,
-    always_mask: bool = False, *, zero_unowned: bool = False,
+    block_tables, seq_lens, query_start_loc, block_size: int, *, sliding_window: int | None = None,
+    max_seq_len: int | None = None, always_mask: bool = False, zero_unowned: bool = False,
 ) -> TorchAttentionPlan:
     """Index and mask tensors for :func:`paged_attention_torch`, built once per step and shared by its layers.
 
     ``max_seq_len`` may exceed every ``seq_lens`` entry (a bucketed width, up to ``block_tables.shape[1] *
     block_size``), and table columns past a sequence's blocks may hold any valid block id (e.g. 0): positions at or
-    past ``seq_lens[s]`` are masked, so what those slots hold never reaches the output unless it is NaN/inf.
+    past ``seq_lens[s]`` are masked, so what those slots hold never reaches the output unless it is NaN/inf. It sets
+    the width of a plan with a single part (every row read as wide).
 
-    ``always_mask``: build every mask and index even where a causal call or a slice would do, and never read blocks
-    as views (a compiled step's plan then holds the same tensors, of shapes fixed by the step's sizes, every step).
-    ``zero_unowned``: also mark the slots no sequence wrote (a caller's pool; hf_paged's own pools hold zeros there).
-    Reads ``seq_lens`` and ``query_start_loc`` on the host (they are host tensors in a step plan).
+    ``always_mask``: one part per query count, every mask and index built even where a causal call or a slice would
+    do, and blocks never read as views (a compiled step's plan then holds the same tensors, of shapes fixed by the
+    step's sizes, every step). ``zero_unowned``: also mark the slots no sequence wrote (a caller's pool; hf_paged's
+    own pools hold zeros there). Reads ``seq_lens`` and ``query_start_loc`` on the host (they are host tensors in a
+    step plan).
     """
     seq_lens_l = seq_lens.to(torch.long)
-    num_seqs = seq_lens.shape[0]
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.long)  # [S]
-    if max_query_len is None:
-        max_query_len = int(q_lens.max()) if num_seqs else 0
     if max_seq_len is not None and -(-max_seq_len // block_size) > block_tables.shape[1]:
         raise ValueError(
             f"max_seq_len={max_seq_len} needs {-(-max_seq_len // block_size)} blocks per sequence but block_tables "
             f"has {block_tables.shape[1]} columns; pass max_seq_len <= block_tables.shape[1] * block_size."
         )
-    part = dict(block_tables=block_tables, seq_lens=seq_lens_l, block_size=block_size, window=sliding_window,
-                always_mask=always_mask, zero_unowned=zero_unowned)
-    plan = TorchAttentionPlan(None)
-    if max_query_len == 1 and num_tokens == num_seqs:  # every row decodes: one part, rows as they are
-        _decode_part(plan, None, max_seq_len, **part)
-        return plan
-    starts = query_start_loc.to(torch.long)
     counts = q_lens.tolist()
     decode_rows = [r for r, c in enumerate(counts) if c == 1]
-    kinds = list(dict.fromkeys(c for c in counts if c > 1))  # in order of first appearance
-    groups = [[r for r, c in enumerate(counts) if c == q] for q in kinds]
-    # ordered: the decode rows' queries, then each segment's in turn, are the packed batch as it is
-    plan.ordered = not always_mask and decode_rows + [r for g in groups for r in g] == [
-        r for r, c in enumerate(counts) if c > 0]
-    single = len(groups) + bool(decode_rows) == 1  # one part: it may take the step's (bucketed) width
+    groups = []  # (queries, rows)
     if decode_rows:
-        rows = torch.tensor(decode_rows)
-        _decode_part(plan, rows, max_seq_len if single else None, **part)
-        plan.decode_count = len(decode_rows)
-        if not plan.ordered:
-            plan.decode_index = starts[rows]
-    for q, rows in zip(kinds, groups):
-        plan.segments.append(_prefill_segment(torch.tensor(rows), q, starts, max_seq_len if single else None,
-                                              plan.ordered, **part))
+        split = [decode_rows] if always_mask else _by_context(decode_rows, seq_lens_l.tolist(), block_size)
+        groups += [(1, rows) for rows in split]
+    for q in dict.fromkeys(c for c in counts if c > 1):  # in order of first appearance
+        groups.append((q, [r for r, c in enumerate(counts) if c == q]))
+    # ordered: the parts' queries, in turn, are the packed batch as it is (a compiled step: only a single part)
+    ordered = [r for _, rows in groups for r in rows] == [r for r, c in enumerate(counts) if c > 0]
+    plan = TorchAttentionPlan(ordered=ordered and (not always_mask or len(groups) == 1))
+    part = dict(starts=query_start_loc.to(torch.long), ordered=plan.ordered, block_tables=block_tables,
+                seq_lens=seq_lens_l, block_size=block_size, window=sliding_window, always_mask=always_mask,
+                zero_unowned=zero_unowned)
+    for q, rows in groups:  # a single part may take the step's (bucketed) width
+        plan.parts.append(_part(torch.tensor(rows), q, max_seq_len if len(groups) == 1 else None, **part))
     return plan
+
+
+def _by_context(rows: list[int], lens: list[int], block_size: int) -> list[list[int]]:
+    """Decode ``rows`` in groups of similar context: by power-of-two range of blocks, shortest first, each range
+    merged into the next while that pads fewer than ``SPLIT_MIN_POSITIONS`` positions."""
+    ranges: dict[int, list[int]] = {}
+    for r in rows:
+        ranges.setdefault((max(1, -(-lens[r] // block_size)) - 1).bit_length(), []).append(r)
+    groups, pending = [], []
+    for key in sorted(ranges):
+        widest = max(-(-lens[r] // block_size) for r in ranges[key]) * block_size
+        if pending and sum(widest - lens[r] for r in pending) >= SPLIT_MIN_POSITIONS:
+            groups.append(sorted(pending))
+            pending = []
+        pending += ranges[key]
+    return groups + [sorted(pending)]
 
 
 def _context_blocks(seq_lens, max_seq_len, block_size: int) -> int:
@@ -264,7 +265,7 @@ def _context_blocks(seq_lens, max_seq_len, block_size: int) -> int:
 def _part_tables(block_tables, rows, num_ctx_blocks: int, always_mask: bool) -> tuple[torch.Tensor, int | None]:
     """The part's flat block ids (-1 clamped to 0: masked positions) and, for one row of consecutive blocks, the
     first (read as a view)."""
-    raw = block_tables[:, :num_ctx_blocks] if rows is None else block_tables[rows, :num_ctx_blocks]  # [Sx, nb]
+    raw = block_tables[rows, :num_ctx_blocks]  # [Sx, nb]
     tables = raw.to(torch.long).clamp_min(0).flatten()
     run = None
     if raw.shape[0] == 1 and not always_mask and int(raw[0, 0]) >= 0:
@@ -275,53 +276,40 @@ def _part_tables(block_tables, rows, num_ctx_blocks: int, always_mask: bool) -> 
 
 def _owned(block_tables, rows, seq_lens, num_ctx_blocks: int, block_size: int) -> torch.Tensor:
     """``[Sx, L, 1, 1]`` bool: positions below the row's length in a block the table names."""
-    raw = block_tables[:, :num_ctx_blocks] if rows is None else block_tables[rows, :num_ctx_blocks]
+    raw = block_tables[rows, :num_ctx_blocks]
     length = num_ctx_blocks * block_size
     pos = torch.arange(length, device=raw.device)
     owned = raw.repeat_interleave(block_size, 1) >= 0  # [Sx, L]
     return ((pos[None, :] < seq_lens[:, None]) & owned)[:, :, None, None]
 
 
-def _decode_part(plan, rows, max_seq_len, *, block_tables, seq_lens, block_size, window, always_mask, zero_unowned):
-    lens = seq_lens if rows is None else seq_lens[rows]  # [Sd]
-    nb = _context_blocks(lens, max_seq_len, block_size)
-    length = nb * block_size
-    plan.tables, plan.decode_run = _part_tables(block_tables, rows, nb, always_mask)
-    if always_mask or window is not None or not bool((lens == length).all()):
-        kv_pos = torch.arange(length, device=lens.device)
-        q_pos = lens[:, None] - 1  # [Sd, 1]
-        mask = kv_pos[None, :] <= q_pos  # [Sd, L]
-        if window is not None:
-            mask &= kv_pos[None, :] > q_pos - window
-        plan.mask = mask[:, None, None, :]  # [Sd, 1, 1, L]
-    if zero_unowned:
-        plan.kv_valid = _owned(block_tables, rows, lens, nb, block_size)
-
-
-def _prefill_segment(rows, queries: int, starts, max_seq_len, ordered: bool, *, block_tables, seq_lens, block_size,
-                     window, always_mask, zero_unowned) -> PrefillSegment:
+def _part(rows, queries: int, max_seq_len, *, starts, ordered: bool, block_tables, seq_lens, block_size, window,
+          always_mask, zero_unowned) -> AttentionPart:
     lens = seq_lens[rows]  # [Sx]
     nb = _context_blocks(lens, max_seq_len, block_size)
     length = nb * block_size
     tables, run = _part_tables(block_tables, rows, nb, always_mask)
-    seg = PrefillSegment(tables, -1 if always_mask else rows.numel(), -1 if always_mask else queries, run=run)
+    part = AttentionPart(tables, -1 if always_mask else rows.numel(), -1 if always_mask else queries, run=run)
     offs = torch.arange(queries, device=lens.device)
     q_index = (starts[rows][:, None] + offs).flatten()  # [Sx * Q]
     if ordered:
-        seg.q_start = int(q_index[0])
+        part.q_start = int(q_index[0])
     else:
-        seg.q_index = q_index
-    fresh = bool((lens == queries).all()) and (window is None or window >= queries)
-    if always_mask or not fresh:
+        part.q_index = q_index
+    if queries == 1:  # decode: a mask unless every row sees all L positions
+        unmasked = window is None and bool((lens == length).all())
+    else:  # the row's queries are its first positions: causal, no mask
+        unmasked = bool((lens == queries).all()) and (window is None or window >= queries)
+    if always_mask or not unmasked:
         q_pos = (lens - queries)[:, None] + offs  # [Sx, Q]
         kv_pos = torch.arange(length, device=lens.device)
         mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # [Sx, Q, L]
         if window is not None:
             mask &= kv_pos[None, None, :] > (q_pos[:, :, None] - window)
-        seg.mask = mask[:, None]  # [Sx, 1, Q, L]
+        part.mask = mask[:, None]  # [Sx, 1, Q, L]
     if zero_unowned:
-        seg.kv_valid = _owned(block_tables, rows, lens, nb, block_size)
-    return seg
+        part.kv_valid = _owned(block_tables, rows, lens, nb, block_size)
+    return part
 
 
 def _read_blocks(cache, tables, run, num_rows: int, kv_valid):
@@ -364,8 +352,8 @@ def paged_attention_torch(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gather each part's blocks (``meta.plan``, a :class:`TorchAttentionPlan`; built here when None), then one
-    batched SDPA call per part: the decode rows with the query heads of each KV head as its queries, each segment of
-    rows with more queries causal (with a mask where a history or a window needs one).
+    batched SDPA call per part: decode rows with the query heads of each KV head as their queries, rows with more
+    queries causal (with a mask where a history or a window needs one).
 
     With ``softcap`` or ``sinks`` (which SDPA cannot express) the scores take an explicit fp32 softmax instead. A uint8
     (fp8) pool is dequantized with its scale caches ``k_scale``/``v_scale``, gathered with the blocks.
@@ -378,37 +366,32 @@ def paged_attention_torch(
         # A caller's pool may hold NaN in slots no sequence owns (torch.empty); masked scores still multiply them,
         # so zero them. hf_paged's own pools start zeroed and only hold written tokens, so the model path skips it.
         plan = plan_torch_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, key_cache.shape[1],
-                                    num_tokens, meta.sliding_window, meta.max_query_len, meta.max_seq_len,
+                                    sliding_window=meta.sliding_window, max_seq_len=meta.max_seq_len,
                                     zero_unowned=True)
     explicit = softcap is not None or sinks is not None
     kv_dtype = torch.float32 if explicit else query.dtype
     features = (scale, softcap, sinks, explicit)
-    parts = []  # (output [n, Hq, D], its queries' index in the packed batch or None)
-    if plan.tables is not None:
-        if plan.decode_index is not None:
-            q = query.index_select(0, plan.decode_index)  # [Sd, Hq, D]
+    outputs = []  # (output [n, Hq, D], its queries' index in the packed batch or None)
+    for part in plan.parts:
+        rows, queries = part.sizes()
+        if part.q_index is not None:
+            q = query.index_select(0, part.q_index)
         else:
-            q = query[: plan.decode_count] if plan.segments else query
-        keys, values = _read_kv(key_cache, value_cache, plan.tables, plan.decode_run, q.shape[0], plan.kv_valid,
-                                kv_dtype, k_scale, v_scale)
-        parts.append((_decode_attention(q, keys, values, plan.mask, *features), plan.decode_index))  # [Sd, Hq, D]
-    for seg in plan.segments:
-        rows, queries = seg.sizes()
-        if seg.q_index is not None:
-            q = query.index_select(0, seg.q_index)
-        else:
-            q = query[seg.q_start: seg.q_start + rows * queries]
-        q = q.view(rows, queries, num_q_heads, head_dim)  # [Sx, Q, Hq, D]
-        keys, values = _read_kv(key_cache, value_cache, seg.tables, seg.run, rows, seg.kv_valid, kv_dtype,
+            q = query[part.q_start: part.q_start + rows * queries]  # [Sx * Q, Hq, D]
+        keys, values = _read_kv(key_cache, value_cache, part.tables, part.run, rows, part.kv_valid, kv_dtype,
                                 k_scale, v_scale)
-        out = _prefill_attention(q, keys, values, seg.mask, *features)  # [Sx, Q, Hq, D]
-        parts.append((out.reshape(rows * queries, num_q_heads, head_dim), seg.q_index))
-    if len(parts) == 1 and parts[0][0].shape[0] == num_tokens:
-        return parts[0][0]
+        if queries == 1:
+            out = _decode_attention(q, keys, values, part.mask, *features)  # [Sx, Hq, D]
+        else:
+            out = _prefill_attention(q.view(rows, queries, num_q_heads, head_dim), keys, values, part.mask,
+                                     *features).reshape(rows * queries, num_q_heads, head_dim)
+        outputs.append((out, part.q_index))
+    if len(outputs) == 1 and outputs[0][0].shape[0] == num_tokens:
+        return outputs[0][0]
     if plan.ordered:
-        return torch.cat([out for out, _ in parts])
+        return torch.cat([out for out, _ in outputs])
     out = query.new_zeros(query.shape)  # [num_tokens, Hq, D]
-    for part, index in parts:
+    for part, index in outputs:
         out.index_copy_(0, index, part)
     return out
 
