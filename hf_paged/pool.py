@@ -132,6 +132,7 @@ class BlockPool:
         self.k_scales: dict[int, torch.Tensor] = {}  # layer -> its slot's current k_scale_caches entry (fp8 pools)
         self.v_scales: dict[int, torch.Tensor] = {}
         self._free_step_buffers: list[StepBuffers] = []
+        self._sized_rows = 0  # every K/V tensor had at least this many rows at the last ensure_capacity()
 
     def lend_step_buffers(self, cache) -> StepBuffers:
         """Step buffers for ``cache``, given back to this pool when the cache is collected. A later cache on the same
@@ -326,10 +327,13 @@ class BlockPool:
     def ensure_capacity(self) -> None:
         """Grow every existing tensor to :attr:`rows` (called before a forward, never inside one)."""
         rows = self.rows
+        if rows == self._sized_rows:  # nothing grew since (tensors made since were made this large)
+            return
         for layer, slot in self.layer_slot.items():
             k = self.key_caches.get(slot)
             if k is not None and k.shape[0] < rows:
                 self.layer_kv(layer)
+        self._sized_rows = rows
 
     def _grow_slot(self, slot, s: LayerShape) -> None:
         old_k = self.key_caches.get(slot)

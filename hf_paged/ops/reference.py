@@ -215,29 +215,28 @@ def plan_torch_attention(
     own pools hold zeros there). Reads ``seq_lens`` and ``query_start_loc`` on the host (they are host tensors in a
     step plan).
     """
-    seq_lens_l = seq_lens.to(torch.long)
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.long)  # [S]
     if max_seq_len is not None and -(-max_seq_len // block_size) > block_tables.shape[1]:
         raise ValueError(
             f"max_seq_len={max_seq_len} needs {-(-max_seq_len // block_size)} blocks per sequence but block_tables "
             f"has {block_tables.shape[1]} columns; pass max_seq_len <= block_tables.shape[1] * block_size."
         )
-    counts = q_lens.tolist()
+    # The sizes on the host as Python ints: a step's few values cost less in Python than in small tensor ops.
+    lens, starts = seq_lens.tolist(), query_start_loc.tolist()
+    counts = [b - a for a, b in zip(starts, starts[1:])]
     decode_rows = [r for r, c in enumerate(counts) if c == 1]
     groups = []  # (queries, rows)
     if decode_rows:
-        split = [decode_rows] if always_mask else _by_context(decode_rows, seq_lens_l.tolist(), block_size)
+        split = [decode_rows] if always_mask else _by_context(decode_rows, lens, block_size)
         groups += [(1, rows) for rows in split]
     for q in dict.fromkeys(c for c in counts if c > 1):  # in order of first appearance
         groups.append((q, [r for r, c in enumerate(counts) if c == q]))
     # ordered: the parts' queries, in turn, are the packed batch as it is (a compiled step: only a single part)
     ordered = [r for _, rows in groups for r in rows] == [r for r, c in enumerate(counts) if c > 0]
     plan = TorchAttentionPlan(ordered=ordered and (not always_mask or len(groups) == 1))
-    part = dict(starts=query_start_loc.to(torch.long), ordered=plan.ordered, block_tables=block_tables,
-                seq_lens=seq_lens_l, block_size=block_size, window=sliding_window, always_mask=always_mask,
-                zero_unowned=zero_unowned)
+    context = dict(lens=lens, starts=starts, ordered=plan.ordered, block_tables=block_tables, block_size=block_size,
+                   window=sliding_window, always_mask=always_mask, zero_unowned=zero_unowned)
     for q, rows in groups:  # a single part may take the step's (bucketed) width
-        plan.parts.append(_part(torch.tensor(rows), q, max_seq_len if len(groups) == 1 else None, **part))
+        plan.parts.append(_part(rows, q, max_seq_len if len(groups) == 1 else None, **context))
     return plan
 
 
@@ -257,58 +256,42 @@ def _by_context(rows: list[int], lens: list[int], block_size: int) -> list[list[
     return groups + [sorted(pending)]
 
 
-def _context_blocks(seq_lens, max_seq_len, block_size: int) -> int:
-    longest = max(int(seq_lens.max()) if max_seq_len is None else max_seq_len, 1)
-    return -(-longest // block_size)
-
-
-def _part_tables(block_tables, rows, num_ctx_blocks: int, always_mask: bool) -> tuple[torch.Tensor, int | None]:
-    """The part's flat block ids (-1 clamped to 0: masked positions) and, for one row of consecutive blocks, the
-    first (read as a view)."""
-    raw = block_tables[rows, :num_ctx_blocks]  # [Sx, nb]
-    tables = raw.to(torch.long).clamp_min(0).flatten()
-    run = None
-    if raw.shape[0] == 1 and not always_mask and int(raw[0, 0]) >= 0:
-        if num_ctx_blocks == 1 or bool((raw[0, 1:] - raw[0, :-1] == 1).all()):
-            run = int(raw[0, 0])
-    return tables, run
-
-
-def _owned(block_tables, rows, seq_lens, num_ctx_blocks: int, block_size: int) -> torch.Tensor:
-    """``[Sx, L, 1, 1]`` bool: positions below the row's length in a block the table names."""
-    raw = block_tables[rows, :num_ctx_blocks]
-    length = num_ctx_blocks * block_size
-    pos = torch.arange(length, device=raw.device)
-    owned = raw.repeat_interleave(block_size, 1) >= 0  # [Sx, L]
-    return ((pos[None, :] < seq_lens[:, None]) & owned)[:, :, None, None]
-
-
-def _part(rows, queries: int, max_seq_len, *, starts, ordered: bool, block_tables, seq_lens, block_size, window,
-          always_mask, zero_unowned) -> AttentionPart:
-    lens = seq_lens[rows]  # [Sx]
-    nb = _context_blocks(lens, max_seq_len, block_size)
+def _part(rows: list[int], queries: int, max_seq_len, *, lens, starts, ordered: bool, block_tables, block_size,
+          window, always_mask, zero_unowned) -> AttentionPart:
+    part_lens = [lens[r] for r in rows]
+    nb = -(-max(max(part_lens) if max_seq_len is None else max_seq_len, 1) // block_size)
     length = nb * block_size
-    tables, run = _part_tables(block_tables, rows, nb, always_mask)
-    part = AttentionPart(tables, -1 if always_mask else rows.numel(), -1 if always_mask else queries, run=run)
-    offs = torch.arange(queries, device=lens.device)
-    q_index = (starts[rows][:, None] + offs).flatten()  # [Sx * Q]
+    device = block_tables.device
+    whole = rows == list(range(block_tables.shape[0]))
+    index = None if whole else torch.tensor(rows, device=device)
+    raw = block_tables[:, :nb] if whole else block_tables[index, :nb]  # [Sx, nb]
+    run = None
+    if len(rows) == 1 and not always_mask:  # one row of consecutive blocks: read as a view
+        first = raw[0].tolist()
+        if first[0] >= 0 and all(b == first[0] + i for i, b in enumerate(first)):
+            run = first[0]
+    part = AttentionPart(raw.to(torch.long).clamp_min(0).flatten(), -1 if always_mask else len(rows),
+                         -1 if always_mask else queries, run=run)
     if ordered:
-        part.q_start = int(q_index[0])
+        part.q_start = starts[rows[0]]
     else:
-        part.q_index = q_index
+        part.q_index = torch.tensor([starts[r] + i for r in rows for i in range(queries)], device=device)
     if queries == 1:  # decode: a mask unless every row sees all L positions
-        unmasked = window is None and bool((lens == length).all())
+        unmasked = window is None and all(n == length for n in part_lens)
     else:  # the row's queries are its first positions: causal, no mask
-        unmasked = bool((lens == queries).all()) and (window is None or window >= queries)
+        unmasked = all(n == queries for n in part_lens) and (window is None or window >= queries)
     if always_mask or not unmasked:
-        q_pos = (lens - queries)[:, None] + offs  # [Sx, Q]
-        kv_pos = torch.arange(length, device=lens.device)
-        mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # [Sx, Q, L]
+        q_pos = torch.tensor([n - queries for n in part_lens], device=device)[:, None] + torch.arange(
+            queries, device=device)  # [Sx, Q]
+        kv_pos = torch.arange(length, device=device)
+        mask = kv_pos <= q_pos[:, :, None]  # [Sx, Q, L]
         if window is not None:
-            mask &= kv_pos[None, None, :] > (q_pos[:, :, None] - window)
+            mask &= kv_pos > (q_pos[:, :, None] - window)
         part.mask = mask[:, None]  # [Sx, 1, Q, L]
-    if zero_unowned:
-        part.kv_valid = _owned(block_tables, rows, lens, nb, block_size)
+    if zero_unowned:  # [Sx, L, 1, 1]: positions below the row's length in a block the table names
+        owned = raw.repeat_interleave(block_size, 1) >= 0  # [Sx, L]
+        below = torch.arange(length, device=device) < torch.tensor(part_lens, device=device)[:, None]
+        part.kv_valid = (below & owned)[:, :, None, None]
     return part
 
 
