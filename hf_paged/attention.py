@@ -51,7 +51,8 @@ _PER_STEP_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "out
 
 def _paged_forward(module, query, scaling, kwargs, layer) -> torch.Tensor:
     batch, num_q_heads, query_len, head_dim = query.shape
-    q = query.transpose(1, 2).reshape(batch * query_len, num_q_heads, head_dim)  # [B*S, Hq, D]
+    q = query.squeeze(2) if query_len == 1 else query.transpose(1, 2).reshape(batch * query_len, num_q_heads,
+                                                                              head_dim)  # [B*S, Hq, D]
     if layer.token_index is not None:
         q = q.index_select(0, layer.token_index)  # [num_tokens, Hq, D]
     # The window is the layer group's, in its step's metadata (hf_paged.patches.layer_windows): what the model's mask

@@ -360,7 +360,7 @@ def write_layer(pool, groups, step: Step, buffers: StepBuffers, layer_idx: int, 
 def pack_tokens(states: torch.Tensor, layer: LayerStep) -> torch.Tensor:
     """``[B, H, S, D]`` -> ``[num_writes, H, D]``: the real, written tokens back to back."""
     batch, heads, seq, dim = states.shape
-    flat = states.transpose(1, 2).reshape(batch * seq, heads, dim)
+    flat = states.squeeze(2) if seq == 1 else states.transpose(1, 2).reshape(batch * seq, heads, dim)
     if layer.token_index is not None:
         flat = flat.index_select(0, layer.token_index)
     if layer.write_index is not None:

@@ -359,6 +359,8 @@ def paged_attention_torch(
         rows, queries = part.sizes()
         if part.q_index is not None:
             q = query.index_select(0, part.q_index)
+        elif len(plan.parts) == 1 and part.q_start == 0:  # the whole batch (a step's only part starts at 0)
+            q = query
         else:
             q = query[part.q_start: part.q_start + rows * queries]  # [Sx * Q, Hq, D]
         keys, values = _read_kv(key_cache, value_cache, part.tables, part.run, rows, part.kv_valid, kv_dtype,
