@@ -462,9 +462,8 @@ def test_decode_graphs_replay_their_buffers_only(name, monkeypatch):
         assert pool.allocator.blocks_in_use == 0
         stats = manager.stats()
         if graphed:
-            runner_graphs = core.runner.graphs
-            widths = {key[1] for key in runner_graphs._entries}
-            buckets = {key[0] for key in runner_graphs._entries}
+            widths = {key[1] for key in core.runner.graphs.keys}
+            buckets = {key[0] for key in core.runner.graphs.keys}
             assert stats.graphs_off is None and stats.graph_replays > stats.graphs_captured >= 3, stats
             assert len(buckets) >= 3 and len(widths) >= 2, (buckets, widths)
             assert core.scheduler.counters.preemptions > 0

@@ -118,6 +118,11 @@ class DecodeGraphs:
         self._pool = graph.new_pool(device)
         self._entries: dict[tuple, _Entry] = {}
 
+    @property
+    def keys(self) -> list[tuple]:
+        """The captured graphs' keys: ``(rows bucket, (block-table width of each layer group, ...))``."""
+        return list(self._entries)
+
     def rows_for(self, chunks) -> int | None:
         """The bucket a step of ``chunks`` runs padded to, or None when it runs eagerly (a prefill chunk in it, more
         rows than the largest bucket, or graphs off)."""
