@@ -282,7 +282,9 @@ class PagedCache(Cache):
                 length = self.rows.length(row) + still
                 for window in self.groups.windows:
                     need += cdiv(length if window is None else min(length, window + bs), bs)
-        return OutOfBlocksError(err.needed, err.free, err.block_size, err.capacity, request_needed=need,
+        kept = "" if not mine else (f"This cache keeps the {len(mine)} blocks its rows hold so far (as a DynamicCache "
+                                    "keeps its tensors) until cache.reset() gives them back or the cache is dropped. ")
+        return OutOfBlocksError(err.needed, err.free, err.block_size, err.capacity, kept, request_needed=need,
                                 max_new_tokens=new, fix=self.pool.sizing_call(need + others, cache=self._own_pool))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):

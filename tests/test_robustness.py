@@ -65,6 +65,7 @@ def test_exhaustion_mid_generation_then_reset_and_reuse(model):
     stats = pool.memory_stats()
     assert stats.blocks_in_use == neighbour_blocks + cache.memory_stats().blocks_in_use
     assert cache.memory_stats().blocks_in_use == sum(-(-n // 4) for n in lens)
+    assert f"keeps the {cache.memory_stats().blocks_in_use} blocks" in message and "cache.reset()" in message
     assert err.value.free == 10 - stats.blocks_in_use
     assert neighbour.block_tables() == neighbour_tables
     pool.allocator.check_invariants()
