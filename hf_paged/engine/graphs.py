@@ -37,6 +37,17 @@ class CudaGraph:
     def new_pool(device: torch.device):
         return torch.cuda.graph_pool_handle()
 
+    @staticmethod
+    def warm(fn):
+        """Run ``fn()`` once before its capture, on a side stream as PyTorch advises (libraries set up their
+        per-stream state there, not inside the capture); returns its output."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            output = fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        return output
+
     def capture(self, fn):
         """Record ``fn()`` (nothing runs); returns its output tensor, filled by each :meth:`replay`."""
         torch.cuda.synchronize()
@@ -73,6 +84,10 @@ class EmulatedGraph:
     @staticmethod
     def new_pool(device: torch.device):
         return None
+
+    @staticmethod
+    def warm(fn):
+        return fn()
 
     def capture(self, fn):
         self.fn = fn
@@ -153,7 +168,7 @@ class DecodeGraphs:
             self.capture_s += time.perf_counter() - start
 
     def _capture(self, key, step, staged, forward) -> torch.Tensor:
-        eager = forward(step, staged)  # the step itself; it also compiles the kernels and binds the layers
+        eager = self.graph.warm(lambda: forward(step, staged))  # the step itself; kernels compile, layers bind
         graph = self.graph(self._pool)
         try:
             output = graph.capture(lambda: forward(step, staged))
