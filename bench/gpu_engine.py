@@ -4,10 +4,11 @@ A random-weight Llama of Llama-3.2-1B's shape (bf16, built on the device; nothin
 bench/serve.py's mix (lognormal prompt and output lengths: prompts <= 1,000 tokens, outputs <= 128, random token
 ids, no EOS so every request generates its own max_new_tokens), all submitted at once. Contenders, alternated after
 an untimed warm-up each: ``hf_paged.init_continuous_batching`` with its defaults (decode-only steps replayed from
-CUDA graphs), the same with ``cuda_graphs=False`` (every step eager: what the graphs buy), and transformers'
-``init_continuous_batching`` with its defaults (the persistent manager ``generate_batch`` uses, with its CUDA-graph
-warm-up), each on its own copy of the model; the engines' managers persist from the warm-up to the timed run as
-transformers' does (graphs captured in the warm-up replay in the run; those captured in the run count in its time). The dry run on CPU emulates the graphs
+CUDA graphs) but a 12 GiB pool each (``ENGINE_POOL``), the same with ``cuda_graphs=False`` (every step eager: what
+the graphs buy), and transformers' ``init_continuous_batching`` with its defaults (the persistent manager
+``generate_batch`` uses, with its CUDA-graph warm-up), each on its own copy of the model; the engines' managers
+persist from the warm-up to the timed run as transformers' does (graphs captured in the warm-up replay in the run;
+those captured in the run count in its time). The dry run on CPU emulates the graphs
 (``hf_paged.engine.graphs.EmulatedGraph``) so that their path runs too.
 
     python bench/gpu_engine.py                     # on the GPU machine (bench/gpu.sh runs it)
@@ -69,11 +70,19 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+ENGINE_POOL = "12GiB"  # each engine's pool: ~2.5x what the 256 requests hold at once at the 1B shape
+
+
 def start_engine(model, small: bool, graphs: bool):
-    """A started engine manager with its defaults (``graphs=False``: ``cuda_graphs=False``), kept for the warm-up and
-    the timed run as transformers' persistent manager is; ``small`` (the CPU dry run): a pool of 64 blocks and 128
+    """A started engine manager with its defaults but the pool (``graphs=False``: ``cuda_graphs=False``), kept for
+    the warm-up and the timed run as transformers' persistent manager is. The two engines live side by side, so each
+    gets a pool of ``ENGINE_POOL`` with prefix caching (the default sizes itself from the memory free when it is made:
+    the second would be sized from what the first has not taken yet); ``small`` (the CPU dry run): 64 blocks and 128
     tokens a step."""
-    options = dict(pool=hf_paged.BlockPool(block_size=16, num_blocks=64), max_batch_tokens=128) if small else {}
+    if small:
+        options = dict(pool=hf_paged.BlockPool(block_size=16, num_blocks=64), max_batch_tokens=128)
+    else:
+        options = dict(pool=hf_paged.BlockPool(block_size=16, max_memory=ENGINE_POOL, prefix_caching=True))
     manager = hf_paged.init_continuous_batching(model, cuda_graphs=None if graphs else False, **options)
     manager.start()
     return manager
