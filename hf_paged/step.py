@@ -151,16 +151,19 @@ def row_tokens(input_ids: torch.Tensor | None, real: torch.Tensor | None) -> lis
     return [[t for t, keep in zip(row, mask) if keep] for row, mask in zip(ids, real.tolist())]
 
 
-def group_tensors(tables, lens, counts, starts, written, scratch: int, block_size: int, bucket: bool):
+def group_tensors(tables, lens, counts, starts, written, scratch: int, block_size: int, bucket: bool,
+                  min_width: int = 1):
     """The step tensors of one group, built as host lists (one tensor each at the end: a decode step's handful of
     values costs less in Python than in small tensor ops).
 
     ``tables``/``lens``: per row (``None`` for a released row); ``counts``: per row, its real new tokens;
-    ``starts``: per row, the position of its first new token; ``written``: per row, whether its tokens are written.
+    ``starts``: per row, the position of its first new token; ``written``: per row, whether its tokens are written;
+    ``min_width``: the tables' fewest columns.
     """
     batch = len(counts)
     width = max(1, max((len(t) for t in tables if t is not None), default=1),
                 max((cdiv(c, block_size) for t, c in zip(tables, counts) if t is None), default=1))  # released rows
+    width = max(width, min_width)
     if bucket:
         width = next_pow2(width)
     rows, seq_lens, slots = [], [], []
@@ -199,7 +202,7 @@ class RowInput:
 
 def plan(rows: Rows, inputs: list[RowInput], *, backend: str, num_layers: int, decode_bucket: bool = False,
          static: bool = False, release_windows: bool = True, no_history: bool = False, gathered: bool = False,
-         always_mask: bool = False, full_width: bool = False) -> Step:
+         always_mask: bool = False, full_width: bool = False, min_width: int = 1) -> Step:
     """Plan one forward over ``inputs`` (packed in that order): allocate, copy-on-write, window release, step tensors.
 
     A released row still runs (a batch keeps its shape): its tokens are written to the pool's scratch block.
@@ -207,7 +210,8 @@ def plan(rows: Rows, inputs: list[RowInput], *, backend: str, num_layers: int, d
     ``static``: a compiled decode step (its tensors are staged in step buffers); ``release_windows``: give back
     blocks that left every query's window; ``no_history``: a first prefill (the model's own attention serves it);
     ``gathered``: the history is gathered for the model's attention (no paged attention); ``full_width``: the torch
-    plan reads the tables' whole width, masked (a CUDA graph's shapes then depend only on the rows and the width).
+    plan reads the tables' whole width, masked (a CUDA graph's shapes then depend only on the rows and the width);
+    ``min_width``: the block tables' fewest columns (a graphed step: fewer widths, fewer graphs).
     Raises :class:`~hf_paged.OutOfBlocksError` with every row unchanged when the blocks do not fit.
     """
     if backend not in ("torch", "triton"):
@@ -251,7 +255,8 @@ def plan(rows: Rows, inputs: list[RowInput], *, backend: str, num_layers: int, d
             tables = [None if i.row.released else a.block_table(i.row.seqs[g]) for i in inputs]
             lens = [0 if i.row.released else a.seq_len(i.row.seqs[g]) for i in inputs]
             block_tables, seq_lens, qsl, slots = group_tensors(
-                tables, lens, counts, starts, written, pool.scratch_block, bs, bucket=decode_bucket)
+                tables, lens, counts, starts, written, pool.scratch_block, bs, bucket=decode_bucket,
+                min_width=min_width)
             group_steps.append(GroupStep(slots, AttentionMetadata(block_tables, seq_lens, qsl, max_query_len,
                                                                   block_tables.shape[1] * bs, window)))
 

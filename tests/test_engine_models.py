@@ -442,10 +442,12 @@ def test_decode_graphs_replay_their_buffers_only(name, monkeypatch):
     """Decode-only steps through the graph path (emulated on CPU: a replay re-runs the captured forward with the
     captured step, so it sees each new step only through the staged buffers): tokens equal the eager engine's and
     generate() alone, over buckets of rows that shrink and grow, block tables that widen, preemption, chunked prefill
-    and prefix hits; mixed-window models with one width per layer group."""
+    and prefix hits; mixed-window models with one width per layer group. The default floor of table widths makes
+    these short requests' tables one width (a test below)."""
     from hf_paged.engine import graphs
 
     monkeypatch.setattr(graphs, "graph_type", lambda device: graphs.EmulatedGraph)
+    monkeypatch.setattr(graphs, "TABLE_WIDTH_FLOOR", 1)  # tables that widen step by step: several graphs per bucket
     model_type, kv_dtype, num_blocks = GRAPHED[name]
     model = (tiny_model("llama", seed=3) if model_type == "llama" else tiny_family_model(model_type, seed=2))
     enable_paged_attention(model, backend="torch")
@@ -521,4 +523,25 @@ def test_decode_graphs_every_family(model_type, monkeypatch):
         if graphed:
             stats = manager.stats()
             assert stats.graphs_off is None and stats.graph_replays > 0, stats
+    assert outs[True] == outs[False]
+
+
+def test_decode_graphs_table_width_floor(monkeypatch):
+    """Graphed steps' block tables are at least ``TABLE_WIDTH_FLOOR`` columns wide (one graph per bucket for every
+    context up to it), and the tokens stay the eager engine's."""
+    from hf_paged.engine import graphs
+
+    monkeypatch.setattr(graphs, "graph_type", lambda device: graphs.EmulatedGraph)
+    monkeypatch.setattr(graphs, "TABLE_WIDTH_FLOOR", 8)
+    model = enable_paged_attention(tiny_model("llama", seed=3), backend="torch")
+    specs = [(f"w{i}", p, 3 + 2 * i) for i, p in enumerate(random_prompts(4, VOCAB, (2, 20), seed=21))]
+    outs = {}
+    for graphed in (True, False):
+        manager, core = engine(model, BlockPool(block_size=BLOCK, num_blocks=40), max_batch_tokens=32,
+                               cuda_graphs=graphed)
+        reqs = drive(core, specs, seed=6, steps_between=0)
+        outs[graphed] = {rid: r.generated for rid, r in reqs.items()}
+        if graphed:
+            assert {key[1] for key in core.runner.graphs.keys} == {(8,)}  # every context <= 32 tokens: one width
+            assert manager.stats().graph_replays > 0
     assert outs[True] == outs[False]

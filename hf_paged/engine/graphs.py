@@ -2,8 +2,9 @@
 
 A decode-only step (every request one token, each sampled) runs padded to the next bucket of rows (1, 2, 4, ... 512)
 with released padding rows, planned as a static step: its tensors are staged into the runner's step buffers (one per
-name and shape, so the same addresses every time), its block tables' width is a power of two and attention reads
-that whole width (masked), so the graph's launches depend on nothing but the bucket and the widths. The first step
+name and shape, so the same addresses every time), its block tables' width is a power of two of at least
+``TABLE_WIDTH_FLOOR`` columns and attention reads that whole width (masked), so the graph's launches depend on
+nothing but the bucket and the widths. The first step
 of a key runs eagerly (kernels compile, layers bind), is captured, and its replay is checked against the eager
 logits; a capture that fails or disagrees turns the graphs off with a warning and the engine goes on eagerly. Mixed
 steps (any prefill chunk) always run eagerly.
@@ -24,6 +25,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# Graphed steps' block tables have at least this many columns (then powers of two): the Triton decode kernel reads
+# only each row's own blocks, so a wider table costs a few bytes of copy, and every width fewer is a graph per bucket
+# not captured (1,024 tokens at blocks of 16: prompts of up to ~1k tokens need one width).
+TABLE_WIDTH_FLOOR = 64
 
 
 class CudaGraph:
@@ -125,6 +130,7 @@ class DecodeGraphs:
         largest = next((b for b in DECODE_BUCKETS if b >= max_rows), DECODE_BUCKETS[-1])
         self.buckets = [b for b in DECODE_BUCKETS if b <= largest]
         self.graph = graph
+        self.min_width = TABLE_WIDTH_FLOOR  # block-table columns of every graphed step, at least
         self.enabled = True
         self.captured = 0  # graphs recorded
         self.replays = 0  # steps served by a replay

@@ -105,7 +105,7 @@ class ModelRunner:
         if bucket is not None:  # one released row per padding token: every row of a graphed step has one query
             rows += [self._row_input(PAD_ROW, 1, None) for _ in range(inputs.padding)]
             step = self._plan(self.kv.rows, rows, backend=self.backend, num_layers=self.num_layers,
-                              decode_bucket=True, static=True, full_width=True)
+                              decode_bucket=True, static=True, full_width=True, min_width=self.graphs.min_width)
         else:
             if inputs.padding:
                 rows.append(self._row_input(PAD_ROW, inputs.padding, None))
