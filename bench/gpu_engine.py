@@ -217,7 +217,8 @@ def main(argv=None) -> int:
         r = results[name]
         print(f"{name}: {r['steps']} steps, host {r['host_s']:.1f} s + forward {r['forward_s']:.1f} s, "
               f"{r['preemptions']} preemptions, {r['graphs_captured']} graphs captured in this run "
-              f"({r['graph_capture_s']:.1f} s), {r['graph_replays']} steps replayed{'' if r['graphs_off'] is None else ' (graphs turned off: ' + r['graphs_off'] + ')'}")
+              f"({r['graph_capture_s']:.1f} s), {r['graph_replays']} steps replayed"
+              + ("" if r["graphs_off"] is None else f" (graphs turned off: {r['graphs_off']})"))
     print(f"requests with the same tokens in the engine and generate_batch: {same}/{len(requests)} (random weights in "
           f"{dtype}: near-ties flip greedy tokens)")
     lines = "".join(json.dumps(row) + "\n" for row in out)

@@ -711,7 +711,7 @@ def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool 
     ``req_0__child#0``, ...). A prompt that can never fit (too long for the pool or the context) or has a bad setting
     gets a ``FAILED`` result with the reason; the others run. ``progress_bar`` shows requests done and tokens/s.
 
-    ``options``: those of :func:`init_continuous_batching` (``pool``, ``max_batch_tokens``,
+    ``options``: those of :func:`init_continuous_batching` (``pool``, ``max_batch_tokens``, ``cuda_graphs``,
     ``continuous_batching_config``, ...) and per-request settings for every prompt (``do_sample``, ``temperature``,
     ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``, ``eos_token_id``, ``stop_token_ids``,
     ``logprobs``, ``num_return_sequences``).

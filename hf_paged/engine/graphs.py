@@ -184,7 +184,8 @@ class DecodeGraphs:
             return eager
         gap = float((output.float() - eager.float()).abs().max()) if output.numel() else 0.0
         if gap > 1e-2 * max(1.0, float(eager.float().abs().max())):
-            self._disable(f"the replayed {key[0]}-row decode step's logits differ from the eager forward's by {gap:.3g}")
+            self._disable(f"the replayed {key[0]}-row decode step's logits differ from the eager forward's by "
+                          f"{gap:.3g}")
             return eager
         self._entries[key] = _Entry(graph, output)
         self.captured += 1

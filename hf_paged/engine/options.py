@@ -53,8 +53,9 @@ def from_continuous_batching_config(config) -> dict:
     memory for the default pool), ``max_requests_per_batch`` -> ``max_num_seqs``, ``allow_block_sharing`` -> prefix
     caching, ``max_queue_size`` (0: unlimited), ``safety_margin`` -> admission watermark, ``return_logprobs`` ->
     logprobs of the sampled tokens by default, ``use_cuda_graph`` -> ``cuda_graphs`` (a bool, or ``(varlen, decode)``
-    with varlen False: steps with prefill chunks always run eagerly here). Fields about transformers' own machinery are ignored (they change
-    nothing here); any other field set to a value other than its default raises ``ValueError`` naming it.
+    with varlen False: steps with prefill chunks always run eagerly here). Fields about transformers' own machinery
+    are ignored (they change nothing here); any other field set to a value other than its default raises
+    ``ValueError`` naming it.
     """
     if config is None:
         return {}

@@ -80,7 +80,8 @@ class EngineStats:
         host_time_s: seconds the engine thread spent outside the forward (= schedule + plan + sample + output);
             forward_time_s: inside the model's forward (logits included).
         graphs_captured / graph_replays / graph_capture_s: CUDA graphs recorded for decode-only steps / steps served
-            by a replay / seconds spent capturing (each capture's own eager step included); graphs_off: why they were turned off (a failed or disagreeing capture), None while on or never used.
+            by a replay / seconds spent capturing (each capture's own eager step included); graphs_off: why they were
+            turned off (a failed or disagreeing capture), None while on or never used.
     """
 
     running: int = 0
