@@ -575,7 +575,8 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
         generation_config: the requests' default settings (default ``model.generation_config``).
         pool: a :class:`~hf_paged.BlockPool` (its block size, cap, ``prefix_caching`` and ``kv_dtype`` apply).
             Default: a pool with prefix caching, capped from the memory free on the model's device (CUDA: 80% of
-            free memory; CPU: 20% of available RAM, at most 2 GiB).
+            free memory, taken whole at the first forward while ``cuda_graphs`` is on; CPU: 20% of available RAM, at
+            most 2 GiB, taken as blocks are needed).
         max_batch_tokens: tokens per forward, decode tokens and prefill chunks together (default 512 on CPU,
             2048 on CUDA).
         max_queue_size: waiting requests past which ``add_request`` raises ``QueueFullError`` (default: no limit).
