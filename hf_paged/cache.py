@@ -233,7 +233,7 @@ class PagedCache(Cache):
         # Its columns are counted once it has run: get_seq_length() is read inside it.
         self._forward = Forward(step, query_len, paged=True)
         for layer in range(len(step.layers)):  # what a compiled forward reads, ready before it runs
-            if layer in self.pool.layer_shapes and (self.pool.kv_dtype is None or layer in self.pool.k_scales):
+            if layer in self.pool.layer_shapes:
                 step.layers[layer] = build_layer_step(self.pool, self.groups, step, self._buffers, layer,
                                                       self.num_layers, None, None)
 

@@ -129,8 +129,6 @@ class BlockPool:
         self.value_caches: dict[object, torch.Tensor] = {}
         self.k_scale_caches: dict[object, torch.Tensor] = {}  # slot -> [rows, block_size, Hkv] bf16 (fp8 pools)
         self.v_scale_caches: dict[object, torch.Tensor] = {}
-        self.k_scales: dict[int, torch.Tensor] = {}  # layer -> its slot's current k_scale_caches entry (fp8 pools)
-        self.v_scales: dict[int, torch.Tensor] = {}
         self._free_step_buffers: list[StepBuffers] = []
         self._sized_rows = 0  # every K/V tensor had at least this many rows at the last ensure_capacity()
 
@@ -312,17 +310,16 @@ class BlockPool:
         if k is None or k.shape[0] < self.rows:
             with self.lock:
                 self._grow_slot(slot, self.layer_shapes[layer_idx])
-        if self.kv_dtype is not None and self.k_scales.get(layer_idx) is not self.k_scale_caches[slot]:
-            self.k_scales[layer_idx], self.v_scales[layer_idx] = self.k_scale_caches[slot], self.v_scale_caches[slot]
         return self.key_caches[slot], self.value_caches[slot]
 
     def layer_scales(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """fp8 pools: the layer's scale caches ``(k_scale, v_scale)`` ``[rows, block_size, Hkv]`` bfloat16, one scale
-        per slot and KV head (as of the last :meth:`layer_kv`); ``(None, None)`` on other pools."""
+        per slot and KV head, grown with the K/V tensors; ``(None, None)`` on other pools."""
         if self.kv_dtype is None:
             return None, None
         self.layer_kv(layer_idx)
-        return self.k_scales[layer_idx], self.v_scales[layer_idx]
+        slot = self.layer_slot[layer_idx]
+        return self.k_scale_caches[slot], self.v_scale_caches[slot]
 
     def ensure_capacity(self) -> None:
         """Grow every existing tensor to :attr:`rows` (called before a forward, never inside one)."""
@@ -358,9 +355,6 @@ class BlockPool:
                 new_vs[: old_k.shape[0] - 1] = self.v_scale_caches[slot][:-1]
             new += [new_ks, new_vs]
             self.k_scale_caches[slot], self.v_scale_caches[slot] = new_ks, new_vs
-            for layer, layer_slot in self.layer_slot.items():
-                if layer_slot == slot:
-                    self.k_scales[layer], self.v_scales[layer] = new_ks, new_vs
         for t in new:
             torch._dynamo.mark_static_address(t)
         self.key_caches[slot], self.value_caches[slot] = new_k, new_v

@@ -273,9 +273,10 @@ def plan(rows: Rows, inputs: list[RowInput], *, backend: str, num_layers: int, d
         elif backend == "torch":
             # Whole blocks: the plan's width tells its length. A compiled step always carries the mask; its width
             # changes block by block (dynamo compiles that dimension as dynamic after the first change).
-            context = cdiv(int(meta.seq_lens.max()), bs) * bs if len(inputs) else bs
             if full_width:
                 context = meta.max_seq_len
+            else:
+                context = cdiv(int(meta.seq_lens.max()), bs) * bs if len(inputs) else bs
             meta.plan = plan_torch_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, bs,
                                              sliding_window=meta.sliding_window, max_seq_len=context,
                                              always_mask=always_mask or static)

@@ -156,7 +156,7 @@ def test_pool_growth_keeps_scales():
     rows = pool.rows
     other = PagedCache(model.config, pool=pool)
     forward(model, left_padded([40], seed=25)["input_ids"], other)  # needs more blocks: the tensors grow
-    assert pool.rows > rows and pool.k_scales[0].shape[0] == pool.rows == pool.key_caches[0].shape[0]
+    assert pool.rows > rows and pool.layer_scales(0)[0].shape[0] == pool.rows == pool.key_caches[0].shape[0]
     assert all(torch.equal(a, b) for a, b in zip(_slots_kv(cache, 0, 6), recorded))
 
 

@@ -55,7 +55,7 @@ def pool_state(pool) -> tuple:
     return (a.capacity, a.max_blocks, a.num_free, a.num_cached, a.blocks_in_use, sorted(a.sequences),
             a.prefix_queries, a.prefix_hits,
             {layer: (s.num_kv_heads, s.head_dim, s.dtype) for layer, s in pool.layer_shapes.items()},
-            {slot: t.data_ptr() for slot, t in pool.key_caches.items()}, sorted(pool.k_scales))
+            {slot: t.data_ptr() for slot, t in pool.key_caches.items()}, sorted(pool.k_scale_caches))
 
 
 def _status_kb(field: str) -> int:

@@ -653,7 +653,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     if cuda_graphs is not None:
         options["cuda_graphs"] = cuda_graphs
     runner = ModelRunner(model, kv, paged_backend(model), num_layers,
-                         decode_graphs(options.pop("cuda_graphs", None), device, pool, scheduler.max_num_seqs))
+                         _decode_graphs(options.pop("cuda_graphs", None), device, pool, scheduler.max_num_seqs))
     limit, reason = context_limit(config)
     core = EngineCore(scheduler, runner, Sampler(device=device), max_context=limit, context_reason=reason)
     defaults = {"logprobs": options.pop("logprobs")} if "logprobs" in options else {}
@@ -670,7 +670,7 @@ def _graph_stats(graphs) -> dict:
                 graphs_off=graphs.disabled_reason)
 
 
-def decode_graphs(wanted: bool | None, device, pool, max_rows: int):
+def _decode_graphs(wanted: bool | None, device, pool, max_rows: int):
     """The runner's :class:`~hf_paged.engine.graphs.DecodeGraphs` (None: every step eager); preallocates the pool,
     whose tensors a graph reads at fixed addresses."""
     from . import graphs
