@@ -12,7 +12,9 @@ Where state lives, one place each:
   on the decoder (a no-op while compiling).
 * A layer's step tensors reach the attention function in the kwargs transformers hands it (``PagedCache.update``
   adds them); transformers releases without that path (before 5.24) read the cache of the running forward from a
-  context variable the decoder hooks set and clear around each forward (``compat.running_cache``).
+  context variable the decoder hooks set and clear around each forward (``compat.running_cache``). The mask
+  builder registered with the attention asks the same cache whether its forward reads the pool (then no mask is
+  built: the step carries the lengths and windows).
 * The columns a forward consumed are counted once it has run (``PagedCache.forward_ran``: after the decoder's
   post-hook, or at ``generate()``'s next input preparation when a compiled forward ran no hooks).
 * What a ``generate()`` call decided (release finished rows or not, compile or not) and how far it got live on the
@@ -72,6 +74,21 @@ def _layer_step(module, kwargs):
         if cache is not None:
             layer = cache.layer_step(module.layer_idx)
     return layer
+
+
+@functools.lru_cache(maxsize=None)  # one builder per name, like the attention function
+def _make_mask(original: str):
+    build = compat.mask_function(original)
+
+    def mask(*args, **kwargs):
+        # A forward whose every layer reads its K/V through the block tables never looks at the mask (its step
+        # carries the lengths and windows): skip building it. A compiled forward builds it as traced.
+        cache = compat.running_cache()
+        if cache is not None and cache.reads_pool and not torch.compiler.is_compiling():
+            return None
+        return build(*args, **kwargs)
+
+    return mask
 
 
 @functools.lru_cache(maxsize=None)  # one function per name: re-enabling keeps compiled graphs valid
@@ -266,7 +283,7 @@ def enable_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module
     if state is None:
         original = model.config._attn_implementation or "eager"
         name = _PREFIX + original
-        compat.register_attention(name, _make_attention(original), compat.mask_function(original))
+        compat.register_attention(name, _make_attention(original), _make_mask(original))
         state = PagedModel(original, decoder, (), backend)
         state.handles = (
             decoder.register_forward_pre_hook(functools.partial(_pre_hook, state), with_kwargs=True),

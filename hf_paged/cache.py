@@ -194,6 +194,13 @@ class PagedCache(Cache):
         """The device tensors this cache's compiled decode steps read (written in place, one per shape)."""
         return self._buffers
 
+    @property
+    def reads_pool(self) -> bool:
+        """Whether every layer of the planned forward reads its K/V through the block tables (not a first prefill,
+        which the model's own attention serves): its attention mask then goes unused."""
+        forward = self._forward
+        return forward is not None and forward.paged and not forward.step.no_history
+
     def layer_step(self, layer_idx: int) -> LayerStep | None:
         """Layer ``layer_idx``'s part of the running paged forward (None outside one)."""
         if self._forward is None or not self._forward.paged:

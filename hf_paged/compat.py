@@ -62,23 +62,23 @@ def query_length(arg) -> int:
 STEP_IN_ATTENTION_KWARGS = CACHE_RENAMED
 
 
-# Before 5.24 the attention function finds the cache of the running forward here: the decoder's hooks push it (or
-# None for another cache) before the forward and pop it after, in this thread/task.
+# The cache of the running forward, in this thread/task: the decoder's hooks push it (or None for another cache)
+# before the forward and pop it after. The mask builder asks it whether the forward needs a mask at all; before
+# 5.24 the attention function also finds its layer's step through it.
 _FORWARDS = contextvars.ContextVar("hf_paged_forwards", default=())
 
 
 def forward_begins(cache) -> None:
-    if not STEP_IN_ATTENTION_KWARGS:
-        _FORWARDS.set(_FORWARDS.get() + (cache,))
+    _FORWARDS.set(_FORWARDS.get() + (cache,))
 
 
 def forward_ends() -> None:
-    if not STEP_IN_ATTENTION_KWARGS and _FORWARDS.get():
+    if _FORWARDS.get():
         _FORWARDS.set(_FORWARDS.get()[:-1])
 
 
 def running_cache():
-    """The cache of the forward running in this thread (transformers < 5.24 only; None otherwise)."""
+    """The cache of the forward running in this thread (None outside one, or for a cache hf_paged does not own)."""
     forwards = _FORWARDS.get()
     return forwards[-1] if forwards else None
 

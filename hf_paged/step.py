@@ -13,6 +13,7 @@ pool's scratch block and its output is discarded by ``generate()``.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
@@ -153,8 +154,8 @@ def row_tokens(input_ids: torch.Tensor | None, real: torch.Tensor | None) -> lis
 
 def group_tensors(tables, lens, counts, starts, written, scratch: int, block_size: int, bucket: bool,
                   min_width: int = 1):
-    """The step tensors of one group, built as host lists (one tensor each at the end: a decode step's handful of
-    values costs less in Python than in small tensor ops).
+    """The step tensors of one group, built as host arrays (one tensor each at the end: a decode step's handful of
+    values costs less in Python than in small tensor ops, and an array's buffer becomes a tensor without a copy).
 
     ``tables``/``lens``: per row (``None`` for a released row); ``counts``: per row, its real new tokens;
     ``starts``: per row, the position of its first new token; ``written``: per row, whether its tokens are written;
@@ -166,28 +167,35 @@ def group_tensors(tables, lens, counts, starts, written, scratch: int, block_siz
     width = max(width, min_width)
     if bucket:
         width = next_pow2(width)
-    rows, seq_lens, slots = [], [], []
+    rows, seq_lens, slots = array.array("i"), array.array("i"), array.array("q")
     for table, length, count, start, write in zip(tables, lens, counts, starts, written):
         if table is None:  # a released row: its tokens all go to the scratch slot
-            rows.append([0] * width)
+            rows.frombytes(bytes(4 * width))
             seq_lens.append(count)
             if write:
                 slots.extend([scratch * block_size] * count)
             continue
         # NULL_BLOCK entries (slid out of the window) become 0: masked, never read
-        rows.append([max(b, 0) for b in table] + [0] * (width - len(table)))
+        if table and min(table) < 0:
+            table = [max(b, 0) for b in table]
+        rows.extend(table)
+        rows.frombytes(bytes(4 * (width - len(table))))
         seq_lens.append(length)
         pos, end = start, start + count
         while write and pos < end:  # token t of the row sits at position start + t: one range per block touched
             block, offset = divmod(pos, block_size)
             n = min(block_size - offset, end - pos)
-            first = slot_of(max(table[block], 0), pos, block_size)
+            first = slot_of(table[block], pos, block_size)
             slots.extend(range(first, first + n))
             pos += n
-    block_tables = torch.tensor(rows, dtype=torch.int32).view(batch, width)
-    query_start_loc = torch.tensor(list(itertools.accumulate(counts, initial=0)), dtype=torch.int32)
-    return (block_tables, torch.tensor(seq_lens, dtype=torch.int32), query_start_loc,
-            torch.tensor(slots, dtype=torch.long))
+    query_start_loc = array.array("i", itertools.accumulate(counts, initial=0))
+    return (_host(rows, torch.int32).view(batch, width), _host(seq_lens, torch.int32),
+            _host(query_start_loc, torch.int32), _host(slots, torch.long))
+
+
+def _host(values: array.array, dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor over ``values``' buffer (kept alive by the tensor; never resized)."""
+    return torch.frombuffer(values, dtype=dtype) if len(values) else torch.empty(0, dtype=dtype)
 
 
 @dataclass
@@ -340,27 +348,26 @@ def write_layer(pool, groups, step: Step, buffers: StepBuffers, layer_idx: int, 
         layer = step.layers[layer_idx] = build_layer_step(pool, groups, step, buffers, layer_idx, num_layers, key, value)
     else:
         pool.check_layer(layer_idx, key)
-    k, v = pack_tokens(key, layer), pack_tokens(value, layer)  # [num_writes, Hkv, D]
-
-    def write(layer):
-        if layer.group.slot_mapping.numel():
-            custom_ops.write_kv(k, v, layer.key_cache, layer.value_cache, layer.group.slot_mapping, layer.k_scale,
-                                layer.v_scale, backend or layer.backend)
-
-    if not pool.preallocated:
-        # A growing pool shared with other threads may have grown (new tensors) since this step was planned:
-        # write under the pool's lock into the current tensors, which the growth copies under the same lock.
-        with pool.lock:
-            key_cache, value_cache = pool.layer_kv(layer_idx)
-            if key_cache is not layer.key_cache:  # grown: the step's view must follow (rare), fp8 scales too
-                k_scale, v_scale = pool.layer_scales(layer_idx)
-                layer = step.layers[layer_idx] = dataclasses.replace(layer, key_cache=key_cache,
-                                                                     value_cache=value_cache, k_scale=k_scale,
-                                                                     v_scale=v_scale)
-            write(layer)
-    else:
-        write(layer)
+    if pool.preallocated:
+        _write(layer, key, value, backend)
+        return layer
+    # A growing pool shared with other threads may have grown (new tensors) since this step was planned: write
+    # under the pool's lock into the current tensors, which the growth copies under the same lock.
+    with pool.lock:
+        key_cache, value_cache = pool.layer_kv(layer_idx)
+        if key_cache is not layer.key_cache:  # grown: the step's view must follow (rare), fp8 scales too
+            k_scale, v_scale = pool.layer_scales(layer_idx)
+            layer = step.layers[layer_idx] = dataclasses.replace(layer, key_cache=key_cache, value_cache=value_cache,
+                                                                 k_scale=k_scale, v_scale=v_scale)
+        _write(layer, key, value, backend)
     return layer
+
+
+def _write(layer: LayerStep, key: torch.Tensor, value: torch.Tensor, backend: str | None) -> None:
+    slots = layer.group.slot_mapping
+    if slots.shape[0]:
+        custom_ops.write_kv(pack_tokens(key, layer), pack_tokens(value, layer), layer.key_cache, layer.value_cache,
+                            slots, layer.k_scale, layer.v_scale, backend or layer.backend)
 
 
 def pack_tokens(states: torch.Tensor, layer: LayerStep) -> torch.Tensor:

@@ -38,6 +38,24 @@ def test_gathered_mode_without_enable_matches_and_warns_once(llama):
     assert len(ours) == 1
 
 
+def test_layers_reading_the_pool_get_no_mask(llama):
+    """Steps whose layers read K/V through the block tables never use the attention mask, so none is built for them:
+    the first prefill (the model's own attention) gets the padded batch's mask, the decode steps None; the tokens
+    stay DynamicCache's."""
+    inputs = left_padded(LENGTHS)
+    expected = generate(llama, inputs, dynamic(llama), max_new_tokens=6)
+    enable_paged_attention(llama, backend="torch")
+    masks = []
+    hook = llama.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda module, args, kwargs: masks.append(kwargs.get("attention_mask")), with_kwargs=True)
+    try:
+        out = generate(llama, inputs, PagedCache(llama.config, block_size=4), max_new_tokens=6)
+    finally:
+        hook.remove()
+    assert torch.equal(out, expected)
+    assert isinstance(masks[0], torch.Tensor) and len(masks) == 6 and all(m is None for m in masks[1:])
+
+
 def test_no_kv_slots_for_padding(llama):
     enable_paged_attention(llama, backend="torch")
     inputs = left_padded(LENGTHS)

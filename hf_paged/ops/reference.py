@@ -295,27 +295,27 @@ def _part(rows: list[int], queries: int, max_seq_len, *, lens, starts, ordered: 
     return part
 
 
-def _read_blocks(cache, tables, run, num_rows: int, kv_valid):
-    """``[Sx, L, Hkv, D]`` K or V of a part: a view of ``cache`` for a run of blocks, else gathered. index_select
-    copies whole blocks; advanced indexing (``cache[tables]``) is ~20x slower on CPU."""
-    _, block_size, num_kv_heads, head_dim = cache.shape
+def _read_kv(key_cache, value_cache, part: AttentionPart, num_rows: int, dtype, k_scale, v_scale):
+    """``[Sx, L, Hkv, D]`` K and V of a part in ``dtype``: views of the pool for a run of blocks, else gathered
+    (index_select copies whole blocks; advanced indexing, ``cache[tables]``, is ~20x slower on CPU). An fp8 pool's
+    scale caches ``[num_blocks, block_size, Hkv]`` are read through the same tables and multiply their tokens."""
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    tables, run = part.tables, part.run
     num_blocks = tables.shape[0] // num_rows
     shape = (num_rows, num_blocks * block_size, num_kv_heads, head_dim)
-    if run is not None:
-        out = cache[run : run + num_blocks].view(shape)
-    else:
-        out = cache.index_select(0, tables).view(shape)
-    return out if kv_valid is None else out.masked_fill(~kv_valid, 0)
 
+    def read(cache, shape):
+        if run is not None:
+            return cache[run: run + num_blocks].view(shape)
+        return cache.index_select(0, tables).view(shape)
 
-def _read_kv(key_cache, value_cache, tables, run, num_rows, kv_valid, dtype, k_scale, v_scale):
-    """``[Sx, L, Hkv, D]`` K and V of a part in ``dtype``; an fp8 pool's scale caches ``[num_blocks, block_size,
-    Hkv]`` are read through the same tables (as ``[..., Hkv, 1]`` blocks) and multiply their tokens."""
-    keys = _read_blocks(key_cache, tables, run, num_rows, kv_valid)  # [Sx, L, Hkv, D]
-    values = _read_blocks(value_cache, tables, run, num_rows, kv_valid)
+    keys, values = read(key_cache, shape), read(value_cache, shape)
+    if part.kv_valid is not None:  # a caller's pool: unwritten slots may hold NaN
+        keys, values = keys.masked_fill(~part.kv_valid, 0), values.masked_fill(~part.kv_valid, 0)
     if key_cache.dtype == torch.uint8:
-        ks = _read_blocks(k_scale[..., None], tables, run, num_rows, kv_valid)[..., 0]  # [Sx, L, Hkv]
-        vs = _read_blocks(v_scale[..., None], tables, run, num_rows, kv_valid)[..., 0]
+        ks, vs = read(k_scale, shape[:3]), read(v_scale, shape[:3])  # [Sx, L, Hkv]
+        if part.kv_valid is not None:
+            ks, vs = ks.masked_fill(~part.kv_valid[..., 0], 0), vs.masked_fill(~part.kv_valid[..., 0], 0)
         return dequantize_fp8(keys, ks, dtype), dequantize_fp8(values, vs, dtype)
     if keys.dtype != dtype:
         keys, values = keys.to(dtype), values.to(dtype)
@@ -363,8 +363,7 @@ def paged_attention_torch(
             q = query
         else:
             q = query[part.q_start: part.q_start + rows * queries]  # [Sx * Q, Hq, D]
-        keys, values = _read_kv(key_cache, value_cache, part.tables, part.run, rows, part.kv_valid, kv_dtype,
-                                k_scale, v_scale)
+        keys, values = _read_kv(key_cache, value_cache, part, rows, kv_dtype, k_scale, v_scale)
         if queries == 1:
             out = _decode_attention(q, keys, values, part.mask, *features)  # [Sx, Hq, D]
         else:
