@@ -238,7 +238,8 @@ def section_greedy(model, tokenizer, args, backends: list[str]) -> dict:
     # untimed: first-call costs (allocator growth, Triton compiles, CB's cache)
     errors = first_calls(contenders, lambda name: one_run(name, 2, f"warm-up {name}"))
     for round_ in range(args.repeats):
-        for name in contenders:
+        shift = round_ % len(contenders)  # each round starts with another contender: none always runs after one
+        for name in contenders[shift:] + contenders[:shift]:
             if name in errors:
                 continue
             try:
@@ -276,7 +277,8 @@ def section_greedy(model, tokenizer, args, backends: list[str]) -> dict:
     print(format_table(["contender", "runs (s)", "median s", "tokens/s", "vs DynamicCache", "best vs best",
                         "tokens equal"], speed_rows))
     print(f"tokens/s: median over rounds of generated tokens up to EOS ({runs[DYNAMIC][-1]['generated']}) / "
-          "seconds; runs alternated D, P, ..., CB within each round; best vs best: fastest runs' time ratio.")
+          "seconds; contenders alternated, each round starting one later (D P CB, P CB D, ...); best vs best: fastest "
+          "runs' time ratio.")
     for name, err in errors.items():
         print(f"{name}: FAILED ({err})")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import sys
 import time
 
@@ -39,21 +40,41 @@ KV_DTYPES = {"model": None, "fp8": torch.float8_e4m3fn}
 
 
 def run(model_path=None, batch_size: int = 8, max_new_tokens: int = 64, block_size: int = 16,
-        backend: str = "auto", kv_dtype: str = "model", serve_requests: int = 16) -> dict:
+        backend: str = "auto", kv_dtype: str = "model", serve_requests: int = 16, pairs: int = 3) -> dict:
     print(f"loading {'the embedded SmolLM2-135M-Instruct' if model_path is None else model_path} ...", flush=True)
     model, tokenizer = embedded.load(model_path)
     inputs = embedded.chat_batch(tokenizer, batch_size)
     real_prompt = int(inputs["attention_mask"].sum())
     print(f"{batch_size} chat prompts, {real_prompt} real prompt tokens padded to {inputs['input_ids'].shape[1]} "
-          f"columns, {max_new_tokens} new tokens, greedy, {next(model.parameters()).dtype}", flush=True)
+          f"columns, {max_new_tokens} new tokens, greedy, {next(model.parameters()).dtype}; timed in {pairs} "
+          "alternated pairs after an untimed warm-up of each", flush=True)
 
-    dynamic = DynamicCache(config=model.config)
-    out_dynamic, t_dynamic = _generate(model, inputs, dynamic, max_new_tokens, "DynamicCache")
+    def one(paged: bool, new_tokens: int, label: str):
+        if paged:
+            enable_paged_attention(model, backend=backend)
+            cache = PagedCache(model.config, block_size=block_size, kv_dtype=KV_DTYPES[kv_dtype])
+        else:
+            disable_paged_attention(model)
+            cache = DynamicCache(config=model.config)
+        out, seconds = _generate(model, inputs, cache, new_tokens, label)
+        return out, seconds, cache
 
-    enable_paged_attention(model, backend=backend)
-    paged = PagedCache(model.config, block_size=block_size, kv_dtype=KV_DTYPES[kv_dtype])
-    out_paged, t_paged = _generate(model, inputs, paged, max_new_tokens, f"PagedCache ({kv_dtype} blocks)")
+    paged_label = f"PagedCache ({kv_dtype} blocks)"
+    one(False, 2, "warm-up DynamicCache")  # first calls pay one-time costs (kernels, allocator): time neither
+    one(True, 2, f"warm-up {paged_label}")
+    times = {False: [], True: []}
+    for i in range(pairs):
+        for paged in ((False, True) if i % 2 == 0 else (True, False)):
+            label = f"{i + 1}/{pairs} {paged_label if paged else 'DynamicCache'}"
+            out, seconds, cache = one(paged, max_new_tokens, label)
+            times[paged].append(seconds)
+            if paged:
+                out_paged, paged_cache = out, cache
+            else:
+                out_dynamic, dynamic = out, cache
     disable_paged_attention(model)
+    t_dynamic, t_paged = statistics.median(times[False]), statistics.median(times[True])
+    paged = paged_cache
 
     identical = torch.equal(out_dynamic, out_paged)
     same_rows = sum(torch.equal(a, b) for a, b in zip(out_dynamic, out_paged))
@@ -73,6 +94,9 @@ def run(model_path=None, batch_size: int = 8, max_new_tokens: int = 64, block_si
     print()
     print(format_table(["cache", "KV reserved", "KV peak", "KV at end", "used at end", "tokens/s", "speed ratio"],
                        rows))
+    print(f"runs (s), alternated: DynamicCache {' '.join(f'{t:.1f}' for t in times[False])}, PagedCache "
+          f"{' '.join(f'{t:.1f}' for t in times[True])}; speed ratio: DynamicCache's median time / PagedCache's "
+          "(single runs vary with the machine's load)")
     print(f"\nKV the rows really need at the end of DynamicCache's run: {sum(row_tokens):,} tokens, {mb(real_bytes)} "
           f"({dtype}; sliding-window layers count only their window), held in {mb(dyn_bytes)} (padding and "
           f"finished rows included). PagedCache ends holding {stats.tokens_stored:,} tokens in {stats.blocks_in_use} "
@@ -228,10 +252,12 @@ def main(argv=None) -> int:
                         help="PagedCache block dtype: the model's, or fp8 (e4m3, a scale per token and KV head)")
     parser.add_argument("--serve-requests", type=int, default=16,
                         help="requests served at once after the main job (0: skip that part)")
+    parser.add_argument("--pairs", type=int, default=3,
+                        help="timed DynamicCache / PagedCache pairs, alternated (the speed ratio is of the medians)")
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON")
     args = parser.parse_args(argv)
     result = run(args.model, args.batch_size, args.max_new_tokens, args.block_size, args.backend, args.kv_dtype,
-                 args.serve_requests)
+                 args.serve_requests, max(1, args.pairs))
     if args.json:
         print(json.dumps(result))
     return 0 if result["identical"] or args.kv_dtype != "model" else 1
