@@ -339,20 +339,22 @@ class BlockPool:
             return
         shape = (rows, self.block_size, s.num_kv_heads, s.head_dim)
         dtype = self.storage_dtype or s.dtype
-        new_k = torch.zeros(shape, dtype=dtype, device=s.device)
-        new_v = torch.zeros(shape, dtype=dtype, device=s.device)
-        if old_k is not None:  # the old scratch block is not copied: it holds nothing
-            new_k[: old_k.shape[0] - 1] = old_k[:-1]
-            new_v[: old_k.shape[0] - 1] = self.value_caches[slot][:-1]
+        kept = 0 if old_k is None else old_k.shape[0] - 1  # the old scratch block is not copied: it holds nothing
+
+        def grown(old, shape, dtype):  # the old rows copied, the rest zeros (unwritten slots must read as 0)
+            new = torch.empty(shape, dtype=dtype, device=s.device)
+            if kept:
+                new[:kept] = old[:kept]
+            new[kept:].zero_()
+            return new
+
+        new_k, new_v = grown(old_k, shape, dtype), grown(self.value_caches.get(slot), shape, dtype)
         new = [new_k, new_v]
         if self.kv_dtype is not None:  # the scales of the slots, grown (and copied) with them
             from .ops.reference import FP8_SCALE_DTYPE
 
-            new_ks = torch.zeros(shape[:3], dtype=FP8_SCALE_DTYPE, device=s.device)  # [rows, block_size, Hkv]
-            new_vs = torch.zeros(shape[:3], dtype=FP8_SCALE_DTYPE, device=s.device)
-            if old_k is not None:
-                new_ks[: old_k.shape[0] - 1] = self.k_scale_caches[slot][:-1]
-                new_vs[: old_k.shape[0] - 1] = self.v_scale_caches[slot][:-1]
+            new_ks = grown(self.k_scale_caches.get(slot), shape[:3], FP8_SCALE_DTYPE)  # [rows, block_size, Hkv]
+            new_vs = grown(self.v_scale_caches.get(slot), shape[:3], FP8_SCALE_DTYPE)
             new += [new_ks, new_vs]
             self.k_scale_caches[slot], self.v_scale_caches[slot] = new_ks, new_vs
         for t in new:

@@ -95,6 +95,34 @@ def test_scratch_block_is_the_last_row_as_the_pool_grows(paged_model):
     assert pool.scratch_block == 64 and pool.rows == 65
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+def test_a_grown_pool_keeps_its_tokens_and_holds_zeros_elsewhere(model, paged_model, monkeypatch, kv_dtype):
+    """Growth copies the written blocks and zeroes the rest (fresh memory poisoned with NaN here: an unwritten slot
+    read as NaN would turn masked attention scores into NaN); the tokens stay DynamicCache's."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(0x7F)  # 0x7F: an fp8 NaN
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    pool = BlockPool(block_size=4, kv_dtype=kv_dtype)
+    cache = PagedCache(paged_model.config, pool=pool, release_finished=False)
+    inputs = left_padded([3, 13], seed=8)
+    out = generate(paged_model, inputs, cache, max_new_tokens=12)
+    monkeypatch.undo()
+    grown = pool.allocator.capacity
+    assert grown >= 8  # the pool grew several times during the call
+    if kv_dtype is None:
+        assert torch.equal(out, generate(model, inputs, dynamic(model), max_new_tokens=12))
+    used = {b for row in cache.rows.live for seq in row.seqs for b in pool.allocator.block_table(seq) if b >= 0}
+    unused = [b for b in range(grown + 1) if b not in used]
+    for caches in (pool.key_caches, pool.value_caches, pool.k_scale_caches, pool.v_scale_caches):
+        for t in caches.values():
+            assert not t[unused].view(torch.uint8).any(), "a block no row holds is not all zeros"
+            assert not t.float().isnan().any() if t.is_floating_point() else (t != 0x7F).all()
+
+
 @pytest.mark.parametrize("max_memory, minimum", [(10, "64 bytes"), ("60B", "64 bytes")])
 def test_max_memory_below_any_block_is_refused_at_construction(max_memory, minimum):
     with pytest.raises(ValueError, match=rf"holds no block of any model .*at least {minimum}"):
