@@ -83,9 +83,10 @@ def _make_mask(original: str):
     def mask(*args, **kwargs):
         # A forward whose every layer reads its K/V through the block tables never looks at the mask (its step
         # carries the lengths and windows): skip building it. A compiled forward builds it as traced.
-        cache = compat.running_cache()
-        if cache is not None and cache.reads_pool and not torch.compiler.is_compiling():
-            return None
+        if not torch.compiler.is_compiling():  # (a trace never looks up the running cache)
+            cache = compat.running_cache()
+            if cache is not None and cache.reads_pool:
+                return None
         return build(*args, **kwargs)
 
     return mask

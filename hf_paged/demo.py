@@ -49,8 +49,8 @@ def run(model_path=None, batch_size: int = 8, max_new_tokens: int = 64, block_si
           f"columns, {max_new_tokens} new tokens, greedy, {next(model.parameters()).dtype}; timed in {pairs} "
           "alternated pairs after an untimed warm-up of each", flush=True)
 
-    def one(paged: bool, new_tokens: int, label: str):
-        if paged:
+    def one(is_paged: bool, new_tokens: int, label: str):
+        if is_paged:
             enable_paged_attention(model, backend=backend)
             cache = PagedCache(model.config, block_size=block_size, kv_dtype=KV_DTYPES[kv_dtype])
         else:
@@ -64,17 +64,16 @@ def run(model_path=None, batch_size: int = 8, max_new_tokens: int = 64, block_si
     one(True, 2, f"warm-up {paged_label}")
     times = {False: [], True: []}
     for i in range(pairs):
-        for paged in ((False, True) if i % 2 == 0 else (True, False)):
-            label = f"{i + 1}/{pairs} {paged_label if paged else 'DynamicCache'}"
-            out, seconds, cache = one(paged, max_new_tokens, label)
-            times[paged].append(seconds)
-            if paged:
-                out_paged, paged_cache = out, cache
+        for is_paged in ((False, True) if i % 2 == 0 else (True, False)):
+            label = f"{i + 1}/{pairs} {paged_label if is_paged else 'DynamicCache'}"
+            out, seconds, cache = one(is_paged, max_new_tokens, label)
+            times[is_paged].append(seconds)
+            if is_paged:
+                out_paged, paged = out, cache
             else:
                 out_dynamic, dynamic = out, cache
     disable_paged_attention(model)
     t_dynamic, t_paged = statistics.median(times[False]), statistics.median(times[True])
-    paged = paged_cache
 
     identical = torch.equal(out_dynamic, out_paged)
     same_rows = sum(torch.equal(a, b) for a, b in zip(out_dynamic, out_paged))
