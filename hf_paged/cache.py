@@ -113,6 +113,7 @@ class PagedCache(Cache):
         self._forward: Forward | None = None
         self.prefix_queries = 0  # prompt tokens this cache looked up in the pool's prefix cache (its own calls)
         self.prefix_hits = 0  # of which found
+        self._warned_mismatch = False  # check_continues warns once per cache
 
     # ---------------------------------------------------------- Cache contract
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -567,11 +568,16 @@ class PagedCache(Cache):
         return self._forward.pending_columns if self._forward is not None else 0
 
     def check_continues(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
-        """``ValueError`` when a ``generate()`` on a cache holding rows gets ``input_ids`` whose first columns are
-        not the tokens those rows hold (another conversation in a batch of the same size)."""
+        """Before a ``generate()`` on a cache holding rows: ``ValueError`` when ``input_ids`` cannot continue them
+        (no new column); a warning, once per cache, when their first columns are not the tokens the rows hold.
+
+        As with ``DynamicCache``, generate() then continues from the cached K/V and feeds only the columns past
+        them. The usual cause is a tokenization boundary: transformers' prompt-reuse recipe caches
+        ``tok(prefix)`` and then passes ``tok(prefix + question)``, whose last prefix token may merge with the
+        question's first characters."""
         columns = self._contents.columns + self._pending_columns()
         # generate() slices off the columns the cache holds (its mask, built when none is given, covers input_ids):
-        # the first columns must be the rows' tokens, and at least one column must be new.
+        # at least one column must be new.
         if input_ids is None or not columns or not len(self.rows) or input_ids.shape[0] != len(self.rows):
             return
         if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[1] != input_ids.shape[1]):
@@ -581,18 +587,33 @@ class PagedCache(Cache):
                 f"this PagedCache holds {columns} columns but input_ids has {input_ids.shape[1]}: generate() continues "
                 "a cache only from its own sequence plus new tokens (e.g. torch.cat([out, new_ids], 1)). For other "
                 "prompts start over with cache.reset() or a new PagedCache.")
+        if self._warned_mismatch:
+            return
         ids = input_ids[:, :columns].to("cpu")
         real = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else \
             attention_mask[:, :columns].to("cpu", torch.bool)
         for r, row in enumerate(self.rows):
             if row.released or row.tokens is None or len(row.tokens) != int(real[r].sum()):
                 continue
-            if ids[r][real[r]].tolist() != row.tokens:
-                raise ValueError(
-                    f"row {r} of this PagedCache holds other tokens than the first {columns} columns of input_ids, "
-                    "so generate() would continue another conversation. Pass the cache's own sequence with the new "
-                    "tokens appended (e.g. torch.cat([out, new_ids], 1)), or start over with cache.reset() or a new "
-                    "PagedCache.")
+            given = ids[r][real[r]].tolist()
+            differ = [i for i, (a, b) in enumerate(zip(given, row.tokens)) if a != b]
+            if not differ:
+                continue
+            column = int(real[r].nonzero()[differ[0]])
+            boundary = differ == [len(row.tokens) - 1]
+            self._warned_mismatch = True
+            warnings.warn(
+                f"row {r} of this PagedCache holds other tokens than input_ids from column {column} on (of the "
+                f"{columns} it holds): generate() continues from the cached K/V and feeds only the columns past "
+                "them, as DynamicCache does. "
+                + ("Only the last cached token differs, a tokenization boundary: the prefix's last token merges "
+                   "with what follows when both are tokenized together. To continue exactly, tokenize the prefix "
+                   "and the new text separately and concatenate the ids."
+                   if boundary else
+                   "To run another prompt, start over with cache.reset() or a new PagedCache; to continue, pass "
+                   "the cache's own sequence with the new tokens appended (e.g. torch.cat([out, new_ids], 1))."),
+                stacklevel=3)  # the caller of generate() (hf_paged's wrapper sits between)
+            return
 
     def start_from_prefix(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> int:
         """Prefix caching, before the first forward of a ``generate()`` on an empty cache (with the batch the model

@@ -8,29 +8,32 @@ import pytest
 import torch
 from transformers import Gemma3TextConfig
 
-from helpers import generate, left_padded, ones_mask, tiny_model
+from helpers import dynamic, generate, left_padded, ones_mask, tiny_model
 from hf_paged import BlockPool, PagedCache, enable_paged_attention
 
 
-def test_a_cache_refuses_input_ids_that_do_not_continue_its_rows():
-    """Reusing a cache (same batch size) for prompts that do not start with its rows' tokens is refused with a
-    pointer to reset(); continuing with the cache's own output plus new tokens works."""
+def test_a_cache_given_other_leading_tokens_continues_like_dynamic_cache_and_warns_once():
+    """Reusing a cache for input_ids that do not start with its rows' tokens continues from the cached K/V, as
+    DynamicCache does (same tokens), with one warning per cache naming the first differing column and the fix;
+    input_ids no longer than what the cache holds are refused with a pointer to reset()."""
     model = tiny_model("llama")
     enable_paged_attention(model, backend="torch")
-    cache = PagedCache(model.config)
+    cache, reference = PagedCache(model.config), dynamic(model)
     first = left_padded([5, 7], seed=1)
-    out = generate(model, first, cache, max_new_tokens=3)
-    other = left_padded([9, 9], seed=2)
+    assert torch.equal(generate(model, first, cache, max_new_tokens=3),
+                       generate(model, first, reference, max_new_tokens=3))
     with pytest.raises(ValueError, match=r"reset\(\)"):
-        generate(model, other, cache, max_new_tokens=3)  # no longer than what the cache holds
-    with pytest.raises(ValueError, match=r"holds other tokens.*reset\(\)"):
-        generate(model, left_padded([12, 12], seed=3), cache, max_new_tokens=3)
-    follow = torch.cat([out, torch.randint(3, 90, (2, 2))], dim=1)
-    mask = torch.cat([first["attention_mask"], torch.ones(2, follow.shape[1] - first["attention_mask"].shape[1],
-                                                          dtype=torch.long)], dim=1)
-    generate(model, {"input_ids": follow, "attention_mask": mask}, cache, max_new_tokens=2)  # no error
-    cache.reset()
-    generate(model, other, cache, max_new_tokens=3)  # a reset cache takes anything
+        generate(model, left_padded([9, 9], seed=2), cache, max_new_tokens=3)  # no longer than what the cache holds
+    other = left_padded([12, 12], seed=3)
+    with pytest.warns(UserWarning, match=r"row \d of this PagedCache holds other tokens than input_ids from column "
+                                         r"\d+ on.*reset\(\)"):
+        got = generate(model, other, cache, max_new_tokens=3)
+    assert torch.equal(got, generate(model, other, reference, max_new_tokens=3))
+    more = left_padded([16, 16], seed=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per cache
+        assert torch.equal(generate(model, more, cache, max_new_tokens=2),
+                           generate(model, more, reference, max_new_tokens=2))
 
 
 def test_prefix_caching_on_a_mixed_window_model_warns_once():

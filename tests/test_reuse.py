@@ -50,12 +50,18 @@ NEW_TOKENS = 5
 
 
 def test_deepcopy_prompt_reuse_recipe_on_smollm():
-    """transformers' documented recipe: prefill a prefix once, deepcopy the cache before each generate()."""
+    """transformers' documented recipe, verbatim: prefill ``tok(prefix)`` once, then ``generate()`` on
+    ``tok(prefix + question)`` with a deepcopy of the cache. SmolLM2 tokenizes the prefix's trailing space into
+    another token once a question follows it, so the cache's last token differs from input_ids': generate()
+    continues from the cached K/V as DynamicCache does (same tokens) and warns at the user's line that this is a
+    tokenization boundary."""
     require_smollm()
     model, tokenizer = smollm()
-    prefix = "You are a helpful assistant.\n"  # tokenized alike alone and before a question (". " is not)
+    prefix = "You are a helpful assistant. "
     questions = ["Help me to write a blogpost about travelling.", "What is the capital of France?"]
     prefix_ids = tokenizer(prefix, return_tensors="pt").input_ids
+    joined = tokenizer(prefix + questions[0], return_tensors="pt").input_ids
+    assert joined[0, prefix_ids.shape[1] - 1] != prefix_ids[0, -1], "the recipe's boundary no longer splits"
 
     def from_copies(prompt_cache, question_indices):
         return [model.generate(**tokenizer(prefix + questions[i], return_tensors="pt"),
@@ -72,11 +78,14 @@ def test_deepcopy_prompt_reuse_recipe_on_smollm():
         prompt_cache = PagedCache(model.config)
         forward(model, prefix_ids, prompt_cache)
         tables, lens = prompt_cache.block_tables(), prompt_cache.seq_lens()
-        got = from_copies(prompt_cache, [0, 1])
+        with pytest.warns(UserWarning, match=f"column {prefix_ids.shape[1] - 1} on.*tokenization boundary") as seen:
+            got = from_copies(prompt_cache, [0, 1])
+        assert all(w.filename == __file__ for w in seen if "tokenization boundary" in str(w.message))
         for g, e in zip(got, expected):
             assert torch.equal(g, e)
         assert prompt_cache.block_tables() == tables and prompt_cache.seq_lens() == lens, "the original changed"
-        again = from_copies(prompt_cache, [0])[0]
+        with pytest.warns(UserWarning, match="tokenization boundary"):  # once per cache: each copy is a new one
+            again = from_copies(prompt_cache, [0])[0]
         assert torch.equal(again, expected[0]), "the original's KV was overwritten through a copy"
     finally:
         disable_paged_attention(model)
