@@ -238,6 +238,7 @@ def _wrap_prepare_inputs(prepare, model):
         inputs = prepare(input_ids, *args, **kwargs)
         cache = compat.cache_from_kwargs(inputs)
         if isinstance(cache, PagedCache) and cache.call is not None:
+            inputs = cache.skip_cached_prefix(inputs, input_ids.shape[1] if input_ids is not None else 0)
             ids, embeds = inputs.get("input_ids"), inputs.get("inputs_embeds")
             batch, query_len = (ids if ids is not None else embeds).shape[:2]
             cache.plan(ids, kwargs.get("attention_mask"), batch, query_len, cache.call.backend, model.dtype)

@@ -245,6 +245,29 @@ class PagedCache(Cache):
                 step.layers[layer] = build_layer_step(self.pool, self.groups, step, self._buffers, layer,
                                                       self.num_layers, None, None)
 
+    def skip_cached_prefix(self, inputs: dict, sequence_len: int) -> dict:
+        """``inputs`` of a call's first forward without the prompt columns its rows started from cached blocks
+        (:meth:`start_from_prefix`). A plain ``generate()`` already slices them off (it reads
+        :meth:`get_seq_length`), but assisted and prompt-lookup decoding feed their first forward the whole sequence,
+        as they would an empty cache: its leading columns are the cached prefix, whose K/V the rows already hold.
+        ``sequence_len``: the columns of the whole sequence generate() holds."""
+        call = self._call
+        if call is None or not call.prefix_tokens or call.prompt_planned:
+            return inputs
+        skip = call.prefix_tokens
+        ids, embeds = inputs.get("input_ids"), inputs.get("inputs_embeds")
+        width = (ids if ids is not None else embeds).shape[1] if ids is not None or embeds is not None else 0
+        if width != sequence_len or width <= skip:
+            return inputs  # already only the new columns
+        trimmed = dict(inputs)
+        for name in ("input_ids", "position_ids", "token_type_ids"):  # [..., S]
+            value = inputs.get(name)
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[-1] == width:
+                trimmed[name] = value[..., skip:]
+        if embeds is not None:
+            trimmed["inputs_embeds"] = embeds[:, skip:]  # [B, S, hidden]
+        return trimmed
+
     def _plan_rows(self, input_ids, attention_mask, batch: int, query_len: int, backend: str, gathered: bool) -> Step:
         """The step planner over this cache's rows; a first forward creates them (and drops them if it fails)."""
         call = self._call

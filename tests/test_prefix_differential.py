@@ -1,7 +1,8 @@
 """Randomised differential runs over shared prefix-caching pools.
 
 Many ``generate()`` configurations (greedy, sampled, beams, returned sequences, beams with returned sequences;
-batches of one to three prompts that share leading tokens with earlier prompts) run one after the other on two
+batches of one to three prompts that share leading tokens with earlier prompts; then prompt-lookup and assisted
+decoding, which feed their first forward the whole sequence) run one after the other on two
 capped prefix-caching pools, so later prompts start from blocks earlier ones left cached and the pools keep evicting.
 Each call is compared token for token with ``DynamicCache``; after each, the allocator's invariants hold and no block
 is held. The configurations are drawn once from a fixed seed; the last test checks the run really hit cached prefixes
@@ -55,7 +56,31 @@ def _cases() -> list[dict]:
     return cases
 
 
-CASES = _cases()
+def _assisted_cases() -> list[dict]:
+    """Prompt-lookup and assisted decoding (batches of one), drawn apart from the cases above so theirs stay the same.
+    Each prompt repeats a stretch of itself, so the lookup finds candidates."""
+    rng = random.Random(2027)
+    g = torch.Generator().manual_seed(2027)
+    stems = [torch.randint(3, VOCAB, (STEM_LEN,), generator=g).tolist() for _ in range(3)]
+    cases = []
+    for i in range(NUM_ASSISTED_CASES):
+        mode = rng.choice(["lookup", "lookup", "lookup_sample", "assisted"])
+        stem, keep = rng.choice(stems), rng.randint(4, STEM_LEN)
+        start = rng.randint(0, keep - 3)
+        row = stem[:keep] + [rng.randint(3, VOCAB - 1) for _ in range(rng.randint(1, 4))] + stem[start:start + 4]
+        kw = {"max_new_tokens": rng.randint(3, 8)}
+        if mode.startswith("lookup"):
+            kw["prompt_lookup_num_tokens"] = rng.choice([2, 5])
+        if mode == "lookup_sample":
+            kw.update(do_sample=True, top_k=20)
+        block_size = rng.choice(sorted(POOLS))
+        cases.append(dict(id=f"{i:02d}-{mode}-bs{block_size}", rows=[row], kw=kw, block_size=block_size,
+                          seed=rng.randint(0, 2**31), release_finished=rng.random() < 0.5))
+    return cases
+
+
+NUM_ASSISTED_CASES = 16
+CASES = _cases() + _assisted_cases()
 
 
 def _left_padded(rows: list[list[int]]) -> dict:
@@ -84,18 +109,23 @@ def model():
 
 
 @pytest.fixture(scope="module")
+def assistant():
+    return tiny_model("llama", seed=5, num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
 def run():
     """The shared pools and what the cases saw on them."""
     return {"pools": {bs: BlockPool(block_size=bs, num_blocks=n, prefix_caching=True) for bs, n in POOLS.items()},
-            "ran": set(), "hit_tokens": 0, "expanded_hits": 0}
+            "ran": set(), "hit_tokens": 0, "expanded_hits": 0, "assisted_hits": 0}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
-def test_generate_on_a_shared_prefix_caching_pool_matches_dynamic(model, run, case):
+def test_generate_on_a_shared_prefix_caching_pool_matches_dynamic(model, assistant, run, case):
     pool = run["pools"][case["block_size"]]
     run["ran"].add(case["id"])
     inputs = _left_padded(case["rows"])
-    kw = case["kw"]
+    kw = dict(case["kw"], **({"assistant_model": assistant} if "assisted" in case["id"] else {}))
     expanded = kw.get("num_beams", 1) > 1 or kw.get("num_return_sequences", 1) > 1
     cached = _starts_from_cached_prefix(pool, inputs)
     if expanded and cached:
@@ -104,7 +134,7 @@ def test_generate_on_a_shared_prefix_caching_pool_matches_dynamic(model, run, ca
     want = generate(model, inputs, dynamic(model), **kw)
     hits_before = pool.memory_stats().prefix_hit_tokens
     torch.manual_seed(case["seed"])
-    cache = PagedCache(model.config, pool=pool)
+    cache = PagedCache(model.config, pool=pool, release_finished=case.get("release_finished", True))
     error = None
     try:
         got = generate(model, inputs, cache, **kw)
@@ -118,15 +148,16 @@ def test_generate_on_a_shared_prefix_caching_pool_matches_dynamic(model, run, ca
         raise error
     hits = pool.memory_stats().prefix_hit_tokens - hits_before
     run["hit_tokens"] += hits
+    run["assisted_hits"] += hits if "prompt_lookup_num_tokens" in kw or "assistant_model" in kw else 0
     if not expanded:
         assert (hits > 0) == cached, "rows with cached leading blocks start from them; others compute every token"
     assert torch.equal(got, want)
 
 
 def test_the_run_hit_cached_prefixes_and_evicted_blocks(run):
-    """The configurations above exercised what they are for: prefix hits, expanded batches on cached prefixes, and
-    evictions on both pools."""
+    """The configurations above exercised what they are for: prefix hits, expanded batches and assisted modes on
+    cached prefixes, and evictions on both pools."""
     if len(run["ran"]) < len(CASES):
         pytest.skip("only meaningful after the whole module's cases ran")
-    assert run["hit_tokens"] > 0 and run["expanded_hits"] > 0
+    assert run["hit_tokens"] > 0 and run["expanded_hits"] > 0 and run["assisted_hits"] > 0
     assert all(pool.allocator.evictions > 0 for pool in run["pools"].values())
