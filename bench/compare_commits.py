@@ -1,26 +1,37 @@
-"""Did a change move PagedCache's speed relative to DynamicCache? The same bench on two commits, alternated.
+"""Did a change move hf_paged's headline figures? The same three benches on two commits, alternated.
+
+The three figures, each a ratio of tokens/s measured in one process, contender over baseline:
+
+- ``eager``: greedy ``generate()`` with PagedCache (torch backend, eager) / with DynamicCache;
+- ``compiled``: ``generate()`` compiled (``CompileConfig``, on CPU too) with a fixed-size PagedCache pool / with
+  StaticCache compiled;
+- ``engine``: ``hf_paged.generate_batch`` / transformers' own ``generate_batch`` (page 16, ``num_blocks`` and
+  ``max_batch_tokens`` set, sdpa), on ``--engine-requests`` chat prompts.
 
 For each commit a worker process imports hf_paged from that commit's checkout (the old one in a temporary, detached
 ``git worktree``, removed afterwards; the new one by default this checkout, uncommitted edits included), loads the
-embedded SmolLM2-135M-Instruct (fp32, CPU) once, and on request times greedy ``generate()`` with DynamicCache (model
-not patched) and with PagedCache (torch backend, eager), alternated. Each round asks the old worker, then the new one
-(reversed every other round), for one ratio: PagedCache tokens/s / DynamicCache tokens/s (each the faster of
-``--reps`` runs). Printed: per round the two ratios, then the median of the rounds and the change in percent.
-Every row generates exactly ``--new-tokens`` tokens (min_new_tokens), so both caches do the same work.
+embedded SmolLM2-135M-Instruct (fp32, CPU) once as two twins (one left as transformers has it, one put on the paged
+path once, so compiled graphs are not invalidated by switching attention back and forth), runs every contender once
+untimed (compiles, first-call costs), then on request times one figure: baseline and contender alternated ``--reps``
+times, the fastest of each counting. Each round asks the old worker, then the new one (reversed every other round),
+for every figure. Printed: per round and figure the two ratios, then per figure the median of the rounds and the
+change in percent. Every row generates exactly ``--new-tokens`` tokens (min_new_tokens), so both sides do the same
+work. A figure a commit cannot run (older API) is reported as failed for that commit and skipped.
 
 On a machine shared with other jobs wall-clock rates swing several-fold from run to run; by default the workers
-run torch on one thread and time with the process's CPU time (``--clock cpu``), which other jobs disturb far less.
-``--clock wall --threads 0`` times what a user sees (all cores).
+run torch on one thread and time with the process's CPU time (``--clock cpu``), which other jobs disturb far less
+(the engines' threads are counted: CPU time is the process's). ``--clock wall --threads 0`` times what a user sees.
 
 Default old commit: the parent of the commit that added ``hf_paged/rows.py`` (the row-model refactor).
 
-    python bench/compare_commits.py                       # 5 rounds, 4 prompts x 16 new tokens (~4 min)
-    python bench/compare_commits.py --old 3f56f4a --new HEAD --rounds 3 --batch 4
+    python bench/compare_commits.py                                  # all three figures, 3 rounds (~12 min)
+    python bench/compare_commits.py --old ac86814 --figures eager,compiled --rounds 5
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -32,58 +43,106 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+FIGURES = {"eager": ("PagedCache eager", "DynamicCache"),
+           "compiled": ("PagedCache compiled", "StaticCache compiled"),
+           "engine": ("hf_paged generate_batch", "transformers generate_batch")}
 
 
 # ---------------------------------------------------------------- worker (runs inside one commit's checkout)
-def worker(root: str, model_dir: str, batch: int, new_tokens: int, reps: int, threads: int, clock: str) -> None:
-    """Serve ratio requests on stdin/stdout (one JSON line each) for the hf_paged at ``root``."""
+def worker(root: str, args) -> None:
+    """Serve figure requests on stdin/stdout (one JSON line each) for the hf_paged at ``root``."""
     sys.path.insert(0, root)
     import torch
 
-    if threads:
-        torch.set_num_threads(threads)
-    now = time.process_time if clock == "cpu" else time.perf_counter
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    now = time.process_time if args.clock == "cpu" else time.perf_counter
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig, StaticCache
 
     import hf_paged
-    from hf_paged import PagedCache, compat, disable_paged_attention, enable_paged_attention
+    from hf_paged import BlockPool, PagedCache, compat, enable_paged_attention
     from hf_paged.embedded import CHAT_PROMPTS
 
     assert Path(hf_paged.__file__).resolve().is_relative_to(Path(root).resolve()), hf_paged.__file__
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    base = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32,
+                                                attn_implementation="sdpa").eval()
+    paged = enable_paged_attention(copy.deepcopy(base), backend="torch")
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                             add_generation_prompt=True) for p in CHAT_PROMPTS[:batch]]
+                                             add_generation_prompt=True) for p in CHAT_PROMPTS[:args.batch]]
     inputs = tokenizer(prompts, return_tensors="pt", padding=True)
-    key = compat.GENERATE_CACHE_KWARG
+    requests = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True,
+                                              add_generation_prompt=True, return_dict=False)
+                for p in (CHAT_PROMPTS * 4)[:args.engine_requests]]
+    key, new = compat.GENERATE_CACHE_KWARG, args.new_tokens
+    max_len = inputs["input_ids"].shape[1] + new
+    blocks = args.batch * -(-max_len // 16) + 8
+    compiled = transformers_compile_config()
+    greedy = dict(do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=tokenizer.pad_token_id)
 
-    def run(paged: bool) -> tuple[float, torch.Tensor]:
-        if paged:
-            enable_paged_attention(model, backend="torch")
-            cache = PagedCache(model.config)
-        else:
-            disable_paged_attention(model)
-            cache = DynamicCache()
-        start = now()
+    def generate(model, cache, **extra):
         with torch.inference_mode():
-            out = model.generate(**inputs, **{key: cache}, do_sample=False, max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id)
-        return now() - start, out
+            return model.generate(**inputs, **{key: cache}, **greedy, **extra)
 
-    _, expected = run(False)  # warm-up, both paths
-    _, got = run(True)
-    print(json.dumps({"ready": True, "equal": bool(torch.equal(got, expected))}), flush=True)
+    engine_config = GenerationConfig(do_sample=False, max_new_tokens=new, eos_token_id=tokenizer.eos_token_id,
+                                     pad_token_id=tokenizer.pad_token_id)  # the same greedy tokens on both sides
+
+    def engine_hf_paged():
+        pool = BlockPool(block_size=16, num_blocks=512)
+        out = hf_paged.generate_batch(paged, requests, engine_config, pool=pool, max_batch_tokens=256,
+                                      progress_bar=False)
+        return [list(o.generated_tokens) for o in out.values()]
+
+    def engine_transformers():
+        from transformers.generation import ContinuousBatchingConfig
+
+        cb = ContinuousBatchingConfig(page_size=16, num_blocks=512, max_batch_tokens=256)
+        out = base.generate_batch(requests, generation_config=engine_config, continuous_batching_config=cb,
+                                  progress_bar=False)
+        return [list(out[k].generated_tokens) for k in sorted(out, key=lambda k: int(k.rsplit("_", 1)[-1]))]
+
+    contenders = {
+        "PagedCache eager": lambda: generate(paged, PagedCache(paged.config), disable_compile=True),
+        "DynamicCache": lambda: generate(base, DynamicCache(config=base.config)),
+        "PagedCache compiled": lambda: generate(paged, PagedCache(paged.config, num_blocks=blocks),
+                                                compile_config=compiled),
+        "StaticCache compiled": lambda: generate(base, StaticCache(config=base.config, max_cache_len=max_len),
+                                                 compile_config=compiled),
+        "hf_paged generate_batch": engine_hf_paged,
+        "transformers generate_batch": engine_transformers,
+    }
+    hello = {}
+    for figure in args.figures.split(","):
+        try:
+            got, want = (contenders[name]() for name in FIGURES[figure])  # untimed: compiles, first-call costs
+            hello[figure] = {"equal": bool(torch.equal(got, want)) if isinstance(got, torch.Tensor) else got == want}
+        except Exception as err:  # an older commit may lack what a figure needs
+            hello[figure] = {"error": f"{type(err).__name__}: {err}"[:300]}
+    print(json.dumps({"ready": True, "figures": hello}), flush=True)
     for line in sys.stdin:
-        if not line.strip():
+        figure = line.strip()
+        if not figure:
             continue
-        times = {False: [], True: []}
-        for r in range(reps):
-            for paged in ((False, True) if r % 2 == 0 else (True, False)):
-                times[paged].append(run(paged)[0])
-        tokens = batch * new_tokens
-        dynamic, paged = tokens / min(times[False]), tokens / min(times[True])
-        print(json.dumps({"dynamic_tps": dynamic, "paged_tps": paged, "ratio": paged / dynamic}), flush=True)
+        contender, baseline = FIGURES[figure]
+        times, tokens = {contender: [], baseline: []}, {}
+        for r in range(args.reps):
+            for name in ((baseline, contender) if r % 2 == 0 else (contender, baseline)):
+                start = now()
+                out = contenders[name]()
+                times[name].append(now() - start)
+                tokens[name] = out.numel() - inputs["input_ids"].numel() if isinstance(out, torch.Tensor) \
+                    else sum(map(len, out))
+        fast, slow = tokens[contender] / min(times[contender]), tokens[baseline] / min(times[baseline])
+        print(json.dumps({"contender_tps": fast, "baseline_tps": slow, "ratio": fast / slow}), flush=True)
+
+
+def transformers_compile_config():
+    from transformers.generation import CompileConfig
+
+    config = CompileConfig(fullgraph=False)
+    config._compile_all_devices = True  # transformers compiles on its own only on CUDA
+    return config
 
 
 # ---------------------------------------------------------------- driver
@@ -103,7 +162,8 @@ class Worker:
         self.name = name
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(root), "--model-dir", args.model_dir,
                "--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--reps", str(args.reps),
-               "--threads", str(args.threads), "--clock", args.clock]
+               "--threads", str(args.threads), "--clock", args.clock, "--figures", args.figures,
+               "--engine-requests", str(args.engine_requests)]
         env = dict(os.environ, PYTHONPATH=str(root))
         self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.hello = self._read()
@@ -114,8 +174,8 @@ class Worker:
             raise SystemExit(f"the {self.name} worker exited (status {self.proc.wait()}): see its stderr above")
         return json.loads(line)
 
-    def ratio(self) -> dict:
-        self.proc.stdin.write("go\n")
+    def ratio(self, figure: str) -> dict:
+        self.proc.stdin.write(figure + "\n")
         self.proc.stdin.flush()
         return self._read()
 
@@ -139,18 +199,25 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--old", help="old commit (default: the parent of the commit adding hf_paged/rows.py)")
     p.add_argument("--new", default="WORKTREE", help="new commit (default: this checkout as it is)")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--reps", type=int, default=2, help="runs per cache per round and commit (the fastest counts)")
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--figures", default="eager,compiled,engine",
+                   help=f"comma-separated figures to compare ({', '.join(FIGURES)})")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--reps", type=int, default=2, help="runs per side per round, figure and commit (the fastest "
+                   "counts)")
+    p.add_argument("--batch", type=int, default=4, help="chat prompts per generate() (eager, compiled)")
+    p.add_argument("--engine-requests", type=int, default=8, help="chat requests per engine run")
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (0: torch's default)")
-    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="time generate() by process CPU time "
-                   "(steadier on a shared machine) or wall clock")
+    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="time by process CPU time (steadier on "
+                   "a shared machine) or wall clock")
     p.add_argument("--model-dir", help="a local model directory (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
+    unknown = set(args.figures.split(",")) - set(FIGURES)
+    if unknown:
+        p.error(f"unknown figure(s) {sorted(unknown)}; choose from {', '.join(FIGURES)}")
     if args.worker:
-        worker(args.worker, args.model_dir, args.batch, args.new_tokens, args.reps, args.threads, args.clock)
+        worker(args.worker, args)
         return
 
     sys.path.insert(0, str(ROOT))
@@ -163,38 +230,48 @@ def main() -> None:
     args.model_dir = args.model_dir or str(embedded.local_model_dir())
     old = git("rev-parse", args.old) if args.old else default_old()
     new = args.new if args.new == "WORKTREE" else git("rev-parse", args.new)
-    labels = {"old": old[:8], "new": "this checkout" if new == "WORKTREE" else new[:8]}
+    figures = args.figures.split(",")
     print(f"machine: {cpu_name()} ({platform.machine()}), {os.cpu_count()} cores, torch {torch.__version__}, "
           f"transformers {transformers.__version__}; {time.strftime('%Y-%m-%d')}")
     print(f"old: {old[:8]} {git('log', '-1', '--format=%s', old)[:70]}")
-    print(f"new: {labels['new']}")
-    print(f"workload: {args.batch} chat prompts x {args.new_tokens} new tokens, greedy, fp32, PagedCache (torch, "
-          f"eager) vs DynamicCache; fastest of {args.reps} per round; {args.rounds} rounds alternated; "
-          f"{args.clock} time, torch threads {args.threads or torch.get_num_threads()}\n")
+    print(f"new: {'this checkout' if new == 'WORKTREE' else new[:8]}")
+    print(f"workload: SmolLM2-135M fp32, greedy, {args.new_tokens} new tokens; eager/compiled: {args.batch} chat "
+          f"prompts per generate(); engine: {args.engine_requests} chat requests; fastest of {args.reps} per round; "
+          f"{args.rounds} rounds alternated; {args.clock} time, torch threads "
+          f"{args.threads or torch.get_num_threads()}\n")
     trees: list[Path] = []
     workers = {}
     start = time.perf_counter()
     try:
         workers = {"old": Worker("old", checkout(old, trees), args), "new": Worker("new", checkout(new, trees), args)}
         for name, w in workers.items():
-            if not w.hello["equal"]:
-                print(f"warning: {name}: PagedCache's tokens differ from DynamicCache's")
-        ratios = {"old": [], "new": []}
-        print(f"{'round':>5}  {'old ratio':>9}  {'new ratio':>9}  {'change':>7}  {'old tok/s (dyn, paged)':>23}  "
-              f"{'new tok/s (dyn, paged)':>23}")
+            for figure, hello in w.hello["figures"].items():
+                if "error" in hello:
+                    print(f"{name}: {figure} cannot run: {hello['error']}")
+                elif not hello["equal"]:
+                    print(f"warning: {name}: {figure}: {FIGURES[figure][0]}'s tokens differ from "
+                          f"{FIGURES[figure][1]}'s")
+        figures = [f for f in figures if all("error" not in w.hello["figures"][f] for w in workers.values())]
+        ratios = {(f, name): [] for f in figures for name in workers}
+        print(f"{'round':>5}  {'figure':<9} {'old ratio':>9}  {'new ratio':>9}  {'change':>7}  "
+              f"{'old tok/s (base, contender)':>27}  {'new tok/s (base, contender)':>27}")
         for r in range(args.rounds):
-            got = {}
-            for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
-                got[name] = workers[name].ratio()
-                ratios[name].append(got[name]["ratio"])
-            o, n = got["old"], got["new"]
-            tps = "  ".join(f"{g['dynamic_tps']:>11.1f} {g['paged_tps']:>11.1f}" for g in (o, n))
-            print(f"{r + 1:>5}  {o['ratio']:>9.3f}  {n['ratio']:>9.3f}  {100 * (n['ratio'] / o['ratio'] - 1):>+6.1f}%  "
-                  f"{tps}", flush=True)
-        mo, mn = statistics.median(ratios["old"]), statistics.median(ratios["new"])
-        change = 100 * (mn / mo - 1)
-        print(f"{'median':>5}  {mo:>9.3f}  {mn:>9.3f}  {change:>+6.1f}%   "
-              f"({'within' if abs(change) <= 5 else 'OUTSIDE'} +-5%; {time.perf_counter() - start:.0f} s)")
+            for figure in figures:
+                got = {}
+                for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
+                    got[name] = workers[name].ratio(figure)
+                    ratios[figure, name].append(got[name]["ratio"])
+                o, n = got["old"], got["new"]
+                tps = "  ".join(f"{g['baseline_tps']:>13.1f} {g['contender_tps']:>13.1f}" for g in (o, n))
+                print(f"{r + 1:>5}  {figure:<9} {o['ratio']:>9.3f}  {n['ratio']:>9.3f}  "
+                      f"{100 * (n['ratio'] / o['ratio'] - 1):>+6.1f}%  {tps}", flush=True)
+        print(f"\n{'figure':<9} {'ratio':<56} {'old':>7} {'new':>7} {'change':>8}")
+        for figure in figures:
+            mo, mn = statistics.median(ratios[figure, "old"]), statistics.median(ratios[figure, "new"])
+            change = 100 * (mn / mo - 1)
+            print(f"{figure:<9} {FIGURES[figure][0] + ' / ' + FIGURES[figure][1]:<56} {mo:>7.3f} {mn:>7.3f} "
+                  f"{change:>+7.1f}%  ({'within' if abs(change) <= 5 else 'OUTSIDE'} +-5%)")
+        print(f"({time.perf_counter() - start:.0f} s)")
     finally:
         for w in workers.values():
             w.close()
