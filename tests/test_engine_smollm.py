@@ -68,5 +68,9 @@ def test_smollm_chat_requests_equal_generate_alone_and_fp8_agrees():
     agree, compared, total = agreement(full, fp8)
     print(f"fp8 pool: {agree}/{compared} = {agree / compared:.1%} of the positions up to each request's first "
           f"difference agree with full precision ({agree}/{total} = {agree / total:.1%} of all positions)")
-    assert agree >= 0.9 * compared  # the target; a wrong scale or block gives garbage at once
-    assert agree >= 0.8 * total
+    # The bound is on the positions up to and including each request's first difference: each request that flips
+    # costs one position wherever its flip falls, so the figure moves little between CPUs. (The share of all
+    # positions does not: one flip at token 2 drops the 8 after it. On this suite's prompts it was 94.7% on an
+    # Intel Xeon and 74.8% on an AMD EPYC or on the Xeon with MKL/oneDNN/ATen held to AVX2, while this measure was
+    # 97.9% and 96.6%.) A wrong scale or block gives garbage at the first token of nearly every request (< 10%).
+    assert agree >= 0.9 * compared
