@@ -53,8 +53,8 @@ _PER_STEP_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "out
 # Attention arguments the paged attention implements (softcap, s_aux: ops.paged_attention's options; sliding_window:
 # the layer group's window, checked against it) or that carry nothing it needs (the step has the positions).
 _IMPLEMENTED = frozenset({"softcap", "s_aux", "sliding_window"})
-_IGNORED = frozenset({"position_ids", "use_cache", "output_attentions", "cache_position", "is_causal", "cache",
-                      "past_key_values", "past_key_value", "token_type_ids", "return_dict"})
+_IGNORED = frozenset({"position_ids", "use_cache", "output_attentions", "output_hidden_states", "output_router_logits",
+                      "cache_position", "is_causal", "cache", "past_key_values", "past_key_value", "return_dict"})
 
 
 def _check_kwargs(module, kwargs: dict, layer) -> None:

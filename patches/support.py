@@ -142,6 +142,7 @@ def check_model(model: nn.Module) -> None:
     """:func:`check_supported` on ``model.config`` plus what the modules must offer: an attention module per layer
     with ``layer_idx`` and ``head_dim`` (GPT-NeoX's has ``head_size``)."""
     config = getattr(model, "config", None)
+    check_supported(config, paged=False)  # what the config says first: it names the kind of layer refused
     for module in attention_modules(model):
         if not isinstance(getattr(module, "head_dim", None), int):
             _refuse(f"{type(module).__name__} (layer {module.layer_idx}) has no head_dim attribute", GATHERED)
