@@ -42,24 +42,3 @@ __all__ = [
     "parse_memory",
 ]
 
-
-def _patches_from_checkout() -> None:
-    """Run from a source checkout without installing (``PYTHONPATH=.``, as ``bench/gpu.sh`` does), ``patches/``
-    beside the package is ``hf_paged.patches``, as an install maps it (pyproject's package-dir)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    if importlib.util.find_spec(__name__ + ".patches") is not None:
-        return
-    init = Path(__file__).resolve().parent.parent / "patches" / "__init__.py"
-    if not init.exists():
-        return
-    spec = importlib.util.spec_from_file_location(__name__ + ".patches", init,
-                                                  submodule_search_locations=[str(init.parent)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-
-
-_patches_from_checkout()

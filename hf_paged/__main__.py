@@ -1,5 +1,5 @@
 """``python -m hf_paged demo`` runs the main job; ``python -m hf_paged convert`` only prepares the embedded model;
-``python -m hf_paged models`` lists the supported model types;
+``python -m hf_paged models`` lists the families (``--markdown``: the table of docs/guide/families.md);
 ``python -m hf_paged check-kernels`` builds every Triton kernel variant for sm_80/sm_90 (no GPU needed)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def main(argv=None) -> int:
     if command == "models":
         from .patches import format_models_table
 
-        print(format_models_table())
+        print(format_models_table(markdown="--markdown" in argv))
         return 0
     if command == "check-kernels":
         from .tools.kernel_check import main as check_kernels

@@ -39,16 +39,51 @@ import torch
 from torch import nn
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
-from . import compat
+from . import compat, ops
 from .cache import STEP_KWARG, PagedCache
 from .cache_state import GenerateCall
 from .ops import custom_ops
+from .patches import check_model, find_patch
 
 _PREFIX = "hf_paged_"
 # The PagedCache of the generate() call running in this thread/task (for the stopping criteria it builds).
 _GENERATE_CACHE: contextvars.ContextVar = contextvars.ContextVar("hf_paged_generate_cache", default=None)
 # Per-step outputs generate() returns for every row: finished rows must keep their history to match DynamicCache.
 _PER_STEP_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+# Attention arguments the paged attention implements (softcap, s_aux: ops.paged_attention's options; sliding_window:
+# the layer group's window, checked against it) or that carry nothing it needs (the step has the positions).
+_IMPLEMENTED = frozenset({"softcap", "s_aux", "sliding_window"})
+_IGNORED = frozenset({"position_ids", "use_cache", "output_attentions", "output_hidden_states", "output_router_logits",
+                      "cache_position", "is_causal", "cache", "past_key_values", "past_key_value", "return_dict"})
+
+
+def _check_kwargs(module, kwargs: dict, layer) -> None:
+    """``ValueError`` naming the layer and the argument for an attention argument the paged path does not implement
+    (a model taken generically may pass anything: nothing is ignored silently)."""
+    for name, value in kwargs.items():
+        if value is None or name in _IGNORED:
+            if name == "is_causal" and value is False:
+                raise ValueError(f"layer {module.layer_idx} ({type(module).__name__}) asks for non-causal attention "
+                                 "(is_causal=False); paged attention is causal. Fix: use transformers' DynamicCache "
+                                 "for this model.")
+            continue
+        if name == "sliding_window" and value != layer.group.attention.sliding_window:
+            raise ValueError(f"layer {module.layer_idx} ({type(module).__name__}) passes sliding_window={value} but "
+                             f"its config describes window {layer.group.attention.sliding_window} "
+                             "(hf_paged.patches.layer_windows). Fix: add a ModelPatch with this family's window rule "
+                             "in patches/.")
+        if name not in _IMPLEMENTED:
+            raise ValueError(f"layer {module.layer_idx} ({type(module).__name__}) passes the attention argument "
+                             f"{name}={_short(value)}, which hf_paged's paged attention does not implement. Fix: use "
+                             "transformers' DynamicCache for this model (or PagedCache without "
+                             "enable_paged_attention).")
+
+
+def _short(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"<tensor {tuple(value.shape)}>"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _paged_forward(module, query, scaling, kwargs, layer) -> torch.Tensor:
@@ -96,6 +131,8 @@ def _make_mask(original: str):
 def _make_attention(original: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         layer = _layer_step(module, kwargs)
+        if layer is not None:
+            _check_kwargs(module, kwargs, layer)
         if layer is not None and not layer.no_history:
             return _paged_forward(module, query, scaling, kwargs, layer), None
         # No cache, another cache, or a first prefill (its K/V are already in the pool; nothing to read back).
@@ -269,10 +306,6 @@ def enable_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module
         model = enable_paged_attention(AutoModelForCausalLM.from_pretrained(path))
         out = model.generate(**inputs, cache=PagedCache(model.config), max_new_tokens=64)
     """
-    from hf_paged.patches import check_model, find_patch
-
-    from . import ops
-
     if backend not in ops.BACKENDS:
         raise ValueError(f"backend must be one of {ops.BACKENDS}, got {backend!r}.")
     if backend == "triton" and not ops.triton_available():

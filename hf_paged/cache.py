@@ -19,6 +19,7 @@ from .allocator import cdiv
 from .cache_state import Contents, Forward, GenerateCall
 from .groups import LayerGroups
 from .errors import OutOfBlocksError
+from .patches import kv_geometry
 from .pool import BlockPool
 from .stats import MemoryStats
 from .rows import Rows
@@ -26,12 +27,6 @@ from .step import LayerStep, Step, StepBuffers, build_layer_step, next_pow2, pla
 
 _log = logging.getLogger(__name__)
 STEP_KWARG = "hf_paged_step"  # the attention kwarg through which update() hands a layer its LayerStep
-
-
-def _layer_windows(config) -> list:
-    from hf_paged.patches import layer_windows
-
-    return layer_windows(config) if config is not None else []
 
 
 class PagedCache(Cache):
@@ -91,14 +86,13 @@ class PagedCache(Cache):
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.config = text_config
         self.num_layers = getattr(text_config, "num_hidden_layers", None)
-        self.groups = LayerGroups.from_windows(_layer_windows(text_config))
+        self.groups = LayerGroups.from_geometry(kv_geometry(text_config)) if text_config is not None else \
+            LayerGroups.from_windows([])
         self.pool = pool if pool is not None else BlockPool(block_size, num_blocks, max_memory, prefix_caching,
                                                             kv_dtype)
         self._own_pool = pool is None  # out-of-blocks advice names the constructor that sized the pool
         if text_config is not None and self.num_layers:
-            from hf_paged.patches import kv_shape
-
-            self.pool.check_memory_fits(*kv_shape(text_config), self._slots_per_block())
+            self.pool.check_memory_fits_for(self._slot_shapes())
         self.release_finished = release_finished
         if self.pool.prefix_caching and self.groups.num_groups > 1:
             _warn_once(f"prefix caching is off for {getattr(text_config, 'model_type', 'this model')}: its layers use "
@@ -311,8 +305,9 @@ class PagedCache(Cache):
             need = 0
             for row in self.rows.live:
                 length = self.rows.length(row) + still
-                for window in self.groups.windows:
-                    need += cdiv(length if window is None else min(length, window + bs), bs)
+                for window, chunk in zip(self.groups.windows, self.groups.chunks):
+                    limit = window if window is not None else chunk
+                    need += cdiv(length if limit is None else min(length, limit + bs), bs)
         kept = "" if not mine else (f"This cache keeps the {len(mine)} blocks its rows hold so far (as a DynamicCache "
                                     "keeps its tensors) until cache.reset() gives them back or the cache is dropped. ")
         return OutOfBlocksError(err.needed, err.free, err.block_size, err.capacity, kept, request_needed=need,
@@ -561,7 +556,8 @@ class PagedCache(Cache):
                 stacklevel=4,
             )
         self._check_call_start(key.shape[0])
-        self.pool.apply_memory_cap(key.shape[1], key.shape[3], key.dtype, self._slots_per_block())
+        self.pool.apply_memory_cap_for(self._slot_shapes() or [(key.shape[1], key.shape[3], key.shape[3])]
+                                       * self._slots_per_block(), key.dtype)
         # The gathered history reads no paged kernel: the torch backend writes it.
         step = self._plan_rows(None, None, key.shape[0], key.shape[2], "torch", gathered=True)
         self._contents.mode = "gathered"
@@ -577,10 +573,11 @@ class PagedCache(Cache):
         are fewer: the cap is then conservative)."""
         if self.pool.max_memory is None or self.pool.allocator.max_blocks is not None or self.config is None:
             return
-        from hf_paged.patches import kv_shape
+        self.pool.apply_memory_cap_for(self._slot_shapes(), dtype)
 
-        heads, head_dim = kv_shape(self.config)
-        self.pool.apply_memory_cap(heads, head_dim, dtype, self._slots_per_block())
+    def _slot_shapes(self) -> list[tuple[int, int, int]]:
+        """``(num_kv_heads, key_dim, value_dim)`` of each K/V tensor slot a block id stands for (the config's)."""
+        return [shape for _, shape in self.groups.slot_shapes]
 
     def _invalidate_step(self) -> None:
         """The rows changed: count the last forward (it ran) and drop its step."""

@@ -23,6 +23,12 @@ import torch
 import transformers
 from packaging.version import Version
 from transformers.cache_utils import Cache
+from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+try:  # 5.x: the cache layer types DynamicCache builds, KV sharing and MLP-only layers included
+    from transformers.cache_utils import get_layer_types_and_kwargs
+except ImportError:  # 4.x
+    get_layer_types_and_kwargs = None
 
 TRANSFORMERS_VERSION = Version(transformers.__version__)
 # Keep in step with pyproject.toml ("transformers>=4.56.0,<6") and scripts/test_oldest.sh (which pins it and checks).
@@ -168,3 +174,19 @@ def _generation_defaults() -> dict:
     if filler is not None:
         defaults.update({key: value for key, value in filler().items() if defaults.get(key) is None})
     return defaults
+
+
+def cache_layer_types(config) -> list[str] | None:
+    """Per decoder layer, the cache layer type transformers' own ``DynamicCache`` builds (``"full_attention"``,
+    ``"sliding_attention"``, ``"chunked_attention"``, ``"dummy"`` for KV-sharing and MLP-only layers, ``"conv"``,
+    ``"linear_attention"``, ``"hybrid"``, ...), from ``get_layer_types_and_kwargs`` where this transformers has it
+    (5.x); ``config.layer_types`` (or None) before."""
+    if get_layer_types_and_kwargs is None or getattr(config, "per_layer_config", None) is None:
+        types = getattr(config, "layer_types", None)
+        return list(types) if types is not None else None
+    return list(get_layer_types_and_kwargs(config)[0])
+
+
+def modeling_module_name(model_type: str) -> str:
+    """The ``transformers.models.<name>`` package of a ``model_type`` (``"gemma3_text"`` -> ``"gemma3"``)."""
+    return model_type_to_module_name(model_type)

@@ -1,13 +1,17 @@
-"""Layer groups: layers that share a sliding window share a block table.
+"""Layer groups: layers of one kind, window/chunk and K/V shape share a block table.
 
 Most models have one group (every layer full, or every layer with the same window). Hybrid models (Gemma2/3,
-gpt-oss, Cohere2, ...) mix windows: their sliding layers give back blocks that left the window while the full layers
-keep theirs, so each kind needs its own block table. All groups draw block ids from one allocator.
+gpt-oss, Cohere2, Llama 4, ...) mix kinds: their sliding (or chunked) layers give back blocks that left the window
+(or a finished chunk) while the full layers keep theirs, so each kind needs its own block table. Layers of another
+K/V shape (another head size or KV-head count) need tensors of that shape, so shape is part of the key too. Layers
+that keep no K/V of their own (``reuse``, ``state``, ``none`` in :mod:`hf_paged.geometry`) are in no group. All groups
+draw block ids from one allocator.
 
-Groups are cut to one size (the greatest common divisor of the layer counts per window, as vLLM's hybrid allocator
+Groups are cut to one size (the greatest common divisor of the layer counts per key, as vLLM's hybrid allocator
 does): Gemma3's 5 sliding layers per full one become 5 sliding groups and 1 full group of equal size. Then layer
-``i`` of every group can share one K/V tensor (its *slot*): a block id belongs to one group at a time, so a block
-costs the same bytes whichever group holds it and no group's tensors sit idle.
+``i`` of every group of one shape can share one K/V tensor (its *slot*): a block id belongs to one group at a time, so
+a block costs the same bytes whichever group holds it and no group's tensors sit idle. Groups of different shapes
+keep different slots: one block id then stands for a block in every slot (:attr:`LayerGroups.slot_shapes`).
 """
 
 from __future__ import annotations
@@ -15,36 +19,62 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .geometry import KVGeometry
+
 
 @dataclass(frozen=True)
 class LayerGroups:
     """How the decoder layers split into block-table groups.
 
     Attributes:
-        windows: per group, the sliding window of its layers (``None`` = full attention).
-        layer_group: per layer, its group.
-        layer_slot: per layer, the K/V tensor slot it uses (its rank inside its group).
+        windows: per group, the sliding window of its layers (``None`` = no window).
+        layer_group: per layer, its group (-1: a layer that keeps no K/V of its own).
+        layer_slot: per layer, the K/V tensor slot it uses (its rank inside its group; with several K/V shapes
+            ``(shape, rank)``).
+        chunks: per group, the attention chunk of its layers (``None`` = not chunked).
+        slot_shapes: per slot, ``(num_kv_heads, key_dim, value_dim)`` (empty when the shapes are not known yet).
     """
 
     windows: tuple[int | None, ...]
     layer_group: tuple[int, ...]
-    layer_slot: tuple[int, ...]
+    layer_slot: tuple
+    chunks: tuple[int | None, ...] = ()
+    slot_shapes: tuple = ()  # ((slot, (heads, key_dim, value_dim)), ...)
+
+    def __post_init__(self):
+        if not self.chunks:
+            object.__setattr__(self, "chunks", (None,) * len(self.windows))
 
     @classmethod
     def from_windows(cls, layer_windows: list[int | None]) -> "LayerGroups":
-        if not layer_windows:
-            return cls((None,), (), ())
-        by_window: dict[int | None, list[int]] = {}
-        for layer, window in enumerate(layer_windows):
-            by_window.setdefault(window, []).append(layer)
-        size = math.gcd(*(len(layers) for layers in by_window.values()))
-        windows, layer_group, layer_slot = [], [0] * len(layer_windows), [0] * len(layer_windows)
-        for window, layers in by_window.items():
+        """Groups of layers that differ by window only (shapes unknown)."""
+        return cls.from_geometry(KVGeometry.uniform(layer_windows))
+
+    @classmethod
+    def from_geometry(cls, geometry: KVGeometry) -> "LayerGroups":
+        paged = geometry.paged_layers
+        if not paged:
+            return cls((None,), tuple(-1 if not layer.paged else 0 for layer in geometry.layers),
+                       tuple(0 for _ in geometry.layers))
+        by_key: dict[tuple, list[int]] = {}
+        for layer in paged:
+            spec = geometry[layer]
+            by_key.setdefault((spec.kind, spec.window, spec.chunk, spec.shape), []).append(layer)
+        size = math.gcd(*(len(layers) for layers in by_key.values()))
+        several_shapes = len({key[3] for key in by_key}) > 1
+        windows, chunks, slots = [], [], {}
+        layer_group, layer_slot = [-1] * len(geometry), [0] * len(geometry)
+        for (kind, window, chunk, shape), layers in by_key.items():
             for start in range(0, len(layers), size):
-                for slot, layer in enumerate(layers[start: start + size]):
+                for rank, layer in enumerate(layers[start: start + size]):
+                    slot = (shape, rank) if several_shapes else rank
                     layer_group[layer], layer_slot[layer] = len(windows), slot
+                    slots[slot] = shape
                 windows.append(window)
-        return cls(tuple(windows), tuple(layer_group), tuple(layer_slot))
+                chunks.append(chunk)
+        known = all(shape[0] for shape in slots.values())
+        return cls(tuple(windows), tuple(layer_group), tuple(layer_slot), tuple(chunks),
+                   tuple(slots.items()) if known else ())
 
     @property
     def num_groups(self) -> int:
@@ -52,8 +82,23 @@ class LayerGroups:
 
     @property
     def group_size(self) -> int:
-        """Layers per group (= K/V tensor slots per block id)."""
-        return max(self.layer_slot, default=0) + 1
+        """Layers per group (= K/V tensor slots per block id when every layer has one shape)."""
+        ranks = [s[1] if isinstance(s, tuple) else s for g, s in zip(self.layer_group, self.layer_slot) if g >= 0]
+        return max(ranks, default=0) + 1
+
+    @property
+    def num_slots(self) -> int:
+        """K/V tensor slots one block id stands for."""
+        return len(self.slot_shapes) or self.group_size
 
     def window_of(self, layer_idx: int) -> int | None:
-        return self.windows[self.layer_group[layer_idx]]
+        group = self.layer_group[layer_idx]
+        return self.windows[group] if group >= 0 else None
+
+    def chunk_of(self, layer_idx: int) -> int | None:
+        group = self.layer_group[layer_idx]
+        return self.chunks[group] if group >= 0 else None
+
+    def limited(self, group: int) -> bool:
+        """Whether the group's layers see only part of the history (a window or a chunk): its blocks go back."""
+        return self.windows[group] is not None or self.chunks[group] is not None

@@ -35,6 +35,8 @@ import torch
 from . import compat
 from .allocator import NULL_BLOCK, cdiv, slot_of
 from .errors import CacheFileError
+from .patches import kv_geometry
+from .pool import LayerShape
 from .rows import Rows
 
 FORMAT = "hf_paged.cache/3"
@@ -392,10 +394,11 @@ def check_fits(cf: CacheFile, cache, device) -> None:
             raise CacheFileError(path, "layers", f"layer {max(cf.layers)} in a model of {num_layers} layers")
         if cf.total_tokens and sorted(cf.layers) != list(range(num_layers)):
             raise CacheFileError(path, "layers", f"K/V for layers {sorted(cf.layers)} of a model of {num_layers}")
-    heads, head_dim = _model_kv_shape(config)
+    shapes = _model_kv_shapes(config)
     model_dtype = compat.config_dtype(config)
     for layer, spec in cf.layers.items():
-        if (heads, head_dim) != (None, None) and (spec.num_kv_heads, spec.head_dim) != (heads, head_dim):
+        heads, head_dim = shapes.get(layer, (None, None))
+        if heads is not None and (spec.num_kv_heads, spec.head_dim) != (heads, head_dim):
             raise CacheFileError(path, "layers", f"layer {layer} holds {spec.num_kv_heads} KV heads x "
                                  f"{spec.head_dim} but the model has {heads} x {head_dim}",
                                  "Load it with that model's config.")
@@ -422,20 +425,19 @@ def check_fits(cf: CacheFile, cache, device) -> None:
     _check_room(cf, cache)
 
 
-def _model_kv_shape(config) -> tuple[int | None, int | None]:
-    """The KV heads (this rank's share under tensor parallelism) and head size a layer of ``config`` writes."""
-    from hf_paged.patches import kv_shape
-
+def _model_kv_shapes(config) -> dict[int, tuple[int, int]]:
+    """Per paged layer of ``config``, the KV heads (this rank's share under tensor parallelism) and key head size
+    it writes (``hf_paged.patches.kv_geometry``); empty where the config does not say."""
     try:
-        heads, head_dim = kv_shape(config)
-    except (AttributeError, TypeError):
-        return None, None
-    if not (isinstance(heads, int) and isinstance(head_dim, int)):
-        return None, None
+        geometry = kv_geometry(config)
+    except (AttributeError, TypeError, ValueError):
+        return {}
+    world = 1
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         world = torch.distributed.get_world_size()
-        heads = heads // world if heads % world == 0 else heads
-    return heads, head_dim
+    return {i: (layer.num_kv_heads // world if layer.num_kv_heads % world == 0 else layer.num_kv_heads,
+                layer.key_dim)
+            for i, layer in enumerate(geometry.layers) if layer.paged and layer.num_kv_heads and layer.key_dim}
 
 
 def _same_device(asked: torch.device, known: torch.device) -> bool:
@@ -444,17 +446,19 @@ def _same_device(asked: torch.device, known: torch.device) -> bool:
 
 def _check_room(cf: CacheFile, cache) -> None:
     """Blocks the rows need against what a capped pool has free (sized from ``max_memory`` if not yet)."""
-    from .pool import LayerShape
-
     pool, a, groups = cache.pool, cache.pool.allocator, cache.groups
     needed = sum(cdiv(n, a.block_size) for n in cf.lens) * groups.num_groups
     if a.max_blocks is not None:
         free = a.num_free
     elif pool.max_memory is not None and cf.layers:
         spec = next(iter(cf.layers.values()))  # the first layer bound sizes the pool, as on a forward
-        slots = groups.group_size if groups.layer_slot else (cache.num_layers or len(cf.layers))
-        per_block = pool._block_bytes(LayerShape(spec.num_kv_heads, spec.head_dim, spec.dtype, torch.device("cpu")))
-        free = max(0, pool.max_memory // (per_block * slots) - 1)
+        if groups.slot_shapes:  # the config's shapes per slot, as a forward sizes it
+            per_block = pool.block_id_bytes([shape for _, shape in groups.slot_shapes], spec.dtype)
+        else:
+            slots = groups.group_size if groups.layer_slot else (cache.num_layers or len(cf.layers))
+            per_block = slots * pool._block_bytes(LayerShape(spec.num_kv_heads, spec.head_dim, spec.dtype,
+                                                             torch.device("cpu")))
+        free = max(0, pool.max_memory // per_block - 1)
     else:
         return  # a growing pool: the rows hold what the file's tensors hold
     if needed > free:
@@ -488,7 +492,8 @@ def _build(cache, cf: CacheFile, device, trusted: bool) -> None:
         known = pool.layer_shapes.get(layer)
         dev = known.device if known is not None else torch.device(device) if device is not None else torch.device("cpu")
         probe = torch.empty(1, spec.num_kv_heads, 1, spec.head_dim, dtype=spec.dtype, device=dev)  # [B, H, S, D]
-        pool.bind_layer(layer, cache.num_layers or len(cf.layers), probe, groups.layer_slot[layer], groups.group_size)
+        pool.bind_layer(layer, cache.num_layers or len(cf.layers), probe, groups.layer_slot[layer], groups.group_size,
+                        slot_shapes=[shape for _, shape in groups.slot_shapes])
     live, row_tokens = cf.live, cf.row_tokens()
     lengths, tokens = [0] * cf.rows, [None if row_tokens is None else [] for _ in range(cf.rows)]
     for i, r in enumerate(live):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .allocator import BlockAllocator
+from .allocator import BlockAllocator, cdiv
 from .step import StepBuffers
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -52,7 +52,7 @@ def format_memory(n: int) -> str:
     """Bytes as a ``max_memory`` string, rounded up to a tenth of its unit: ``"512KiB"``, ``"1.5MiB"``, ``"8GiB"``."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
-            return f"{-(-n * 10 // size) / 10:g}{unit}"
+            return f"{cdiv(n * 10, size) / 10:g}{unit}"
     return f"{n}B"
 
 
@@ -60,17 +60,31 @@ def _smallest_block(block_size: int) -> int:
     return 2 * block_size  # K and V, one layer, one KV head of one dim, one byte
 
 
-def _describe(num_kv_heads: int, head_dim: int, dtype: torch.dtype, layers: int) -> str:
-    name, plural = str(dtype).removeprefix("torch."), "s" if layers != 1 else ""
-    return f"this model (K and V of {layers} layer{plural} x {num_kv_heads} KV heads x {head_dim}, {name})"
+def _describe(slot_shapes, dtype: torch.dtype) -> str:
+    """``slot_shapes``: ``(num_kv_heads, key_dim, value_dim)`` per K/V tensor slot one block id stands for."""
+    counts: dict = {}
+    for shape in slot_shapes:
+        counts[tuple(shape)] = counts.get(tuple(shape), 0) + 1
+    parts = []
+    for (heads, key, value), layers in counts.items():
+        plural, dims = "s" if layers != 1 else "", str(key) if key == value else f"{key} (K) + {value} (V)"
+        parts.append(f"{layers} layer{plural} x {heads} KV heads x {dims}")
+    return f"this model (K and V of {' and '.join(parts)}, {str(dtype).removeprefix('torch.')})"
 
 
 @dataclass(frozen=True)
 class LayerShape:
+    """One layer's per-token K/V shape in the pool (its :class:`~hf_paged.geometry.LayerKV` as bound)."""
+
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # key head size
     dtype: torch.dtype  # the model's K/V dtype
     device: torch.device
+    value_dim: int | None = None  # value head size (None: head_dim)
+
+    @property
+    def v_dim(self) -> int:
+        return self.head_dim if self.value_dim is None else self.value_dim
 
 
 class BlockPool:
@@ -188,27 +202,37 @@ class BlockPool:
     def _block_bytes(self, shape: LayerShape) -> int:
         """K+V bytes of one block of one slot; fp8 pools add the block's scales (2 bytes per token, KV head, K/V)."""
         if self.kv_dtype is not None:
-            return 2 * self.block_size * shape.num_kv_heads * (shape.head_dim + SCALE_BYTES)
-        return 2 * self.block_size * shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize
+            return self.block_size * shape.num_kv_heads * (shape.head_dim + shape.v_dim + 2 * SCALE_BYTES)
+        return self.block_size * shape.num_kv_heads * (shape.head_dim + shape.v_dim) * shape.dtype.itemsize
+
+    def block_id_bytes(self, slot_shapes, dtype: torch.dtype) -> int:
+        """Bytes one block id stands for: a block of each slot, ``slot_shapes`` ``(num_kv_heads, key_dim,
+        value_dim)`` per slot (from :attr:`~hf_paged.groups.LayerGroups.slot_shapes`), in ``dtype``."""
+        cpu = torch.device("cpu")
+        return sum(self._block_bytes(LayerShape(h, k, dtype, cpu, v)) for h, k, v in slot_shapes)
 
     def bytes_per_block(self, layers=None) -> int:
         """K+V bytes of one block summed over ``layers`` (default: every layer seen so far)."""
         layers = self.layer_shapes if layers is None else layers
         return sum(self._block_bytes(self.layer_shapes[i]) for i in layers if i in self.layer_shapes)
 
-    def bind_layer(self, layer_idx: int, num_layers: int, key: torch.Tensor, slot=None, slots_per_block: int = 0):
-        """Record (or check) layer ``layer_idx``'s shape from its first key tensor ``[B, Hkv, S, D]``.
+    def bind_layer(self, layer_idx: int, num_layers: int, key: torch.Tensor, slot=None, slots_per_block: int = 0,
+                   value: torch.Tensor | None = None, slot_shapes=()):
+        """Record (or check) layer ``layer_idx``'s shape from its first key (and value) tensor ``[B, Hkv, S, D]``.
 
         ``slot``: the K/V tensor slot the layer uses (layers of different groups may share one);
-        ``slots_per_block``: how many slots a block id spans (for ``max_memory``).
+        ``slots_per_block``: how many slots a block id spans, all of this layer's shape, or ``slot_shapes``: the
+        ``(num_kv_heads, key_dim, value_dim)`` of each (for ``max_memory``).
         """
         if layer_idx in self.layer_shapes:
             self.check_layer(layer_idx, key)
             return
-        shape = LayerShape(key.shape[1], key.shape[3], key.dtype, key.device)
+        value_dim = value.shape[3] if value is not None and value.shape[3] != key.shape[3] else None
+        shape = LayerShape(key.shape[1], key.shape[3], key.dtype, key.device, value_dim)
         with self.lock:
             # the cap first: a max_memory too small for this shape is refused before anything is recorded
-            self.apply_memory_cap(shape.num_kv_heads, shape.head_dim, shape.dtype, slots_per_block or num_layers)
+            self.apply_memory_cap_for(slot_shapes or [(shape.num_kv_heads, shape.head_dim, shape.v_dim)]
+                                      * (slots_per_block or num_layers), shape.dtype)
             if self.num_layers is None:
                 self.num_layers = num_layers
             self.layer_shapes[layer_idx] = shape
@@ -219,12 +243,18 @@ class BlockPool:
             self.layer_slot[layer_idx] = slot
 
     def apply_memory_cap(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, slots_per_block: int) -> None:
-        """Turn ``max_memory`` into a block cap, once, from the model's K/V shape: before the first blocks are taken,
-        so the pool never grows past it. ``ValueError`` (with the minimum) if it cannot hold one block."""
+        """:meth:`apply_memory_cap_for` with ``slots_per_block`` slots of one shape."""
+        self.apply_memory_cap_for([(num_kv_heads, head_dim, head_dim)] * slots_per_block, dtype)
+
+    def apply_memory_cap_for(self, slot_shapes, dtype: torch.dtype) -> None:
+        """Turn ``max_memory`` into a block cap, once, from the model's K/V shapes (``(num_kv_heads, key_dim,
+        value_dim)`` per slot a block id stands for: :attr:`~hf_paged.groups.LayerGroups.slot_shapes`): before the
+        first blocks are taken, so the pool never grows past it. ``ValueError`` (with the minimum) if it cannot hold
+        one block."""
         if self.max_memory is None or self.allocator.max_blocks is not None:
             return
-        per_block = self._block_bytes(LayerShape(num_kv_heads, head_dim, dtype, torch.device("cpu"))) * slots_per_block
-        self._check_memory(per_block, _describe(num_kv_heads, head_dim, self.kv_dtype or dtype, slots_per_block))
+        per_block = self.block_id_bytes(slot_shapes, dtype)
+        self._check_memory(per_block, _describe(slot_shapes, self.kv_dtype or dtype))
         with self.lock:
             if self.allocator.max_blocks is None:
                 self.allocator.set_limit(self.max_memory // per_block - 1)  # the scratch block counts against it
@@ -239,11 +269,15 @@ class BlockPool:
         For a caller that knows the model's shape before its first forward (a cache built from its config);
         ``dtype`` ``None`` checks against the smallest dtype the model could run in (2 bytes; fp8 pools 1 byte).
         """
+        self.check_memory_fits_for([(num_kv_heads, head_dim, head_dim)] * slots_per_block, dtype)
+
+    def check_memory_fits_for(self, slot_shapes, dtype: torch.dtype | None = None) -> None:
+        """:meth:`check_memory_fits` for slots of the given ``(num_kv_heads, key_dim, value_dim)``."""
         if self.max_memory is None:
             return
         dtype = dtype or torch.float16
-        per_block = self._block_bytes(LayerShape(num_kv_heads, head_dim, dtype, torch.device("cpu"))) * slots_per_block
-        self._check_memory(per_block, _describe(num_kv_heads, head_dim, self.kv_dtype or dtype, slots_per_block))
+        per_block = self.block_id_bytes(slot_shapes, dtype)
+        self._check_memory(per_block, _describe(slot_shapes, self.kv_dtype or dtype))
 
     def _check_memory(self, per_block: int, what: str) -> None:
         need = 2 * per_block  # one block, and the scratch block
@@ -338,6 +372,7 @@ class BlockPool:
         if old_k is not None and old_k.shape[0] >= rows:
             return
         shape = (rows, self.block_size, s.num_kv_heads, s.head_dim)
+        v_shape = (rows, self.block_size, s.num_kv_heads, s.v_dim)
         dtype = self.storage_dtype or s.dtype
         kept = 0 if old_k is None else old_k.shape[0] - 1  # the old scratch block is not copied: it holds nothing
 
@@ -348,7 +383,7 @@ class BlockPool:
             new[kept:].zero_()
             return new
 
-        new_k, new_v = grown(old_k, shape, dtype), grown(self.value_caches.get(slot), shape, dtype)
+        new_k, new_v = grown(old_k, shape, dtype), grown(self.value_caches.get(slot), v_shape, dtype)
         new = [new_k, new_v]
         if self.kv_dtype is not None:  # the scales of the slots, grown (and copied) with them
             from .ops.reference import FP8_SCALE_DTYPE

@@ -108,7 +108,7 @@ class Rows:
     @property
     def prefix_caching(self) -> bool:
         """Whether rows can start from cached prefix blocks here (mixed-window models cannot)."""
-        return self.pool.prefix_caching and self.groups.num_groups == 1 and self.groups.windows[0] is None
+        return self.pool.prefix_caching and self.groups.num_groups == 1 and not self.groups.limited(0)
 
     # ------------------------------------------------------------ operations
     def fork(self, row: Row, join: bool = False) -> Row:
@@ -236,7 +236,7 @@ class Rows:
         if self.rows:
             raise ValueError("import_rows needs an empty Rows.")
         a = self.pool.allocator
-        keyed = [self.pool.prefix_caching and publish and w is None for w in self.groups.windows]
+        keyed = [self.pool.prefix_caching and publish and not self.groups.limited(g) for g in range(self.groups.num_groups)]
         with self.pool.lock:
             rows = [Row([a.new_sequence(group=g) for g in range(self.groups.num_groups)],
                         None if t is None else list(t), False) for t in tokens]

@@ -229,7 +229,7 @@ def plan(rows: Rows, inputs: list[RowInput], *, backend: str, num_layers: int, d
     a, bs = pool.allocator, pool.block_size
     counts = [i.num_tokens for i in inputs]
     max_query_len = max(counts, default=0)
-    keyed = [pool.prefix_caching and window is None for window in groups.windows]
+    keyed = [pool.prefix_caching and not groups.limited(g) for g in range(groups.num_groups)]
     live = [i for i in inputs if not i.row.released]
 
     with pool.lock:
@@ -252,9 +252,11 @@ def plan(rows: Rows, inputs: list[RowInput], *, backend: str, num_layers: int, d
         if release_windows:
             for i in live:  # keep what this step's first query still sees
                 first_query = a.seq_len(i.row.seqs[0]) - i.num_tokens
-                for g, window in enumerate(groups.windows):
+                for g, (window, chunk) in enumerate(zip(groups.windows, groups.chunks)):
                     if window is not None:
                         a.release_outside_window(i.row.seqs[g], first_query - window + 1)
+                    elif chunk is not None:  # the first query's chunk starts at a multiple of the chunk size
+                        a.release_outside_window(i.row.seqs[g], first_query // chunk * chunk)
         pool.ensure_capacity()
         _copy_on_write(pool, appended.copies)
         written = [i.share_from is None for i in inputs]
@@ -266,7 +268,8 @@ def plan(rows: Rows, inputs: list[RowInput], *, backend: str, num_layers: int, d
                 tables, lens, counts, starts, written, pool.scratch_block, bs, bucket=decode_bucket,
                 min_width=min_width)
             group_steps.append(GroupStep(slots, AttentionMetadata(block_tables, seq_lens, qsl, max_query_len,
-                                                                  block_tables.shape[1] * bs, window)))
+                                                                  block_tables.shape[1] * bs, window,
+                                                                  chunk=groups.chunks[g])))
 
     write_index = None
     if not all(written):
@@ -286,7 +289,7 @@ def plan(rows: Rows, inputs: list[RowInput], *, backend: str, num_layers: int, d
             else:
                 context = cdiv(int(meta.seq_lens.max()), bs) * bs if len(inputs) else bs
             meta.plan = plan_torch_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, bs,
-                                             sliding_window=meta.sliding_window, max_seq_len=context,
+                                             sliding_window=meta.sliding_window, chunk=meta.chunk, max_seq_len=context,
                                              always_mask=always_mask or static)
     return Step(len(inputs), max_query_len, max_query_len, no_history, None, write_index, group_steps,
                 backend, static, layers=[None] * max(num_layers, 1))
@@ -329,8 +332,12 @@ def build_layer_step(pool, groups, step: Step, buffers: StepBuffers, layer_idx: 
     first forward) and its group's step tensors on the layer's device (fp8 pools: and its scale caches)."""
     if key is not None:
         pool.bind_layer(layer_idx, num_layers or layer_idx + 1, key,
-                        groups.layer_slot[layer_idx] if layer_idx < len(groups.layer_slot) else None, groups.group_size)
+                        groups.layer_slot[layer_idx] if layer_idx < len(groups.layer_slot) else None, groups.group_size,
+                        value, [shape for _, shape in groups.slot_shapes])
     group = groups.layer_group[layer_idx] if layer_idx < len(groups.layer_group) else 0
+    if group < 0:
+        raise ValueError(f"layer {layer_idx} wrote K/V but its kind keeps none in the pool (hf_paged.patches."
+                         "kv_geometry): the model's layers differ from its config's description.")
     device = pool.layer_shapes[layer_idx].device
     view, (token_index, write_index) = step.device_view(group, device, buffers)
     key_cache, value_cache = pool.layer_kv(layer_idx)

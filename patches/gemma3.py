@@ -5,6 +5,6 @@ Its attention does not pass ``softcap`` (``attn_logit_softcapping`` is stored bu
 is refused by :func:`~hf_paged.patches.check_supported`.
 """
 
-from . import ModelPatch
+from .model_patch import ModelPatch
 
 PATCH = ModelPatch(("gemma3_text",), "gemma3", features=("sliding_window", "layer_windows", "scaling"))

@@ -9,7 +9,7 @@
   reported is that effective one, so the paged path should take each layer's window from :func:`layer_windows`.
 """
 
-from . import ModelPatch
+from .model_patch import ModelPatch
 
 WINDOWED = ("sliding_window", "layer_windows")
 

@@ -3,7 +3,7 @@
 Granite's ``scaling`` is ``config.attention_multiplier`` rather than ``head_dim ** -0.5``.
 """
 
-from . import ModelPatch
+from .model_patch import ModelPatch
 from .windows import no_window
 
 PATCHES = [

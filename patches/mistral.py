@@ -4,7 +4,7 @@ Their attention reads the window from the config directly (``layer_types`` is ig
 Qwen3-MoE's config sets ``sliding_window`` to ``None`` unless ``use_sliding_window``.
 """
 
-from . import ModelPatch
+from .model_patch import ModelPatch
 from .windows import config_window
 
 PATCHES = [

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 from torch import nn
 
-from .windows import ATTENTION_LAYER_TYPES, layer_types, layer_windows, text_config
+from hf_paged import compat
+
+from . import kinds
+from .kinds import kv_geometry
+from .model_patch import base_decoder
+from .registry import _registry, find_patch_for_config, layer_windows
+from .windows import text_config
 
 # What this build's attention implements: the softmax scale the model passes, a window per layer group and one block
 # table per group of layers sharing a window, logit soft-capping and attention sinks (ops.paged_attention's options).
-FEATURES = frozenset({"scaling", "sliding_window", "layer_windows", "softcap", "sinks"})
+FEATURES = frozenset({"scaling", "sliding_window", "layer_windows", "softcap", "sinks", "chunked_attention",
+                      "layer_shapes"})
 GATHERED = "use PagedCache without enable_paged_attention (gathered mode: the model's own attention runs)"
 DYNAMIC = "use transformers' DynamicCache for this model"
 
@@ -20,17 +27,20 @@ def available_features() -> frozenset[str]:
 
 def required_features(config) -> tuple[str, ...]:
     """The attention features this config's model passes, e.g. ``("sliding_window", "layer_windows", "softcap")``."""
-    from . import _registry
-
     config = text_config(config)
     patch = _registry().get(getattr(config, "model_type", None))
     family = patch.features if patch is not None else ("softcap",)
     windows = layer_windows(config)
+    geometry = kv_geometry(config)
     need = []
     if any(w is not None for w in windows):
         need.append("sliding_window")
     if len(set(windows)) > 1:
         need.append("layer_windows")
+    if any(layer.kind == "chunked" for layer in geometry.layers):
+        need.append("chunked_attention")
+    if len({layer.shape for layer in geometry.layers if layer.paged}) > 1:
+        need.append("layer_shapes")
     if "softcap" in family and getattr(config, "attn_logit_softcapping", None) is not None:
         need.append("softcap")
     if "sinks" in family:
@@ -42,52 +52,63 @@ def _refuse(what: str, fix: str) -> None:
     raise ValueError(f"hf_paged cannot page this model: {what}. Fix: {fix}.")
 
 
-def _check_attention_only(config) -> None:
-    types = layer_types(config) or []
-    for idx, kind in enumerate(types):
-        if kind == "chunked_attention":
-            _refuse(f"layer {idx} uses chunked attention (layer type 'chunked_attention')", DYNAMIC)
-        if kind not in ATTENTION_LAYER_TYPES:
-            _refuse(f"layer {idx} is a {kind!r} layer, not softmax attention over a KV cache (linear-attention, "
-                    "state-space, recurrent and attention-free layers keep no pageable K/V)", DYNAMIC)
-    if not types and getattr(config, "attention_chunk_size", None) is not None:
-        _refuse(f"chunked attention (attention_chunk_size={config.attention_chunk_size})", DYNAMIC)
+STATE_MIXERS = ("Mamba", "DeltaNet", "LinearAttention", "ShortConv", "Recurrent", "SSM", "Lightning", "RWKV", "LSTM")
 
 
-def _check_kv_sharing(config) -> None:
-    modes = getattr(config, "kv_sharing_modes", None) or []
-    shared = getattr(config, "num_kv_shared_layers", 0) or 0
-    if "reuse" in modes or shared > 0:
-        count = sum(m == "reuse" for m in modes) or shared
-        _refuse(f"KV sharing: {count} layers reuse another layer's K/V (kv_sharing_modes / num_kv_shared_layers)", DYNAMIC)
+def _check_kinds(config) -> None:
+    """Refuse, by layer, the kinds this build does not page: state layers (hybrids), KV-sharing reuse layers."""
+    try:
+        geometry = kv_geometry(config)
+    except ValueError as err:
+        _refuse(str(err).removesuffix(" Fix: use transformers' DynamicCache for this model."), DYNAMIC)
+    types = compat.cache_layer_types(config) or []
+    for idx, layer in enumerate(geometry.layers):
+        if layer.kind == "state":
+            kind = types[idx] if idx < len(types) else "state"
+            _refuse(f"layer {idx} is a {kind!r} layer (a recurrent / convolution state, not K/V): hybrid and "
+                    "state-space models are not paged yet", DYNAMIC)
+        if layer.kind == "reuse":
+            _refuse(f"layer {idx} reuses layer {layer.source}'s K/V (KV sharing, kv_sharing_modes 'reuse'): reuse "
+                    "layers are not paged yet; a config with num_kv_shared_layers=0 is", DYNAMIC)
+    if not any(layer.paged for layer in geometry.layers) and geometry.layers:
+        _refuse("no layer keeps K/V (no softmax attention layer)", DYNAMIC)
+
+
+def _check_latent(config) -> None:
+    """Multi-head latent attention caches a compressed latent, not per-head K/V (the one place that refuses it)."""
+    rank = getattr(config, "kv_lora_rank", None)
+    if rank:
+        _refuse(f"every layer uses multi-head latent attention (MLA, kv_lora_rank={rank}): its cache holds a latent, "
+                "not per-head K/V, which this build does not page yet", DYNAMIC)
 
 
 def head_sizes(config) -> tuple[int | None, int | None]:
-    """``(key head size, value head size)`` of a decoder config's attention."""
-    heads = getattr(config, "num_attention_heads", None)
-    default = config.hidden_size // heads if heads and getattr(config, "hidden_size", None) else None
-    key = getattr(config, "qk_head_dim", None) or getattr(config, "head_dim", None) or default
-    value = getattr(config, "v_head_dim", None) or getattr(config, "value_head_dim", None) or key
-    return key, value
+    """``(key head size, value head size)`` of a decoder config's attention (its first paged layer's)."""
+    return kinds.head_sizes(config)
 
 
 def kv_shape(config) -> tuple[int, int]:
-    """``(num_kv_heads, head_dim)`` of one layer's K/V in a decoder config (the block pool's per-token shape)."""
+    """``(num_kv_heads, key head size)`` of the first paged layer (models whose layers differ: read
+    :func:`~hf_paged.patches.kv_geometry`)."""
+    geometry = kv_geometry(config)
+    paged = [layer for layer in geometry.layers if layer.paged]
+    if paged:
+        return paged[0].num_kv_heads, paged[0].key_dim
     config = text_config(config)
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return heads, head_sizes(config)[0]
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads, kinds.head_sizes(config)[0]
 
 
 def _check_head_sizes(config) -> None:
-    key, value = head_sizes(config)
-    if key != value:
-        _refuse(f"different key and value head sizes ({key} vs {value}); the block pool stores K and V with one "
-                "head_dim", DYNAMIC)
+    for idx, layer in enumerate(kv_geometry(config).layers):
+        if layer.paged and layer.key_dim != layer.value_dim:
+            _refuse(f"layer {idx} has different key and value head sizes ({layer.key_dim} vs {layer.value_dim}); "
+                    "the paged attention reads K and V of one head size", DYNAMIC)
 
 
 def _check_causal(config) -> None:
-    if getattr(config, "use_bidirectional_attention", False):
-        _refuse("bidirectional attention (use_bidirectional_attention=True); paged attention is causal", DYNAMIC)
+    if getattr(config, "use_bidirectional_attention", False) in (True, "all"):
+        _refuse("bidirectional attention (use_bidirectional_attention="
+                f"{config.use_bidirectional_attention!r}); paged attention is causal", DYNAMIC)
 
 
 def check_supported(config, paged: bool = True) -> None:
@@ -100,13 +121,11 @@ def check_supported(config, paged: bool = True) -> None:
     """
     config = text_config(config)
     _check_causal(config)
-    _check_attention_only(config)
-    _check_kv_sharing(config)
+    _check_latent(config)
+    _check_kinds(config)
     _check_head_sizes(config)
     if not paged:
         return
-    from . import find_patch_for_config
-
     find_patch_for_config(config)
     missing = [f for f in required_features(config) if f not in available_features()]
     if missing:
@@ -123,7 +142,21 @@ def check_model(model: nn.Module) -> None:
     """:func:`check_supported` on ``model.config`` plus what the modules must offer: an attention module per layer
     with ``layer_idx`` and ``head_dim`` (GPT-NeoX's has ``head_size``)."""
     config = getattr(model, "config", None)
+    check_supported(config, paged=False)  # what the config says first: it names the kind of layer refused
     for module in attention_modules(model):
         if not isinstance(getattr(module, "head_dim", None), int):
             _refuse(f"{type(module).__name__} (layer {module.layer_idx}) has no head_dim attribute", GATHERED)
+    _check_mixers(model)
     check_supported(config)
+
+
+def _check_mixers(model: nn.Module) -> None:
+    """Layers whose token mixer keeps a state (Mamba, gated delta nets, short convolutions, ...) even where the
+    config's ``layer_types`` does not say so (hybrids that describe their layers another way)."""
+    layers = getattr(base_decoder(model), "layers", None)
+    for idx, layer in enumerate(layers if isinstance(layers, nn.ModuleList) else []):
+        for sub in layer.modules():
+            name = type(sub).__name__
+            if any(word in name for word in STATE_MIXERS):
+                _refuse(f"layer {idx} mixes tokens with {name}, which keeps a recurrent / convolution state, not "
+                        "K/V: hybrid and state-space models are not paged yet", DYNAMIC)

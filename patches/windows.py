@@ -12,9 +12,6 @@ from typing import Callable
 
 WindowRule = Callable[[object, int], "int | None"]
 
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
 def text_config(config):
     """The decoder's config (a multimodal config's text part; the config itself otherwise)."""
     get = getattr(config, "get_text_config", None)
@@ -56,22 +53,3 @@ def layer_types_window(config, layer_idx: int) -> int | None:
 def num_layers(config) -> int:
     types = layer_types(config)
     return int(getattr(config, "num_hidden_layers", None) or (len(types) if types else 0))
-
-
-def layer_windows(config) -> list[int | None]:
-    """Per decoder layer, the ``sliding_window`` its attention passes (``None`` = full attention).
-
-    Uses the family's rule (:class:`~hf_paged.patches.ModelPatch` ``window``); for a model type no patch
-    describes, ``config.layer_types`` when present, else ``config.sliding_window`` on every layer.
-    The cache keeps one block table per group of layers with the same window.
-
-    Example: ``layer_windows(Gemma3TextConfig(num_hidden_layers=6, sliding_window=512))``
-    -> ``[512, 512, 512, 512, 512, None]``.
-    """
-    from . import _registry
-
-    config = text_config(config)
-    patch = _registry().get(getattr(config, "model_type", None))
-    rule = patch.window if patch is not None else layer_types_window
-    windows = [rule(config, i) for i in range(num_layers(config))]
-    return [int(w) if w is not None else None for w in windows]

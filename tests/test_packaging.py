@@ -56,4 +56,5 @@ def test_checkout_without_install_finds_the_patches(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     package, patches = run.stdout.split()
     assert package == str(ROOT / "hf_paged" / "__init__.py")
-    assert patches == str(ROOT / "patches" / "__init__.py")
+    assert patches == str(ROOT / "hf_paged" / "patches" / "__init__.py")  # the committed link to patches/
+    assert Path(patches).resolve() == ROOT / "patches" / "__init__.py"

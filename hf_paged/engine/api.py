@@ -607,7 +607,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     """
     from ..attention import enable_paged_attention, is_paged, paged_backend
     from ..groups import LayerGroups
-    from ..patches import check_model, layer_windows
+    from ..patches import check_model, kv_geometry
     from .core import EngineCore
     from .kv import RequestKV
     from .options import (DEFAULT_WATERMARK, context_limit, default_batch_tokens, default_pool,
@@ -635,7 +635,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
         enable_paged_attention(model, backend=backend)
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     device = model.device
-    groups = LayerGroups.from_windows(layer_windows(config))
+    groups = LayerGroups.from_geometry(kv_geometry(config))
     num_layers = config.num_hidden_layers
     pool_options = {k: options.pop(k) for k in ("block_size", "num_blocks", "memory_fraction", "prefix_caching")
                     if k in options}
@@ -694,13 +694,11 @@ def _decode_graphs(wanted: bool | None, device, pool, max_rows: int):
 
 
 def _cap_pool(pool, config, dtype, groups) -> None:
-    """A ``max_memory`` pool gets its block cap now, from the model's K/V shape (before any block is taken)."""
+    """A ``max_memory`` pool gets its block cap now, from the model's per-layer K/V shapes (``groups.slot_shapes``,
+    from ``hf_paged.patches.kv_geometry``), before any block is taken."""
     if pool.max_memory is None or pool.allocator.max_blocks is not None:
         return
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    slots = groups.group_size if groups.layer_slot else config.num_hidden_layers
-    pool.apply_memory_cap(heads, head_dim, dtype, slots)
+    pool.apply_memory_cap_for([shape for _, shape in groups.slot_shapes], dtype)
 
 
 def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool = True,

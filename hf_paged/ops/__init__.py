@@ -273,6 +273,7 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over KV read through block tables.
 
@@ -299,6 +300,8 @@ def paged_attention(
         k_scale, v_scale: the scale caches ``[num_blocks, block_size, num_kv_heads]`` bfloat16, required with a
             uint8 pool (fp8 e4m3fn bits, as :func:`write_kv` fills them): the stored value is ``fp8 * scale``, read
             through the same block tables.
+        chunk: chunked attention (Llama 4): a query at position ``p`` sees only positions ``floor(p / chunk) *
+            chunk .. p`` (with ``sliding_window``, both bounds apply).
 
     Returns:
         ``[num_tokens, num_q_heads, head_dim]``, same dtype as ``query``.
@@ -341,6 +344,8 @@ def paged_attention(
         not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1
     ):
         _fail(f"sliding_window must be a positive int or None, got {sliding_window!r}.")
+    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+        _fail(f"chunk must be a positive int or None, got {chunk!r}.")
     if not isinstance(scale, (int, float)):
         _fail(f"scale must be a Python float, got {type(scale).__name__}.")
     _check_softcap_sinks(softcap, sinks, query.shape[1], query.device)
@@ -349,7 +354,7 @@ def paged_attention(
         _fail(f"max_seq_len={max_seq_len} exceeds what block_tables can address ({block_tables.shape[1]} blocks x "
               f"{block_size} = {block_tables.shape[1] * block_size}); pass a width <= that, or None.")
     meta = AttentionMetadata(block_tables, seq_lens.contiguous(), query_start_loc.contiguous(), max_query_len,
-                             max_seq_len, sliding_window)
+                             max_seq_len, sliding_window, chunk=chunk)
     return paged_attention_unchecked(
         query, key_cache, value_cache, meta, float(scale), resolve_backend(backend, query.device),
         softcap=None if softcap is None else float(softcap),

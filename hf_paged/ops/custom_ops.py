@@ -29,7 +29,8 @@ WRITE_KV_SCHEMA = ("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Ten
 PAGED_ATTENTION_SCHEMA = (
     "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
     "Tensor query_start_loc, Tensor?[] plan, int[] plan_ints, Tensor? sinks, Tensor? k_scale, "
-    "Tensor? v_scale, float scale, int sliding_window, float softcap, int max_query_len, str backend) -> Tensor")
+    "Tensor? v_scale, float scale, int sliding_window, float softcap, int max_query_len, str backend, "
+    "int chunk=0) -> Tensor")
 
 _LIB = torch.library.Library("hf_paged", "DEF")
 _LIB.define(WRITE_KV_SCHEMA)
@@ -56,9 +57,9 @@ def _(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, backen
 
 def _paged_attention_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, plan_tensors,
                           plan_ints: list[int], sinks, k_scale, v_scale, scale: float, sliding_window: int,
-                          softcap: float, max_query_len: int, backend: str) -> torch.Tensor:
+                          softcap: float, max_query_len: int, backend: str, chunk: int = 0) -> torch.Tensor:
     meta = AttentionMetadata.from_op_arguments(block_tables, seq_lens, query_start_loc, plan_tensors, plan_ints,
-                                               sliding_window, max_query_len, key_cache.shape[1])
+                                               sliding_window, max_query_len, key_cache.shape[1], chunk)
     return paged_attention_unchecked(query, key_cache, value_cache, meta, scale, backend,
                                      softcap=softcap or None, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 
@@ -68,7 +69,7 @@ _LIB.impl("paged_attention", _paged_attention_impl, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("hf_paged::paged_attention")
 def _(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, plan, plan_ints, sinks, k_scale,
-      v_scale, scale, sliding_window, softcap, max_query_len, backend):
+      v_scale, scale, sliding_window, softcap, max_query_len, backend, chunk=0):
     return torch.empty_like(query)
 
 
@@ -87,8 +88,8 @@ def paged_attention(query, layer, scale: float, softcap: float | None, sinks: to
         return paged_attention_unchecked(query, layer.key_cache, layer.value_cache, meta, float(scale), layer.backend,
                                          softcap=softcap or None, sinks=sinks, k_scale=layer.k_scale,
                                          v_scale=layer.v_scale, reuse_partials=True)
-    block_tables, seq_lens, query_start_loc, plan_tensors, plan_ints, window, max_query_len = meta.op_arguments()
+    block_tables, seq_lens, query_start_loc, plan_tensors, plan_ints, window, max_query_len, chunk = meta.op_arguments()
     return torch.ops.hf_paged.paged_attention(
         query, layer.key_cache, layer.value_cache, block_tables, seq_lens, query_start_loc, plan_tensors, plan_ints,
         sinks, layer.k_scale, layer.v_scale, float(scale), window, float(softcap or _NO_SOFTCAP), max_query_len,
-        layer.backend)
+        layer.backend, chunk)

@@ -25,7 +25,8 @@ class AttentionMetadata:
     """Where each sequence's queries sit among the packed queries and where its KV sits in the pool.
 
     Query ``i`` of a sequence with ``q_len`` queries is at position ``seq_lens[s] - q_len + i`` and attends to the
-    positions ``<=`` its own (the last ``sliding_window`` of them with a window).
+    positions ``<=`` its own (the last ``sliding_window`` of them with a window; with ``chunk=C`` those from
+    ``floor(p / C) * C`` on: chunked attention).
     """
 
     block_tables: torch.Tensor  # [num_seqs, W] int32, logical block -> physical block
@@ -35,6 +36,7 @@ class AttentionMetadata:
     max_seq_len: int | None = None  # may be a bucketed bound above every seq_lens, up to W * block_size
     sliding_window: int | None = None
     plan: TorchAttentionPlan | None = None  # the torch backend's gather plan, built once per step
+    chunk: int | None = None  # chunked attention: a query sees its own chunk of this many positions
 
     def moved(self, put) -> "AttentionMetadata":
         """The same metadata with each tensor replaced by ``put(name, tensor)`` (moved to a device, or staged in a
@@ -45,19 +47,19 @@ class AttentionMetadata:
                        query_start_loc=put("query_start_loc", self.query_start_loc), plan=plan)
 
     def op_arguments(self) -> tuple:
-        """``(block_tables, seq_lens, query_start_loc, plan_tensors, plan_ints, sliding_window, max_query_len)`` as
+        """``(block_tables, seq_lens, query_start_loc, plan_tensors, plan_ints, sliding_window, max_query_len, chunk)`` as
         the op's schema takes them. ``max_seq_len`` does not cross: the op reads the tables' width times the block
         size (a shape, which a compiled graph keeps symbolic) instead of a Python int it would bake in."""
         from .reference import TorchAttentionPlan
 
         plan_tensors, plan_ints = TorchAttentionPlan.op_arguments(self.plan)
         return (self.block_tables, self.seq_lens, self.query_start_loc, plan_tensors, plan_ints,
-                int(self.sliding_window or NO_WINDOW), int(self.max_query_len))
+                int(self.sliding_window or NO_WINDOW), int(self.max_query_len), int(self.chunk or NO_WINDOW))
 
     @classmethod
     def from_op_arguments(cls, block_tables, seq_lens, query_start_loc, plan_tensors, plan_ints, sliding_window: int,
-                          max_query_len: int, block_size: int) -> "AttentionMetadata":
+                          max_query_len: int, block_size: int, chunk: int = NO_WINDOW) -> "AttentionMetadata":
         from .reference import TorchAttentionPlan
 
         return cls(block_tables, seq_lens, query_start_loc, max_query_len, block_tables.shape[1] * block_size,
-                   sliding_window or None, TorchAttentionPlan.from_op_arguments(plan_tensors, plan_ints))
+                   sliding_window or None, TorchAttentionPlan.from_op_arguments(plan_tensors, plan_ints), chunk or None)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..allocator import cdiv
 from .metadata import AttentionMetadata
 
 
@@ -200,7 +201,7 @@ class TorchAttentionPlan:
 
 def plan_torch_attention(
     block_tables, seq_lens, query_start_loc, block_size: int, *, sliding_window: int | None = None,
-    max_seq_len: int | None = None, always_mask: bool = False, zero_unowned: bool = False,
+    max_seq_len: int | None = None, always_mask: bool = False, zero_unowned: bool = False, chunk: int | None = None,
 ) -> TorchAttentionPlan:
     """Index and mask tensors for :func:`paged_attention_torch`, built once per step and shared by its layers.
 
@@ -212,12 +213,13 @@ def plan_torch_attention(
     ``always_mask``: one part per query count, every mask and index built even where a causal call or a slice would
     do, and blocks never read as views (a compiled step's plan then holds the same tensors, of shapes fixed by the
     step's sizes, every step). ``zero_unowned``: also mark the slots no sequence wrote (a caller's pool; hf_paged's
-    own pools hold zeros there). Reads ``seq_lens`` and ``query_start_loc`` on the host (they are host tensors in a
-    step plan).
+    own pools hold zeros there). ``chunk=C``: chunked attention (Llama 4), a query at position ``p`` sees positions
+    ``floor(p / C) * C .. p`` only. Reads ``seq_lens`` and ``query_start_loc`` on the host (they are host tensors in
+    a step plan).
     """
-    if max_seq_len is not None and -(-max_seq_len // block_size) > block_tables.shape[1]:
+    if max_seq_len is not None and cdiv(max_seq_len, block_size) > block_tables.shape[1]:
         raise ValueError(
-            f"max_seq_len={max_seq_len} needs {-(-max_seq_len // block_size)} blocks per sequence but block_tables "
+            f"max_seq_len={max_seq_len} needs {cdiv(max_seq_len, block_size)} blocks per sequence but block_tables "
             f"has {block_tables.shape[1]} columns; pass max_seq_len <= block_tables.shape[1] * block_size."
         )
     # The sizes on the host as Python ints: a step's few values cost less in Python than in small tensor ops.
@@ -234,7 +236,7 @@ def plan_torch_attention(
     ordered = [r for _, rows in groups for r in rows] == [r for r, c in enumerate(counts) if c > 0]
     plan = TorchAttentionPlan(ordered=ordered and (not always_mask or len(groups) == 1))
     context = dict(lens=lens, starts=starts, ordered=plan.ordered, block_tables=block_tables, block_size=block_size,
-                   window=sliding_window, always_mask=always_mask, zero_unowned=zero_unowned)
+                   window=sliding_window, chunk=chunk, always_mask=always_mask, zero_unowned=zero_unowned)
     for q, rows in groups:  # a single part may take the step's (bucketed) width
         plan.parts.append(_part(rows, q, max_seq_len if len(groups) == 1 else None, **context))
     return plan
@@ -245,10 +247,10 @@ def _by_context(rows: list[int], lens: list[int], block_size: int) -> list[list[
     merged into the next while that pads fewer than ``SPLIT_MIN_POSITIONS`` positions."""
     ranges: dict[int, list[int]] = {}
     for r in rows:
-        ranges.setdefault((max(1, -(-lens[r] // block_size)) - 1).bit_length(), []).append(r)
+        ranges.setdefault((max(1, cdiv(lens[r], block_size)) - 1).bit_length(), []).append(r)
     groups, pending = [], []
     for key in sorted(ranges):
-        widest = max(-(-lens[r] // block_size) for r in ranges[key]) * block_size
+        widest = max(cdiv(lens[r], block_size) for r in ranges[key]) * block_size
         if pending and sum(widest - lens[r] for r in pending) >= SPLIT_MIN_POSITIONS:
             groups.append(sorted(pending))
             pending = []
@@ -257,9 +259,9 @@ def _by_context(rows: list[int], lens: list[int], block_size: int) -> list[list[
 
 
 def _part(rows: list[int], queries: int, max_seq_len, *, lens, starts, ordered: bool, block_tables, block_size,
-          window, always_mask, zero_unowned) -> AttentionPart:
+          window, chunk, always_mask, zero_unowned) -> AttentionPart:
     part_lens = [lens[r] for r in rows]
-    nb = -(-max(max(part_lens) if max_seq_len is None else max_seq_len, 1) // block_size)
+    nb = cdiv(max(max(part_lens) if max_seq_len is None else max_seq_len, 1), block_size)
     length = nb * block_size
     device = block_tables.device
     whole = rows == list(range(block_tables.shape[0]))
@@ -277,9 +279,10 @@ def _part(rows: list[int], queries: int, max_seq_len, *, lens, starts, ordered: 
     else:
         part.q_index = torch.tensor([starts[r] + i for r in rows for i in range(queries)], device=device)
     if queries == 1:  # decode: a mask unless every row sees all L positions
-        unmasked = window is None and all(n == length for n in part_lens)
+        unmasked = window is None and chunk is None and all(n == length for n in part_lens)
     else:  # the row's queries are its first positions: causal, no mask
-        unmasked = all(n == queries for n in part_lens) and (window is None or window >= queries)
+        unmasked = all(n == queries for n in part_lens) and (window is None or window >= queries) and (
+            chunk is None or chunk >= queries)
     if always_mask or not unmasked:
         q_pos = torch.tensor([n - queries for n in part_lens], device=device)[:, None] + torch.arange(
             queries, device=device)  # [Sx, Q]
@@ -287,6 +290,8 @@ def _part(rows: list[int], queries: int, max_seq_len, *, lens, starts, ordered: 
         mask = kv_pos <= q_pos[:, :, None]  # [Sx, Q, L]
         if window is not None:
             mask &= kv_pos > (q_pos[:, :, None] - window)
+        if chunk is not None:  # the query's own chunk only
+            mask &= kv_pos >= (q_pos[:, :, None] // chunk * chunk)
         part.mask = mask[:, None]  # [Sx, 1, Q, L]
     if zero_unowned:  # [Sx, L, 1, 1]: positions below the row's length in a block the table names
         owned = raw.repeat_interleave(block_size, 1) >= 0  # [Sx, L]
@@ -349,7 +354,7 @@ def paged_attention_torch(
         # A caller's pool may hold NaN in slots no sequence owns (torch.empty); masked scores still multiply them,
         # so zero them. hf_paged's own pools start zeroed and only hold written tokens, so the model path skips it.
         plan = plan_torch_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, key_cache.shape[1],
-                                    sliding_window=meta.sliding_window, max_seq_len=meta.max_seq_len,
+                                    sliding_window=meta.sliding_window, chunk=meta.chunk, max_seq_len=meta.max_seq_len,
                                     zero_unowned=True)
     explicit = softcap is not None or sinks is not None
     kv_dtype = torch.float32 if explicit else query.dtype

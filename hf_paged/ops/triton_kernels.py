@@ -151,6 +151,7 @@ def _attend_kv_range(
     l_i,  # [BLOCK_M] fp32, running row sum of exp2(score - m_i)
     q,  # [BLOCK_M, HEAD_DIM_P], one query row per tile row
     q_pos,  # [BLOCK_M] int32, position of each row's query in its sequence
+    q_lo,  # [BLOCK_M] int32, first position each row's query sees (window start, chunk start, or 0)
     kv_lo,  # first KV position any row of the tile may need
     kv_hi,  # one past the last such position
     block_table_ptr,  # this sequence's row of block_tables
@@ -167,7 +168,6 @@ def _attend_kv_range(
     stride_st,  # the scale caches' stride per slot (num_kv_heads; a KV head's is 1)
     qk_scale,  # scores = (q @ k) * qk_scale; see _score_scales
     softcap,  # softcap * log2(e) when USE_SOFTCAP
-    sliding_window,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -204,7 +204,7 @@ def _attend_kv_range(
             k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # [TILE_N, HEAD_DIM_P]
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # [TILE_N, HEAD_DIM_P]
 
-        # Scores in log2 units, soft-capped, then masked: causal, sliding window, and positions we did not load.
+        # Scores in log2 units, soft-capped, then masked: causal, window or chunk start, and positions not loaded.
         s = _dot(q, tl.trans(k), DOT_FP32, DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
         if KV_FP8:
             s = s * k_s[None, :]
@@ -213,7 +213,7 @@ def _attend_kv_range(
         visible = (
             kv_ok[None, :]
             & (kv_pos[None, :] <= q_pos[:, None])
-            & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
+            & (kv_pos[None, :] >= q_lo[:, None])
         )
         s = tl.where(visible, s, float("-inf"))
 
@@ -258,6 +258,7 @@ def _decode_kernel(
     qk_scale,
     softcap,
     sliding_window,
+    chunk,  # chunked attention: a query sees its own chunk of this many positions (_NO_WINDOW: none)
     num_splits,
     num_q_heads,
     stride_qt,
@@ -298,8 +299,8 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     q_pos = seq_len - 1
 
-    # KV range this program covers: the window, cut into num_splits runs of whole tiles.
-    kv_lo = tl.maximum(q_pos - sliding_window + 1, 0)
+    # KV range this program covers: the window (or the chunk), cut into num_splits runs of whole tiles.
+    kv_lo = tl.maximum(tl.maximum(q_pos - sliding_window + 1, (q_pos // chunk) * chunk), 0)
     kv_hi = seq_len
     first_tile = kv_lo // TILE_N
     tiles_per_split = tl.cdiv(tl.cdiv(kv_hi, TILE_N) - first_tile, num_splits)
@@ -320,10 +321,10 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     q_pos_rows = tl.full([BLOCK_M], 0, dtype=tl.int32) + q_pos
     acc, m_i, l_i = _attend_kv_range(
-        acc, m_i, l_i, q, q_pos_rows, split_lo, split_hi,
+        acc, m_i, l_i, q, q_pos_rows, q_pos_rows * 0 + kv_lo, split_lo, split_hi,
         block_tables_ptr + seq.to(tl.int64) * stride_bt_seq, stride_bt_block,
         k_cache_ptr, v_cache_ptr, kv_head, stride_cb, stride_ct, stride_ch, stride_cd,
-        k_scale_ptr, v_scale_ptr, stride_st, qk_scale, softcap, sliding_window,
+        k_scale_ptr, v_scale_ptr, stride_st, qk_scale, softcap,
         BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, USE_SOFTCAP, KV_FP8, FP8_NATIVE, DOT_FP32, DOT_PRECISION,
     )
     if USE_SINKS:
@@ -411,6 +412,7 @@ def _prefill_kernel(
     qk_scale,
     softcap,
     sliding_window,
+    chunk,  # chunked attention: a query sees its own chunk of this many positions (_NO_WINDOW: none)
     stride_qt,
     stride_qh,
     stride_qd,
@@ -463,20 +465,22 @@ def _prefill_kernel(
     q = tl.load(query_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
     q_pos = context_len + q_idx  # [BLOCK_M]
 
-    # KV tiles this query tile can see: from the first query's window start to the last query's own position.
+    # KV tiles this query tile can see: from the first query's window (or chunk) start to the last query's own
+    # position. Each query's own start: the later of its window's and its chunk's.
+    q_lo = tl.maximum(q_pos - sliding_window + 1, (q_pos // chunk) * chunk)  # [BLOCK_M]
     first_q_pos = context_len + q_tile * BLOCK_Q
     last_q_pos = tl.minimum(first_q_pos + BLOCK_Q, seq_len) - 1
-    kv_lo = tl.maximum(first_q_pos - sliding_window + 1, 0)
+    kv_lo = tl.maximum(tl.maximum(first_q_pos - sliding_window + 1, (first_q_pos // chunk) * chunk), 0)
     kv_hi = last_q_pos + 1
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attend_kv_range(
-        acc, m_i, l_i, q, q_pos, kv_lo, kv_hi,
+        acc, m_i, l_i, q, q_pos, q_lo, kv_lo, kv_hi,
         block_tables_ptr + seq.to(tl.int64) * stride_bt_seq, stride_bt_block,
         k_cache_ptr, v_cache_ptr, kv_head, stride_cb, stride_ct, stride_ch, stride_cd,
-        k_scale_ptr, v_scale_ptr, stride_st, qk_scale, softcap, sliding_window,
+        k_scale_ptr, v_scale_ptr, stride_st, qk_scale, softcap,
         BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, USE_SOFTCAP, KV_FP8, FP8_NATIVE, DOT_FP32, DOT_PRECISION,
     )
     if USE_SINKS:
@@ -891,6 +895,7 @@ def attention_plan(
     softcap: float | None = None,
     sinks: bool = False,
     kv_scales: bool = False,
+    chunk: int | None = None,
 ) -> LaunchPlan:
     """The (cached) plan of a :func:`paged_attention_triton` call on tensors shaped like these.
 
@@ -914,11 +919,11 @@ def attention_plan(
     decode = max_query_len == 1
     key = (query.device, query.dtype, query.shape, query.stride(), key_cache.dtype, key_cache.shape,
            key_cache.stride(), block_tables.shape, block_tables.stride(), max_query_len,
-           max_seq_len if decode else None, num_kv_splits, sliding_window, scale, softcap, sinks, kv_scales)
+           max_seq_len if decode else None, num_kv_splits, sliding_window, scale, softcap, sinks, kv_scales, chunk)
     plan = _ATTENTION_PLANS.get(key)
     if plan is None:
         plan = _build_attention_plan(query, key_cache, block_tables, scale, sliding_window, max_query_len,
-                                     max_seq_len, num_kv_splits, softcap, sinks)
+                                     max_seq_len, num_kv_splits, softcap, sinks, chunk)
         if len(_ATTENTION_PLANS) >= _MAX_PLANS:
             _ATTENTION_PLANS.clear()
         _ATTENTION_PLANS[key] = plan
@@ -926,7 +931,7 @@ def attention_plan(
 
 
 def _build_attention_plan(query, key_cache, block_tables, scale, sliding_window, max_query_len, max_seq_len,
-                          num_kv_splits, softcap, sinks) -> LaunchPlan:
+                          num_kv_splits, softcap, sinks, chunk=None) -> LaunchPlan:
     _check_runnable(query)
     device = query.device
     num_tokens, num_q_heads, head_dim = query.shape
@@ -939,6 +944,7 @@ def _build_attention_plan(query, key_cache, block_tables, scale, sliding_window,
         return LaunchPlan((), device_index=device_index)
     qk_scale, softcap_arg = _score_scales(scale, softcap)
     window = _NO_WINDOW if sliding_window is None else int(sliding_window)
+    chunk_arg = _NO_WINDOW if chunk is None else int(chunk)
     out_strides = (num_q_heads * head_dim, head_dim, 1)  # the output is a fresh contiguous tensor
     strides = (*query.stride(), *out_strides, *block_tables.stride(), *key_cache.stride(), num_kv_heads)
     choose = dict(
@@ -949,18 +955,19 @@ def _build_attention_plan(query, key_cache, block_tables, scale, sliding_window,
     if max_query_len != 1:
         (prefill,) = launch_choices(kind="prefill", max_query_len=max_query_len, **choose)
         grid = (triton.cdiv(max_query_len, prefill.constexprs["BLOCK_Q"]), num_kv_heads, num_seqs)
-        launch = Launch("_prefill_kernel", grid, (qk_scale, softcap_arg, window, *strides), _options(prefill))
+        launch = Launch("_prefill_kernel", grid, (qk_scale, softcap_arg, window, chunk_arg, *strides), _options(prefill))
         return LaunchPlan((launch,), None, device_index, placeholder)
 
     if num_kv_splits is None:
         if max_seq_len is None:
             raise ValueError("a decode plan needs max_seq_len (the longest context) or num_kv_splits.")
-        max_kv_len = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
+        max_kv_len = min(max_seq_len, sliding_window or max_seq_len, chunk or max_seq_len)
         num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_kv_len, _num_sms(device))
     split_kv = num_kv_splits > 1
     choices = launch_choices(kind="decode", split_kv=split_kv, num_splits=num_kv_splits, **choose)
     launches = [Launch("_decode_kernel", (num_seqs, num_kv_heads, num_kv_splits),
-                       (qk_scale, softcap_arg, window, num_kv_splits, num_q_heads, *strides), _options(choices[0]))]
+                       (qk_scale, softcap_arg, window, chunk_arg, num_kv_splits, num_q_heads, *strides),
+                       _options(choices[0]))]
     partial_shape = None
     if split_kv:
         partial_shape = (num_seqs, num_q_heads, num_kv_splits, head_dim)
@@ -1010,7 +1017,8 @@ def paged_attention_triton(
     if sinks is not None and sinks.dtype != torch.float32:
         sinks = sinks.float()
     plan = attention_plan(query, key_cache, block_tables, scale, meta.sliding_window, max_query_len, max_seq_len,
-                          num_kv_splits, softcap=softcap, sinks=sinks is not None, kv_scales=k_scale is not None)
+                          num_kv_splits, softcap=softcap, sinks=sinks is not None, kv_scales=k_scale is not None,
+                          chunk=meta.chunk)
     if not plan.launches:
         return out
     placeholder = plan.placeholder

@@ -223,7 +223,7 @@ class Variant:
                 continue
             parts.append(_short(k) if v is True else f"{_short(k)}={v}")
         parts += [f"{a}%16" for a in self.aligned if types[a][0] != "*" and not a.startswith("stride")
-                  and a != "sliding_window"]
+                  and a not in ("sliding_window", "chunk")]
         return " ".join(parts + [f"w{self.num_warps}s{self.num_stages}"])
 
 

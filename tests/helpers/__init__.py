@@ -11,13 +11,14 @@ from .generation import (
     live_blocks_expected, ones_mask,
 )
 from .models import (
-    BOS, DEVICE, EOS, FAMILIES, FAMILY_WINDOW, PAD, SLIDING_THEN_FULL, TINY_SHAPE, VOCAB, tiny_config,
+    BOS, DEVICE, EOS, FAMILIES, FAMILY_WINDOW, GENERIC_FAMILIES, LLAMA4_CHUNK, PAD, SLIDING_THEN_FULL, TINY_SHAPE,
+    VOCAB, tiny_config,
     tiny_family_config, tiny_family_model, tiny_model,
 )
 from .smollm import chat_inputs, require_smollm, smollm
 
 __all__ = [
-    "BOS", "DEVICE", "EOS", "FAMILIES", "FAMILY_WINDOW", "PAD", "SLIDING_THEN_FULL", "TINY_SHAPE", "VOCAB",
+    "BOS", "DEVICE", "EOS", "FAMILIES", "FAMILY_WINDOW", "GENERIC_FAMILIES", "LLAMA4_CHUNK", "PAD", "SLIDING_THEN_FULL", "TINY_SHAPE", "VOCAB",
     "attention_float64", "chat_inputs", "on_backend", "decoder_token_counter", "dynamic", "dynamic_cache_bytes", "early_eos_model",
     "forward", "generate", "left_padded", "live_blocks_expected", "ones_mask", "require_smollm", "scrambled_case",
     "smollm", "tiny_config", "tiny_family_config", "tiny_family_model", "tiny_model",

@@ -85,12 +85,13 @@ def scrambled_case(seq_lens, q_lens, *, num_kv_heads=2, group=2, head_dim=32, bl
 
 
 def attention_float64(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                      softcap=None, sinks=None, k_scale=None, v_scale=None) -> torch.Tensor:
+                      softcap=None, sinks=None, k_scale=None, v_scale=None, chunk=None) -> torch.Tensor:
     """Per sequence, per position: gather the visible keys by hand and do softmax(q k^T) v in float64, on the CPU.
 
     Takes what ``ops.paged_attention`` takes (a :func:`scrambled_case`) and returns ``[num_tokens, Hq, D]`` float64.
     fp8 blocks are dequantized in float64 (bits -> e4m3fn value -> times the slot's scale); ``softcap`` caps the
-    scaled scores before the mask; ``sinks`` adds one logit per head to the softmax denominator and no value.
+    scaled scores before the mask; ``sinks`` adds one logit per head to the softmax denominator and no value;
+    ``chunk=C``: a query at position ``p`` sees ``floor(p / C) * C .. p`` only (chunked attention).
     """
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = query.shape[1] // num_kv_heads
@@ -120,6 +121,8 @@ def attention_float64(query, key_cache, value_cache, block_tables, seq_lens, que
         visible = pos[None, :] <= q_pos[:, None]  # [q_len, L]
         if sliding_window is not None:
             visible &= pos[None, :] > q_pos[:, None] - sliding_window
+        if chunk is not None:
+            visible &= pos[None, :] >= q_pos[:, None] // chunk * chunk
         scores = scores.masked_fill(~visible, float("-inf"))
         if sinks is not None:
             sink = sinks.cpu().double()[:, None, None].expand(-1, end - start, 1)  # [Hq, q_len, 1]
@@ -137,6 +140,6 @@ def on_backend(backend_fn, case: dict, *, plan=None, max_query_len=None, max_seq
     from hf_paged.ops import AttentionMetadata
 
     meta = AttentionMetadata(case["block_tables"], case["seq_lens"], case["query_start_loc"], max_query_len,
-                             max_seq_len, case.get("sliding_window"), plan)
+                             max_seq_len, case.get("sliding_window"), plan, chunk=case.get("chunk"))
     layer = {k: case[k] for k in ("softcap", "sinks", "k_scale", "v_scale") if k in case}
     return backend_fn(case["query"], case["key_cache"], case["value_cache"], meta, case["scale"], **layer, **options)

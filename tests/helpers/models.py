@@ -74,10 +74,31 @@ FAMILIES = {
 }
 
 
+# Families taken generically (no ModelPatch; hf_paged.patches.GENERIC_VERIFIED): overrides on the tiny shape.
+LLAMA4_CHUNK = 8
+GENERIC_FAMILIES = {
+    "olmo3": dict(sliding_window=FAMILY_WINDOW, layer_types=SLIDING_THEN_FULL),
+    "glm4": {},
+    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1),
+    "seed_oss": {},
+    "apertus": {},
+    "ernie4_5": {},
+    "arcee": {},
+    "hunyuan_v1_dense": {},
+    # three chunked (RoPE) layers per full (NoPE) one; chunks of 8 tokens, so prompts cross chunk boundaries
+    "llama4_text": dict(num_hidden_layers=4, attention_chunk_size=LLAMA4_CHUNK, layer_types=None,
+                        num_local_experts=2, intermediate_size_mlp=128),
+    # full layers with their own head size and KV-head count (per_layer_config), K = V on them
+    "gemma4_text": dict(num_hidden_layers=4, sliding_window=FAMILY_WINDOW, global_head_dim=32,
+                        num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=0),
+}
+
+
 def tiny_family_config(model_type: str, **overrides):
-    """The tiny shape (head_dim 16) plus ``FAMILIES[model_type]`` plus ``overrides``, through ``AutoConfig``."""
-    return AutoConfig.for_model(model_type, **{**TINY_SHAPE, "head_dim": 16, **FAMILIES.get(model_type, {}),
-                                               **overrides})
+    """The tiny shape (head_dim 16) plus ``FAMILIES[model_type]`` (or ``GENERIC_FAMILIES``) plus ``overrides``,
+    through ``AutoConfig``."""
+    family = FAMILIES.get(model_type, GENERIC_FAMILIES.get(model_type, {}))
+    return AutoConfig.for_model(model_type, **{**TINY_SHAPE, "head_dim": 16, **family, **overrides})
 
 
 def tiny_family_model(model_type: str, seed: int = 0, **overrides):

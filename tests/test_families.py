@@ -1,0 +1,287 @@
+"""Families taken generically (no ModelPatch): every one the suite verifies gives DynamicCache's greedy tokens in
+generate() and in the engine; Llama 4's chunked layers attend within their chunk and give back finished chunks'
+blocks; Gemma 4's full layers keep K/V of their own shape, and the pool's accounting equals the tensors it holds;
+what hf_paged cannot page (latent attention, state layers, KV sharing, attention arguments it does not implement)
+is refused by name, in generate() and the engine; further transformers families give DynamicCache's tokens or a
+named refusal, never another exception.
+
+Where a float tie flips a greedy token in the engine, tests/helpers/engine_oracle.py's rule applies (top-2 logits
+closer than 1e-4).
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from helpers import (
+    EOS, GENERIC_FAMILIES, LLAMA4_CHUNK, PAD, TINY_SHAPE, VOCAB, generate, left_padded, tiny_family_config,
+    tiny_family_model,
+)
+from helpers.attention import attention_float64, on_backend, scrambled_case
+from helpers.engine_oracle import TieCount, check_tokens, random_prompts, reference
+from helpers.engine_shadow import one_thread
+from hf_paged import BlockPool, PagedCache, RequestStatus, enable_paged_attention, init_continuous_batching, patches
+from hf_paged import ops
+from hf_paged.engine.sampling import SamplingParams
+from hf_paged.groups import LayerGroups
+from hf_paged.ops.reference import paged_attention_torch
+
+BLOCK = 4
+LENGTHS = [3, 27, 11]
+GENERIC = [m for m in patches.GENERIC_VERIFIED if patches.generic_patch(m) is not None]
+TIES = TieCount()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    yield from one_thread()
+
+
+def test_generic_verified_list_matches_the_configs_tested_here():
+    assert sorted(patches.GENERIC_VERIFIED) == sorted(GENERIC_FAMILIES)
+    assert not set(patches.GENERIC_VERIFIED) & set(patches.supported_model_types())  # taken without a ModelPatch
+
+
+@pytest.mark.parametrize("model_type", GENERIC)
+def test_generic_family_matches_dynamic_cache(model_type):
+    """Left-padded greedy batch, beams with returned sequences, and a second turn on the same cache."""
+    model = tiny_family_model(model_type, seed=1)
+    inputs = left_padded(LENGTHS, seed=1)
+    runs = {"greedy": dict(max_new_tokens=10), "beams": dict(max_new_tokens=6, num_beams=2, num_return_sequences=2)}
+    expected = {name: generate(model, inputs, DynamicCache(config=model.config), **kw) for name, kw in runs.items()}
+    dyn = DynamicCache(config=model.config)
+    first = generate(model, inputs, dyn, max_new_tokens=5)
+    second_inputs = {"input_ids": torch.cat([first, torch.full((3, 2), 7)], 1),
+                     "attention_mask": torch.cat([inputs["attention_mask"], torch.ones(3, first.shape[1] -
+                                                                                         inputs["input_ids"].shape[1] + 2,
+                                                                                         dtype=torch.long)], 1)}
+    expected_second = generate(model, second_inputs, dyn, max_new_tokens=5)
+
+    enable_paged_attention(model, backend="torch")
+    for name, kw in runs.items():
+        got = generate(model, inputs, PagedCache(model.config, block_size=BLOCK), **kw)
+        assert torch.equal(got, expected[name]), f"{model_type} {name}: tokens differ from DynamicCache"
+    cache = PagedCache(model.config, block_size=BLOCK, release_finished=False)
+    assert torch.equal(generate(model, inputs, cache, max_new_tokens=5), first)
+    assert torch.equal(generate(model, second_inputs, cache, max_new_tokens=5), expected_second), \
+        f"{model_type}: second turn differs"
+
+
+def _drive(core, specs, seed: int):
+    rng = random.Random(seed)
+    order = list(specs)
+    rng.shuffle(order)
+    reqs = {}
+    with torch.no_grad():
+        for rid, prompt, new in order:
+            params = SamplingParams(max_new_tokens=new, eos_token_ids=(EOS,))
+            core.check_fits(len(prompt), new)
+            reqs[rid] = req = core.new_request(rid, prompt, params)
+            core.add(req)
+        while core.has_work:
+            core.step()
+            core.scheduler.check_invariants()
+    return reqs
+
+
+@pytest.mark.parametrize("model_type", GENERIC)
+def test_generic_family_engine_equals_generate_alone(model_type):
+    """A budget that forces chunked prefill and a pool that forces preemption; each request's tokens equal the
+    request alone through generate() with a DynamicCache."""
+    model = enable_paged_attention(tiny_family_model(model_type, seed=2), backend="torch")
+    prompts = random_prompts(6, VOCAB, (12, 30), seed=11)
+    specs = [(f"{model_type}{i}", p, 6 + i % 5) for i, p in enumerate(prompts)]
+    groups = LayerGroups.from_geometry(patches.kv_geometry(model.config))
+    pool = BlockPool(block_size=BLOCK, num_blocks=10 * groups.num_groups)
+    manager = init_continuous_batching(model, pool=pool, max_batch_tokens=16)
+    core = manager._core
+    reqs = _drive(core, specs, seed=5)
+    for rid, prompt, new in specs:
+        req = reqs[rid]
+        assert req.status == RequestStatus.FINISHED, (rid, req.status, req.error)
+        check_tokens(f"{model_type}/{rid}", req.generated, reference(model, prompt, new), TIES)
+    assert core.scheduler.counters.preemptions > 0
+    assert pool.allocator.blocks_in_use == 0
+
+
+def test_llama4_chunks_change_the_tokens_and_finished_chunks_go_back():
+    """The chunk bound is real (without it the tokens differ), and a row's chunked layers hold only the blocks of its
+    current chunk: earlier ones went back to the pool (-1 in the table) while the full layer keeps every block."""
+    inputs = left_padded(LENGTHS, seed=1)
+    chunked = tiny_family_model("llama4_text", seed=1)
+    unchunked = tiny_family_model("llama4_text", seed=1, attention_chunk_size=None,
+                                  layer_types=["full_attention"] * 4)
+    assert not torch.equal(generate(chunked, inputs, DynamicCache(config=chunked.config)),
+                           generate(unchunked, inputs, DynamicCache(config=unchunked.config)))
+    geometry = patches.kv_geometry(chunked.config)
+    assert [layer.kind for layer in geometry.layers] == ["chunked"] * 3 + ["full"]
+    assert {layer.chunk for layer in geometry.layers[:3]} == {LLAMA4_CHUNK}
+    enable_paged_attention(chunked, backend="torch")
+    cache = PagedCache(chunked.config, block_size=BLOCK, release_finished=False)
+    generate(chunked, inputs, cache, max_new_tokens=10)
+    g_chunked = cache.groups.layer_group[0]
+    g_full = cache.groups.layer_group[3]
+    lens = cache.seq_lens()
+    for row, length in enumerate(lens):
+        table = cache.block_tables(g_chunked)[row]
+        # the last query (position length - 1) sees from its chunk's start: blocks wholly before it went back
+        keep_from = (length - 1) // LLAMA4_CHUNK * LLAMA4_CHUNK
+        assert [b for b in table[: keep_from // BLOCK] if b >= 0] == [], (row, table)
+        assert all(b >= 0 for b in table[keep_from // BLOCK:])
+        assert all(b >= 0 for b in cache.block_tables(g_full)[row])
+
+
+def test_llama4_triton_backend_matches_torch():
+    """The Triton kernels (interpreted on CPU) apply the same chunk bound as the torch reference."""
+    pytest.importorskip("triton")
+    model = tiny_family_model("llama4_text", seed=1)
+    inputs = left_padded([3, 19], seed=2)
+    enable_paged_attention(model, backend="torch")
+    expected = generate(model, inputs, PagedCache(model.config, block_size=BLOCK), max_new_tokens=6)
+    enable_paged_attention(model, backend="triton")
+    got = generate(model, inputs, PagedCache(model.config, block_size=BLOCK), max_new_tokens=6)
+    assert torch.equal(got, expected)
+
+
+def test_gemma4_layer_shapes_and_accounting():
+    """Gemma 4's full layers (head size 32, one KV head, K = V) get tensors of their own shape in their own slots; the
+    pool's per-block figure from the geometry equals the bytes of the tensors it allocated."""
+    model = tiny_family_model("gemma4_text", seed=1)
+    geometry = patches.kv_geometry(model.config)
+    shapes = {(layer.kind, layer.shape) for layer in geometry.layers}
+    assert shapes == {("sliding", (2, 16, 16)), ("full", (1, 32, 32))}
+    enable_paged_attention(model, backend="torch")
+    cache = PagedCache(model.config, block_size=BLOCK)
+    generate(model, left_padded(LENGTHS, seed=1), cache, max_new_tokens=4)
+    pool = cache.pool
+    for i, layer in enumerate(geometry.layers):
+        k, v = pool.layer_kv(i)
+        assert k.shape[2:] == (layer.num_kv_heads, layer.key_dim) and v.shape[2:] == (layer.num_kv_heads,
+                                                                                      layer.value_dim)
+    per_block = pool.block_id_bytes([s for _, s in cache.groups.slot_shapes], torch.float32)
+    assert per_block == pool.bytes_per_block_id()
+    allocated = sum(t.numel() * t.element_size() for t in (*pool.key_caches.values(), *pool.value_caches.values()))
+    assert allocated == pool.bytes_reserved() == pool.rows * per_block
+    assert cache.memory_stats().bytes_reserved == allocated
+
+
+def test_max_memory_sizing_uses_every_layers_shape():
+    """A max_memory pool for Gemma 4 is capped from the per-layer shapes, the engine's the same as the cache's."""
+    model = enable_paged_attention(tiny_family_model("gemma4_text", seed=1), backend="torch")
+    cache = PagedCache(model.config, block_size=BLOCK, max_memory="64KiB")
+    generate(model, left_padded([5], seed=1), cache, max_new_tokens=2)
+    per_block = cache.pool.block_id_bytes([s for _, s in cache.groups.slot_shapes], torch.float32)
+    assert cache.pool.allocator.max_blocks == 64 * 1024 // per_block - 1
+    pool = BlockPool(block_size=BLOCK, max_memory="64KiB")
+    init_continuous_batching(model, pool=pool)
+    assert pool.allocator.max_blocks == cache.pool.allocator.max_blocks
+
+
+REFUSALS = {
+    "deepseek_v3": ("latent attention", dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                                             qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                                             num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                                             n_group=1, topk_group=1)),
+    "qwen3_next": ("'linear_attention' layer", dict(layer_types=["linear_attention", "full_attention"],
+                                                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+    "gemma4_text": ("reuses layer", dict(num_hidden_layers=4, sliding_window=8, num_kv_shared_layers=2,
+                                         layer_types=["sliding_attention", "full_attention"] * 2)),
+    "jamba": ("layer", dict(attn_layer_period=2, attn_layer_offset=1, num_experts=2, expert_layer_period=2)),
+}
+
+
+@pytest.mark.parametrize("model_type", list(REFUSALS))
+def test_named_refusals_in_generate_and_engine(model_type):
+    words, overrides = REFUSALS[model_type]
+    config = tiny_family_config(model_type, **overrides)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(ValueError, match="hf_paged cannot page") as err:
+        enable_paged_attention(model)
+    assert words in str(err.value) and "layer" in str(err.value)
+    with pytest.raises(ValueError, match="hf_paged cannot page"):
+        init_continuous_batching(model)
+
+
+def test_unknown_attention_argument_is_refused_by_name():
+    """An attention argument the paged path does not implement is refused, naming the layer and the argument."""
+    model = enable_paged_attention(tiny_family_model("glm4", seed=0), backend="torch")
+    name = model.config._attn_implementation
+    original = ALL_ATTENTION_FUNCTIONS[name]
+
+    def extra(module, query, key, value, attention_mask, **kwargs):
+        return original(module, query, key, value, attention_mask, alibi_slopes=torch.ones(4), **kwargs)
+
+    AttentionInterface.register("hf_paged_test_extra", extra)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("hf_paged_test_extra", ALL_MASK_ATTENTION_FUNCTIONS[name])
+    model.config._attn_implementation = "hf_paged_test_extra"
+    with pytest.raises(ValueError, match=r"layer 0 .*alibi_slopes"):
+        generate(model, left_padded([4], seed=0), PagedCache(model.config, block_size=BLOCK), max_new_tokens=2)
+
+
+# Further families transformers ships, named nowhere above: DynamicCache's tokens or a named refusal.
+SWEEP = ["qwen2_moe", "olmoe", "granitemoe", "phimoe", "helium", "nemotron", "hunyuan_v1_moe", "dots1",
+         "minimax", "gpt_neox", "bitnet", "falcon", "persimmon", "exaone", "deepseek_v2", "lfm2", "falcon_h1",
+         "granitemoehybrid", "nemotron_h", "bamba"]
+
+
+@pytest.mark.parametrize("model_type", SWEEP)
+def test_further_families_match_or_are_refused_by_name(model_type):
+    try:
+        config = AutoConfig.for_model(model_type, **{**TINY_SHAPE, "head_dim": 16, "num_local_experts": 2,
+                                                     "num_experts": 2, "n_routed_experts": 2,
+                                                     "num_experts_per_tok": 1, "moe_intermediate_size": 32})
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+    except Exception as err:  # the family cannot be built from the tiny shape: nothing of hf_paged's to test
+        pytest.skip(f"{model_type}: tiny config does not build ({type(err).__name__})")
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = PAD, EOS
+    inputs = left_padded([3, 9], seed=1)
+    try:
+        expected = generate(model, inputs, DynamicCache(config=model.config), max_new_tokens=6)
+    except Exception as err:  # transformers' own cache cannot run the tiny config: no reference to compare with
+        pytest.skip(f"{model_type}: DynamicCache reference fails ({type(err).__name__})")
+    try:
+        enable_paged_attention(model, backend="torch")
+        got = generate(model, inputs, PagedCache(model.config, block_size=BLOCK), max_new_tokens=6)
+    except ValueError as err:
+        assert "hf_paged cannot page" in str(err) or "layer" in str(err), f"{model_type}: unnamed refusal {err}"
+        return
+    assert torch.equal(got, expected), f"{model_type}: taken generically but tokens differ from DynamicCache"
+
+
+def test_models_command_lists_verified_and_generic_families():
+    out = subprocess.run([sys.executable, "-m", "hf_paged", "models"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for model_type in [*patches.GENERIC_VERIFIED, "llama", "gemma2"]:
+        assert model_type in out.stdout
+    assert "generically" in out.stdout and "refused" in out.stdout
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("window", [None, 6])
+def test_chunk_bound_matches_float64(backend, window):
+    """Chunked attention in both backends (scrambled block tables; decode rows, a fresh prompt and a chunk over a
+    history crossing chunk boundaries; with and without a window as well) against the float64 oracle. Bound: float32
+    kernels agree with float64 to 1e-4 (the sums here are of at most 60 terms of size ~1)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        run = ops._triton_kernels().paged_attention_triton
+    else:
+        run = paged_attention_torch
+    case = scrambled_case([50, 33, 17, 60, 9], [1, 1, 17, 13, 9], num_kv_heads=2, group=2, head_dim=32,
+                          block_size=8, dtype=torch.float32, seed=3, window=window)
+    case["chunk"] = 12
+    expected = attention_float64(**case)
+    got = on_backend(run, case, max_query_len=17, max_seq_len=64).double()
+    assert (got - expected).abs().max() < 1e-4
+    unchunked = attention_float64(**{**case, "chunk": None})
+    assert (unchunked - expected).abs().max() > 1e-2  # the chunk bound changes the result
