@@ -96,9 +96,10 @@ class PagedCache(Cache):
                                                             kv_dtype)
         self._own_pool = pool is None  # out-of-blocks advice names the constructor that sized the pool
         if text_config is not None and self.num_layers:
-            from hf_paged.patches import kv_shape
+            from hf_paged.patches.support import kv_widths
 
-            self.pool.check_memory_fits(*kv_shape(text_config), self._slots_per_block())
+            heads, key_dim, value_dim = kv_widths(text_config)
+            self.pool.check_memory_fits(heads, key_dim, self._slots_per_block(), value_dim=value_dim)
         self.release_finished = release_finished
         if self.pool.prefix_caching and self.groups.num_groups > 1:
             _warn_once(f"prefix caching is off for {getattr(text_config, 'model_type', 'this model')}: its layers use "
@@ -553,10 +554,10 @@ class PagedCache(Cache):
         are fewer: the cap is then conservative)."""
         if self.pool.max_memory is None or self.pool.allocator.max_blocks is not None or self.config is None:
             return
-        from hf_paged.patches import kv_shape
+        from hf_paged.patches.support import kv_widths
 
-        heads, head_dim = kv_shape(self.config)
-        self.pool.apply_memory_cap(heads, head_dim, dtype, self._slots_per_block())
+        heads, head_dim, value_dim = kv_widths(self.config)
+        self.pool.apply_memory_cap(heads, head_dim, dtype, self._slots_per_block(), value_dim)
 
     def _invalidate_step(self) -> None:
         """The rows changed: count the last forward (it ran) and drop its step."""

@@ -71,6 +71,11 @@ class LayerShape:
     head_dim: int
     dtype: torch.dtype  # the model's K/V dtype
     device: torch.device
+    value_dim: int | None = None  # the value tensor's width when it differs from the key's (MLA: latent / rope)
+
+    @property
+    def v_dim(self) -> int:
+        return self.head_dim if self.value_dim is None else self.value_dim
 
 
 class BlockPool:
@@ -187,17 +192,20 @@ class BlockPool:
 
     def _block_bytes(self, shape: LayerShape) -> int:
         """K+V bytes of one block of one slot; fp8 pools add the block's scales (2 bytes per token, KV head, K/V)."""
+        widths = shape.head_dim + shape.v_dim
         if self.kv_dtype is not None:
-            return 2 * self.block_size * shape.num_kv_heads * (shape.head_dim + SCALE_BYTES)
-        return 2 * self.block_size * shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize
+            return self.block_size * shape.num_kv_heads * (widths + 2 * SCALE_BYTES)
+        return self.block_size * shape.num_kv_heads * widths * shape.dtype.itemsize
 
     def bytes_per_block(self, layers=None) -> int:
         """K+V bytes of one block summed over ``layers`` (default: every layer seen so far)."""
         layers = self.layer_shapes if layers is None else layers
         return sum(self._block_bytes(self.layer_shapes[i]) for i in layers if i in self.layer_shapes)
 
-    def bind_layer(self, layer_idx: int, num_layers: int, key: torch.Tensor, slot=None, slots_per_block: int = 0):
-        """Record (or check) layer ``layer_idx``'s shape from its first key tensor ``[B, Hkv, S, D]``.
+    def bind_layer(self, layer_idx: int, num_layers: int, key: torch.Tensor, slot=None, slots_per_block: int = 0,
+                   value: torch.Tensor | None = None):
+        """Record (or check) layer ``layer_idx``'s shape from its first key tensor ``[B, Hkv, S, D]`` (and value
+        ``[B, Hkv, S, Dv]``, whose width may differ: an MLA layer's latent and rotated key).
 
         ``slot``: the K/V tensor slot the layer uses (layers of different groups may share one);
         ``slots_per_block``: how many slots a block id spans (for ``max_memory``).
@@ -205,10 +213,12 @@ class BlockPool:
         if layer_idx in self.layer_shapes:
             self.check_layer(layer_idx, key)
             return
-        shape = LayerShape(key.shape[1], key.shape[3], key.dtype, key.device)
+        value_dim = value.shape[3] if value is not None and value.shape[3] != key.shape[3] else None
+        shape = LayerShape(key.shape[1], key.shape[3], key.dtype, key.device, value_dim)
         with self.lock:
             # the cap first: a max_memory too small for this shape is refused before anything is recorded
-            self.apply_memory_cap(shape.num_kv_heads, shape.head_dim, shape.dtype, slots_per_block or num_layers)
+            self.apply_memory_cap(shape.num_kv_heads, shape.head_dim, shape.dtype, slots_per_block or num_layers,
+                                  value_dim)
             if self.num_layers is None:
                 self.num_layers = num_layers
             self.layer_shapes[layer_idx] = shape
@@ -218,12 +228,14 @@ class BlockPool:
                 slot = ("layer", layer_idx)  # a shape/device differing from its slot partner: own tensors
             self.layer_slot[layer_idx] = slot
 
-    def apply_memory_cap(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, slots_per_block: int) -> None:
+    def apply_memory_cap(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, slots_per_block: int,
+                         value_dim: int | None = None) -> None:
         """Turn ``max_memory`` into a block cap, once, from the model's K/V shape: before the first blocks are taken,
         so the pool never grows past it. ``ValueError`` (with the minimum) if it cannot hold one block."""
         if self.max_memory is None or self.allocator.max_blocks is not None:
             return
-        per_block = self._block_bytes(LayerShape(num_kv_heads, head_dim, dtype, torch.device("cpu"))) * slots_per_block
+        per_block = self._block_bytes(LayerShape(num_kv_heads, head_dim, dtype, torch.device("cpu"),
+                                                 value_dim)) * slots_per_block
         self._check_memory(per_block, _describe(num_kv_heads, head_dim, self.kv_dtype or dtype, slots_per_block))
         with self.lock:
             if self.allocator.max_blocks is None:
@@ -233,7 +245,7 @@ class BlockPool:
                 self.ensure_capacity()
 
     def check_memory_fits(self, num_kv_heads: int, head_dim: int, slots_per_block: int,
-                          dtype: torch.dtype | None = None) -> None:
+                          dtype: torch.dtype | None = None, value_dim: int | None = None) -> None:
         """``ValueError`` now if ``max_memory`` cannot hold one block of this shape (plus the scratch block).
 
         For a caller that knows the model's shape before its first forward (a cache built from its config);
@@ -242,7 +254,8 @@ class BlockPool:
         if self.max_memory is None:
             return
         dtype = dtype or torch.float16
-        per_block = self._block_bytes(LayerShape(num_kv_heads, head_dim, dtype, torch.device("cpu"))) * slots_per_block
+        per_block = self._block_bytes(LayerShape(num_kv_heads, head_dim, dtype, torch.device("cpu"),
+                                                 value_dim)) * slots_per_block
         self._check_memory(per_block, _describe(num_kv_heads, head_dim, self.kv_dtype or dtype, slots_per_block))
 
     def _check_memory(self, per_block: int, what: str) -> None:
@@ -348,7 +361,8 @@ class BlockPool:
             new[kept:].zero_()
             return new
 
-        new_k, new_v = grown(old_k, shape, dtype), grown(self.value_caches.get(slot), shape, dtype)
+        new_k = grown(old_k, shape, dtype)
+        new_v = grown(self.value_caches.get(slot), shape[:3] + (s.v_dim,), dtype)
         new = [new_k, new_v]
         if self.kv_dtype is not None:  # the scales of the slots, grown (and copied) with them
             from .ops.reference import FP8_SCALE_DTYPE

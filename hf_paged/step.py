@@ -329,7 +329,8 @@ def build_layer_step(pool, groups, step: Step, buffers: StepBuffers, layer_idx: 
     first forward) and its group's step tensors on the layer's device (fp8 pools: and its scale caches)."""
     if key is not None:
         pool.bind_layer(layer_idx, num_layers or layer_idx + 1, key,
-                        groups.layer_slot[layer_idx] if layer_idx < len(groups.layer_slot) else None, groups.group_size)
+                        groups.layer_slot[layer_idx] if layer_idx < len(groups.layer_slot) else None, groups.group_size,
+                        value)
     group = groups.layer_group[layer_idx] if layer_idx < len(groups.layer_group) else 0
     device = pool.layer_shapes[layer_idx].device
     view, (token_index, write_index) = step.device_view(group, device, buffers)

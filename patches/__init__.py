@@ -22,11 +22,12 @@ from typing import Callable
 
 from torch import nn
 
-from .support import available_features, check_model, check_supported, kv_shape, required_features
+from .support import attention_modules, available_features, check_model, check_supported, kv_shape, required_features
 from .windows import WindowRule, layer_types_window, layer_windows, text_config
 
 __all__ = [
     "ModelPatch",
+    "attention_modules",
     "available_features",
     "base_decoder",
     "check_model",
@@ -66,6 +67,9 @@ class ModelPatch:
             softmax scale other than ``head_dim ** -0.5``). A given config may need fewer (:func:`required_features`).
         window: ``(config, layer_idx) -> int | None``, the ``sliding_window=`` the layer's attention passes.
         decoder: returns the decoder module whose forward receives ``attention_mask`` and the cache.
+        attention: the family's own paged attention, ``(module, query [N, H, Dq], layer_step, scale) -> [N, H, Dv]``,
+            where its pool holds something other than per-head K/V (MLA's latent, :mod:`latent`); None: the shared
+            one (``hf_paged.ops.paged_attention``).
     """
 
     model_types: tuple[str, ...]
@@ -73,6 +77,7 @@ class ModelPatch:
     features: tuple[str, ...] = ()
     window: WindowRule = layer_types_window
     decoder: Callable[[nn.Module], nn.Module] = base_decoder
+    attention: Callable | None = None
 
     @property
     def eager_attention(self) -> Callable:
@@ -91,9 +96,10 @@ class ModelPatch:
 
 
 def _patches() -> list[ModelPatch]:
-    from . import gemma2, gemma3, gpt_oss, hybrid, llama, mistral
+    from . import deepseek, gemma2, gemma3, gpt_oss, hybrid, llama, mistral
 
-    return [*llama.PATCHES, *mistral.PATCHES, *hybrid.PATCHES, gemma2.PATCH, gemma3.PATCH, gpt_oss.PATCH]
+    return [*llama.PATCHES, *mistral.PATCHES, *hybrid.PATCHES, gemma2.PATCH, gemma3.PATCH, gpt_oss.PATCH,
+            *deepseek.PATCHES]
 
 
 def _registry() -> dict[str, ModelPatch]:

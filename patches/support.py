@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from .latent import latent_widths
 from .windows import ATTENTION_LAYER_TYPES, layer_types, layer_windows, text_config
 
 # What this build's attention implements: the softmax scale the model passes, a window per layer group and one block
@@ -72,13 +73,27 @@ def head_sizes(config) -> tuple[int | None, int | None]:
 
 
 def kv_shape(config) -> tuple[int, int]:
-    """``(num_kv_heads, head_dim)`` of one layer's K/V in a decoder config (the block pool's per-token shape)."""
+    """``(num_kv_heads, head_dim)`` of one layer's K/V in a decoder config (the block pool's per-token shape); an MLA
+    config's is one head of the latent's width (its value tensor, the rotated key, is narrower: :func:`kv_widths`)."""
     config = text_config(config)
+    latent = latent_widths(config)
+    if latent is not None:
+        return 1, latent[0]
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     return heads, head_sizes(config)[0]
 
 
+def kv_widths(config) -> tuple[int, int, int]:
+    """``(num_kv_heads, key width, value width)`` the pool stores per token and layer: an MLA config's one head of
+    ``(kv_lora_rank, qk_rope_head_dim)``, others' ``(num_kv_heads, head_dim, head_dim)``."""
+    heads, key = kv_shape(config)
+    latent = latent_widths(text_config(config))
+    return heads, key, latent[1] if latent is not None else key
+
+
 def _check_head_sizes(config) -> None:
+    if latent_widths(config) is not None:  # MLA: the cache holds the latent, not per-head K/V of these sizes
+        return
     key, value = head_sizes(config)
     if key != value:
         _refuse(f"different key and value head sizes ({key} vs {value}); the block pool stores K and V with one "
@@ -123,7 +138,13 @@ def check_model(model: nn.Module) -> None:
     """:func:`check_supported` on ``model.config`` plus what the modules must offer: an attention module per layer
     with ``layer_idx`` and ``head_dim`` (GPT-NeoX's has ``head_size``)."""
     config = getattr(model, "config", None)
+    latent = latent_widths(text_config(config)) is not None
     for module in attention_modules(model):
+        if latent:  # MLA modules have no head_dim: their parts are checked by name
+            if not all(hasattr(module, name) for name in ("kv_b_proj", "qk_nope_head_dim")):
+                _refuse(f"{type(module).__name__} (layer {module.layer_idx}) has no kv_b_proj / qk_nope_head_dim, "
+                        "which MLA's absorbed attention reads", GATHERED)
+            continue
         if not isinstance(getattr(module, "head_dim", None), int):
             _refuse(f"{type(module).__name__} (layer {module.layer_idx}) has no head_dim attribute", GATHERED)
     check_supported(config)
