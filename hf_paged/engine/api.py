@@ -697,10 +697,11 @@ def _cap_pool(pool, config, dtype, groups) -> None:
     """A ``max_memory`` pool gets its block cap now, from the model's K/V shape (before any block is taken)."""
     if pool.max_memory is None or pool.allocator.max_blocks is not None:
         return
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    from ..patches.support import kv_widths
+
+    heads, head_dim, value_dim = kv_widths(config)  # MLA: one head of the latent and the rotated key
     slots = groups.group_size if groups.layer_slot else config.num_hidden_layers
-    pool.apply_memory_cap(heads, head_dim, dtype, slots)
+    pool.apply_memory_cap(heads, head_dim, dtype, slots, value_dim)
 
 
 def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool = True,
