@@ -23,10 +23,23 @@ to one).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .metadata import AttentionMetadata
 from .reference import AttentionPart, dequantize_fp8, plan_torch_attention
+
+
+_TRITON_MLA = __name__.rsplit(".", 1)[0] + ".triton_mla"
+
+
+def _triton_mla():
+    """The Triton MLA kernel's module, imported on first use (triton is optional), from ``sys.modules`` after."""
+    module = sys.modules.get(_TRITON_MLA)
+    if module is None:
+        from . import triton_mla as module
+    return module
 
 
 def split_kv_b(weight: torch.Tensor, num_heads: int, nope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,10 +177,8 @@ def paged_mla(query: torch.Tensor, kv_b_weight: torch.Tensor, kv_b_bias: torch.T
     q_lat = absorb_query(query[..., :nope_dim], w_uk)  # [N, H, R]
     q_rot = query[..., nope_dim:]  # [N, H, P]
     if backend == "triton":
-        from .triton_mla import mla_attention_triton
-
-        out_lat = mla_attention_triton(q_lat, q_rot, latent_cache, rope_cache, meta, scale,
-                                       latent_scale=latent_scale, rope_scale=rope_scale)
+        out_lat = _triton_mla().mla_attention_triton(q_lat, q_rot, latent_cache, rope_cache, meta, scale,
+                                                     latent_scale=latent_scale, rope_scale=rope_scale)
     else:
         out_lat = mla_attention_torch(q_lat, q_rot.contiguous(), latent_cache, rope_cache, meta, scale,
                                       latent_scale=latent_scale, rope_scale=rope_scale)

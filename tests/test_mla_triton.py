@@ -1,0 +1,100 @@
+"""The Triton MLA kernel (``hf_paged.ops.triton_mla``, under the interpreter on CPU) against the float64 oracle:
+transformers' expansion of the latent through ``kv_b_proj``, attended in float64.
+
+float32: within the same derived rounding bound as the torch path (helpers.mla.mla_error_bound). bfloat16 queries and
+pool: the kernel's error against float64 is at most 1.5x the torch path's own bfloat16 error plus 2**-8 of the
+output's largest value (both read the same rounded inputs; they differ in summation order, as PyTorch's flex-decoding
+tests compare a kernel with the eager result of the same dtype). fp8 pools: equal to the torch path on the same bits
+within float32's bound of the float64 oracle on the values the pool means.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.mla import mla_case, mla_error_bound, mla_float64, tiny_mla_model
+from hf_paged.ops import mla
+from hf_paged.ops.reference import fp8_scales, quantize_fp8
+
+pytest.importorskip("triton")
+
+CASES = {
+    "decode": ([1, 9, 30, 17], [1, 1, 1, 1]),
+    "prefill": ([12, 5], [12, 5]),
+    "extend": ([20, 33], [6, 9]),
+    "mixed": ([25, 1, 16, 40], [1, 1, 7, 1]),
+}
+
+
+def _module(**overrides):
+    return tiny_mla_model("deepseek_v3", seed=3, **overrides).model.layers[0].self_attn
+
+
+def _run(case, backend, dtype=torch.float32, **kw):
+    args = dict(query=case["query"].to(dtype), kv_b_weight=case["kv_b_weight"].to(dtype), kv_b_bias=None,
+                nope_dim=case["nope_dim"], latent_cache=case["latent_cache"], rope_cache=case["rope_cache"],
+                meta=case["meta"], scale=case["scale"])
+    args.update(kw)
+    with torch.no_grad():
+        return mla.paged_mla(**args, backend=backend).double()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_float32_within_bound(name):
+    """Decode, prefill, extend, and a mixed continuous-batching step on scrambled tables (unwritten slots NaN)."""
+    case = mla_case(_module(), *CASES[name], seed=len(name))
+    got = _run(case, "triton")
+    assert torch.isfinite(got).all()
+    excess = (got - mla_float64(case)).abs() - mla_error_bound(case)
+    assert (excess <= 0).all(), f"max error over the bound {excess.max():.3e}"
+
+
+def test_triton_many_heads_and_odd_rank():
+    """More heads than a program's 16 rows (two head groups), a rank and a rope width that are not powers of two."""
+    module = _module(num_attention_heads=20, num_key_value_heads=20, kv_lora_rank=24, qk_rope_head_dim=6)
+    case = mla_case(module, [7, 21], [3, 1], seed=9)
+    excess = (_run(case, "triton") - mla_float64(case)).abs() - mla_error_bound(case)
+    assert (excess <= 0).all(), f"max error over the bound {excess.max():.3e}"
+
+
+def test_triton_bfloat16_like_torch():
+    case = mla_case(_module(), [9, 30], [3, 1], seed=4)
+    for key in ("latent_cache", "rope_cache"):
+        case[key] = case[key].to(torch.bfloat16)
+    case["latents"] = [c.to(torch.bfloat16).float() for c in case["latents"]]  # what the pool holds
+    case["ropes"] = [r.to(torch.bfloat16).float() for r in case["ropes"]]
+    case["query"] = case["query"].to(torch.bfloat16).float()
+    case["kv_b_weight"] = case["kv_b_weight"].to(torch.bfloat16).float()
+    case["module"].kv_b_proj.weight.data = case["kv_b_weight"].clone()
+    want = mla_float64(case)
+    torch_err = (_run(case, "torch", torch.bfloat16) - want).abs().max()
+    triton_err = (_run(case, "triton", torch.bfloat16) - want).abs().max()
+    assert triton_err <= 1.5 * torch_err + 2**-8 * want.abs().max(), (triton_err, torch_err)
+
+
+def test_triton_fp8_pool_within_bound():
+    """uint8 (e4m3fn) latent and rope caches with a bf16 scale per token: within float32's bound of the float64
+    oracle run on the values the pool means (bits times scale), so every token's two scales are read from its slot."""
+    case = mla_case(_module(), [19, 7], [1, 2], seed=6)
+    caches = {}
+    for name in ("latent", "rope"):
+        values = case[f"{name}_cache"].nan_to_num(0.0)
+        values = values * 2.0 ** torch.randint(-2, 2, values.shape[:3] + (1,)).float()
+        scales = fp8_scales(values)  # [blocks, block_size, 1]
+        caches[f"{name}_cache"], caches[f"{name}_scale"] = quantize_fp8(values, scales), scales
+        meant = caches[f"{name}_cache"].view(torch.float8_e4m3fn).float() * scales.float()[..., None]
+        case[f"{name}_cache"] = meant
+    case["latents"], case["ropes"] = _by_sequence(case["latent_cache"], case), _by_sequence(case["rope_cache"], case)
+    got = _run(case, "triton", **caches)
+    excess = (got - mla_float64(case)).abs() - mla_error_bound(case)
+    assert (excess <= 0).all(), f"max error over the bound {excess.max():.3e}"
+
+
+def _by_sequence(cache, case):
+    meta, block_size = case["meta"], cache.shape[1]
+    rows = []
+    for s, n in enumerate(meta.seq_lens.tolist()):
+        pos = torch.arange(n)
+        rows.append(cache[meta.block_tables[s, pos // block_size].long(), pos % block_size, 0])
+    return rows
