@@ -13,7 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import generate, left_padded
 from helpers.mla import mla_case, mla_error_bound, mla_float64, tiny_mla_model
+from hf_paged import PagedCache, enable_paged_attention
 from hf_paged.ops import mla
 from hf_paged.ops.reference import fp8_scales, quantize_fp8
 
@@ -98,3 +100,21 @@ def _by_sequence(cache, case):
         pos = torch.arange(n)
         rows.append(cache[meta.block_tables[s, pos // block_size].long(), pos % block_size, 0])
     return rows
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["fp32", "fp8"])
+def test_generate_on_the_triton_backend_equals_torch(kv_dtype):
+    """generate() on the Triton backend (the latent written by the Triton write kernel, one pass for the latent and
+    one for the rotated key; decode and a second turn's extend through ``_mla_kernel``) gives the torch backend's
+    tokens, on a full-precision and an fp8 pool."""
+    model = tiny_mla_model("deepseek_v3", seed=2)
+    inputs = left_padded([4, 9], seed=8)
+    runs = {}
+    for backend in ("torch", "triton"):
+        enable_paged_attention(model, backend=backend)
+        cache = PagedCache(model.config, block_size=4, kv_dtype=kv_dtype, release_finished=False)
+        first = generate(model, inputs, cache, max_new_tokens=4)
+        follow = {"input_ids": torch.cat([first, first[:, -3:]], 1),
+                  "attention_mask": torch.cat([inputs["attention_mask"], torch.ones(2, 7, dtype=torch.long)], 1)}
+        runs[backend] = generate(model, follow, cache, max_new_tokens=4)
+    assert torch.equal(runs["triton"], runs["torch"])
