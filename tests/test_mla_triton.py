@@ -18,6 +18,7 @@ from helpers.mla import mla_case, mla_error_bound, mla_float64, tiny_mla_model
 from hf_paged import PagedCache, enable_paged_attention
 from hf_paged.ops import mla
 from hf_paged.ops.reference import fp8_scales, quantize_fp8
+from hf_paged.tools import kernel_check as kc
 
 pytest.importorskip("triton")
 
@@ -118,3 +119,22 @@ def test_generate_on_the_triton_backend_equals_torch(kv_dtype):
                   "attention_mask": torch.cat([inputs["attention_mask"], torch.ones(2, 7, dtype=torch.long)], 1)}
         runs[backend] = generate(model, follow, cache, max_new_tokens=4)
     assert torch.equal(runs["triton"], runs["torch"])
+
+
+def test_check_kernels_builds_mla_at_deepseek_v3_shape_without_spills(tmp_path):
+    """``python -m hf_paged check-kernels`` covers the MLA kernel at DeepSeek-V3's shape (rank 512, rope 64, 128
+    heads): the CI set holds its decode and prefill in bf16 and fp16 as defaults; the launcher's own launch on meta
+    tensors is what gets built, and the bf16 decode variant builds for sm_90 without spills."""
+    mla_configs = [c for c in kc.configurations() if c.kind.startswith("mla")]
+    defaults = {(c.kind, c.dtype) for c in mla_configs if c.default}
+    assert {("mla_decode", "bf16"), ("mla_prefill", "bf16"), ("mla_decode", "fp16")} <= defaults
+    config = next(c for c in mla_configs if c.kind == "mla_decode" and c.dtype == "bf16" and c.default)
+    captured = kc.capture_in_worker(kc.KERNELS_MODULE, [config], (90,), kc.default_cache_dir())
+    ((_, _, (variant,)),) = captured
+    consts = dict(variant.constexprs)
+    assert variant.kernel.endswith("triton_mla:_mla_kernel")
+    assert (consts["RANK"], consts["ROPE"], consts["BLOCK_H"]) == (512, 64, 16)
+    report = kc.check(captured, jobs=1, cache_dir=kc.default_cache_dir())
+    assert report.problems() == []
+    (build,) = report.builds
+    assert build.error is None and build.spill_bytes == 0 and build.default
