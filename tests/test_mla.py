@@ -184,3 +184,13 @@ def test_mla_configs_accepted_and_mistaken_head_sizes_not_compared():
     latent)."""
     for model_type in MLA_TYPES:
         check_supported(tiny_mla_config(model_type))
+
+
+@pytest.mark.parametrize("model_type", ["minicpm3", "youtu"])
+def test_other_registered_families_greedy(model_type):
+    """The other MLA families patches/deepseek.py registers: left-padded greedy equals DynamicCache's."""
+    model = tiny_mla_model(model_type, seed=1)
+    inputs = left_padded(LENGTHS, seed=2)
+    enable_paged_attention(model, backend="torch")
+    got = generate(model, inputs, PagedCache(model.config, block_size=BLOCK), max_new_tokens=10)
+    assert_greedy_equal(model, inputs, got, max_new_tokens=10)
