@@ -372,8 +372,9 @@ if mla:
           ["batch", "context", "Triton us", "torch us", "expanded + SDPA us", "Triton GB/s", "expanded / Triton",
            "Triton vs torch (rel.)"])
     for r in mla["rows"]:
-        print(f"| {r['batch']} | {r['context']} | {r['triton_us']:.1f} | {r['torch_us']:.1f} | {r['expanded_us']:.1f} | "
-              f"{r['triton_gbps']:.0f} | {r['expanded_over_triton']:.1f} | {r['triton_vs_torch_rel']:.1e} |")
+        print(f"| {r['batch']} | {r['context']} | {r['triton_us']:.1f} | {r['torch_us']:.1f} | "
+              f"{r['expanded_us']:.1f} | {r['triton_gbps']:.0f} | {r['expanded_over_triton']:.1f} | "
+              f"{r['triton_vs_torch_rel']:.1e} |")
 rows = [json.loads(l) for l in open(os.path.join(out, "e2e.jsonl")) if l.strip()]
 if rows:
     reference = {r["model"]: r["tokens_per_s"] for r in rows if r["contender"] == "dynamic"}

@@ -98,7 +98,8 @@ def mla_attention_torch(q_lat: torch.Tensor, q_rot: torch.Tensor, latent_cache: 
     Returns:
         ``[N, H, R]``: per head, the softmax-weighted sum of the latents (project with :func:`project_out`).
 
-    Scores and the softmax are in float32 at least (the output in ``q_lat``'s dtype), like transformers' eager attention.
+    Scores and the softmax are in float32 at least (the output in ``q_lat``'s dtype), as in transformers' eager
+    attention.
     """
     num_tokens, num_heads, rank = q_lat.shape
     if num_tokens == 0:
