@@ -53,6 +53,22 @@ def test_triton_float32_within_bound(name):
     assert (excess <= 0).all(), f"max error over the bound {excess.max():.3e}"
 
 
+@pytest.mark.parametrize("splits", [2, 5])
+def test_triton_split_kv_decode_within_bound(splits):
+    """Decode with the context split (some splits empty for the short sequences) and merged by log-sum-exp."""
+    case = mla_case(_module(), [1, 9, 70, 33], [1, 1, 1, 1], seed=11)
+    heads = case["query"].shape[1]
+    w_uk, w_uv = mla.split_kv_b(case["kv_b_weight"], heads, case["nope_dim"])
+    with torch.no_grad():
+        q_lat = mla.absorb_query(case["query"][..., :case["nope_dim"]], w_uk)
+        out_lat = mla._triton_mla().mla_attention_triton(
+            q_lat, case["query"][..., case["nope_dim"]:], case["latent_cache"], case["rope_cache"], case["meta"],
+            case["scale"], num_kv_splits=splits)
+        got = mla.project_out(out_lat, w_uv).double()
+    excess = (got - mla_float64(case)).abs() - mla_error_bound(case)
+    assert (excess <= 0).all(), f"max error over the bound {excess.max():.3e}"
+
+
 def test_triton_many_heads_and_odd_rank():
     """More heads than a program's 16 rows (two head groups), a rank and a rope width that are not powers of two."""
     module = _module(num_attention_heads=20, num_key_value_heads=20, kv_lora_rank=24, qk_rope_head_dim=6)

@@ -29,7 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernels import _capability, _check_runnable, _dot, _dot_settings, _fp8_to_float, _next_pow2
+from .triton_kernels import (
+    _capability, _check_runnable, _dot, _dot_settings, _fp8_to_float, _merge_splits_kernel, _next_pow2, _num_sms,
+    choose_num_kv_splits,
+)
 
 if TYPE_CHECKING:
     from .metadata import AttentionMetadata
@@ -49,11 +52,14 @@ def _mla_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
-    out_ptr,  # [num_tokens, num_heads, R]
+    out_ptr,  # [num_tokens, num_heads, R], written when not SPLIT_KV
+    partial_out_ptr,  # [num_seqs, num_heads, num_splits, R] fp32, written when SPLIT_KV
+    partial_lse_ptr,  # [num_seqs, num_heads, num_splits] fp32 (log2 units), written when SPLIT_KV
     latent_scale_ptr,  # [num_blocks, block_size, 1] bf16, read when KV_FP8
     rope_scale_ptr,
     qk_scale,  # softmax scale * log2(e)
     num_heads,
+    num_splits,
     stride_lt,  # q_lat: token, head (dim stride 1)
     stride_lh,
     stride_rt,  # q_rot
@@ -73,13 +79,15 @@ def _mla_kernel(
     RANK_P: tl.constexpr,
     ROPE: tl.constexpr,
     ROPE_P: tl.constexpr,
+    SPLIT_KV: tl.constexpr,  # decode only: axis 1 is the split of the context, not a query tile
     KV_FP8: tl.constexpr,
     FP8_NATIVE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
-    q_tile = tl.program_id(1)
+    q_tile = 0 if SPLIT_KV else tl.program_id(1)
+    split = tl.program_id(1) if SPLIT_KV else 0
     head_group = tl.program_id(2)
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
 
@@ -111,9 +119,14 @@ def _mla_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s - m_i)
 
     kv_hi = history + tl.minimum(q_len, q_tile * BLOCK_Q + BLOCK_Q)  # the tile's last query sees up to itself
+    kv_lo = 0
+    if SPLIT_KV:  # this program's run of whole tiles
+        tiles_per_split = tl.cdiv(tl.cdiv(kv_hi, TILE_N), num_splits)
+        kv_lo = split * tiles_per_split * TILE_N
+        kv_hi = tl.minimum(kv_hi, kv_lo + tiles_per_split * TILE_N)
     offs_n = tl.arange(0, TILE_N)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    for tile_start in range(0, kv_hi, TILE_N):
+    for tile_start in range(kv_lo, kv_hi, TILE_N):
         kv_pos = tile_start + offs_n  # [TILE_N]
         in_range = kv_pos < kv_hi
         block_id = tl.load(table + kv_pos // BLOCK_SIZE, mask=in_range, other=-1)
@@ -152,9 +165,15 @@ def _mla_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(c.dtype), c, DOT_FP32, DOT_PRECISION)  # [BLOCK_M, RANK_P]
         m_i = m_new
 
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_off = token[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_r[None, :]
-    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # a row that saw no key (an empty split) outputs 0
+    o = acc / l_safe[:, None]
+    if SPLIT_KV:  # normalised partial output and its log-sum-exp; _merge_splits_kernel weighs the splits
+        row = (seq.to(tl.int64) * num_heads + head) * num_splits + split  # [BLOCK_M]
+        tl.store(partial_lse_ptr + row, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
+        tl.store(partial_out_ptr + row[:, None] * RANK + offs_r[None, :], o, mask=row_ok[:, None] & r_ok[None, :])
+    else:
+        o_off = token[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_r[None, :]
+        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
 
 
 @dataclass(frozen=True)
@@ -165,12 +184,16 @@ class MlaLaunch:
     constexprs: dict
     num_warps: int
     num_stages: int
+    num_splits: int = 1  # decode split-KV: the merge kernel's launch follows
 
 
 def mla_launch(num_seqs: int, max_query_len: int, num_heads: int, rank: int, rope: int, block_size: int,
-               query_dtype: torch.dtype, fp8: bool, capability: int, interpreted: bool) -> MlaLaunch:
+               query_dtype: torch.dtype, fp8: bool, capability: int, interpreted: bool, max_seq_len: int | None = None,
+               num_sms: int = 132, num_splits: int | None = None) -> MlaLaunch:
     """Tiles, warps and stages: ``_ROWS`` rows of (query, head); decode rows are heads, prefill rows as many queries
-    as fit beside ``min(num_heads, _ROWS)`` heads; KV tiles of 32 positions (16 at ranks above 256 in fp32)."""
+    as fit beside ``min(num_heads, _ROWS)`` heads; KV tiles of 32 positions (16 at ranks above 256 in fp32). Decode
+    splits the context (``choose_num_kv_splits`` over sequences x head groups, given ``max_seq_len``) when too few
+    programs would fill the GPU; ``num_splits`` forces a count."""
     block_h = min(_next_pow2(num_heads), _ROWS)
     block_q = 1 if max_query_len == 1 else max(1, _ROWS // block_h)
     rank_p, rope_p = max(16, _next_pow2(rank)), max(16, _next_pow2(rope))
@@ -179,17 +202,27 @@ def mla_launch(num_seqs: int, max_query_len: int, num_heads: int, rank: int, rop
     constexprs = dict(BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_H=block_h, TILE_N=16 if wide else 32, RANK=rank,
                       RANK_P=rank_p, ROPE=rope, ROPE_P=rope_p, KV_FP8=fp8, FP8_NATIVE=fp8 and capability >= 89,
                       DOT_FP32=dot_fp32, DOT_PRECISION=precision)
-    grid = (num_seqs, triton.cdiv(max_query_len, block_q), triton.cdiv(num_heads, block_h))
-    return MlaLaunch(grid, constexprs, num_warps=8 if rank_p >= 256 else 4, num_stages=1 if rank_p >= 256 else 2)
+    head_groups = triton.cdiv(num_heads, block_h)
+    if num_splits is None:
+        num_splits = 1
+        if max_query_len == 1 and max_seq_len is not None:
+            num_splits = choose_num_kv_splits(num_seqs, head_groups, max_seq_len, num_sms)
+    num_splits = num_splits if max_query_len == 1 else 1
+    constexprs["SPLIT_KV"] = num_splits > 1
+    axis1 = num_splits if num_splits > 1 else triton.cdiv(max_query_len, block_q)
+    return MlaLaunch((num_seqs, axis1, head_groups), constexprs, num_warps=8 if rank_p >= 256 else 4,
+                     num_stages=1 if rank_p >= 256 else 2, num_splits=num_splits)
 
 
 def mla_attention_triton(q_lat: torch.Tensor, q_rot: torch.Tensor, latent_cache: torch.Tensor,
                          rope_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
-                         latent_scale: torch.Tensor | None = None,
-                         rope_scale: torch.Tensor | None = None) -> torch.Tensor:
+                         latent_scale: torch.Tensor | None = None, rope_scale: torch.Tensor | None = None,
+                         num_kv_splits: int | None = None) -> torch.Tensor:
     """Triton twin of :func:`hf_paged.ops.mla.mla_attention_torch` (same arguments, same result): ``[N, H, R]``.
 
-    With ``meta.max_query_len`` given nothing here waits for the device (the grid depends on it and on shapes)."""
+    With ``meta.max_query_len`` given nothing here waits for the device (the grid depends on it and on shapes); a
+    decode batch splits its contexts only when ``meta.max_seq_len`` is known too (or ``num_kv_splits`` forces a
+    count)."""
     _check_runnable(q_lat)
     num_tokens, num_heads, rank = q_lat.shape
     out = torch.empty(q_lat.shape, dtype=q_lat.dtype, device=q_lat.device)  # [N, H, R]
@@ -203,14 +236,27 @@ def mla_attention_triton(q_lat: torch.Tensor, q_rot: torch.Tensor, latent_cache:
     q_rot = q_rot if q_rot.stride(-1) == 1 else q_rot.contiguous()
     q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
     fp8 = latent_cache.dtype == torch.uint8
-    launch = mla_launch(meta.seq_lens.shape[0], max_query_len, num_heads, rank, rope_cache.shape[-1],
-                        latent_cache.shape[1], q_lat.dtype, fp8, _capability(q_lat.device),
-                        q_lat.device.type != "cuda")
+    num_seqs = meta.seq_lens.shape[0]
+    launch = mla_launch(num_seqs, max_query_len, num_heads, rank, rope_cache.shape[-1], latent_cache.shape[1],
+                        q_lat.dtype, fp8, _capability(q_lat.device), q_lat.device.type != "cuda",
+                        meta.max_seq_len, _num_sms(q_lat.device), num_kv_splits)
     scales = (latent_scale, rope_scale) if fp8 else (out, out)  # unread without KV_FP8
+    splits = launch.num_splits
+    if splits > 1:
+        partial_out = torch.empty(num_seqs, num_heads, splits, rank, dtype=torch.float32, device=q_lat.device)
+        partial_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q_lat.device)
+    else:
+        partial_out = partial_lse = out  # unwritten
     _mla_kernel[launch.grid](
-        q_lat, q_rot, latent_cache, rope_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, *scales,
-        scale * _LOG2E, num_heads, q_lat.stride(0), q_lat.stride(1), q_rot.stride(0), q_rot.stride(1),
-        out.stride(0), out.stride(1), meta.block_tables.stride(0), latent_cache.stride(0), latent_cache.stride(1),
-        rope_cache.stride(0), rope_cache.stride(1), **launch.constexprs, num_warps=launch.num_warps,
-        num_stages=launch.num_stages)
+        q_lat, q_rot, latent_cache, rope_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
+        partial_out, partial_lse, *scales, scale * _LOG2E, num_heads, splits, q_lat.stride(0), q_lat.stride(1),
+        q_rot.stride(0), q_rot.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
+        latent_cache.stride(0), latent_cache.stride(1), rope_cache.stride(0), rope_cache.stride(1),
+        **launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages)
+    if splits > 1:
+        rank_p = launch.constexprs["RANK_P"]
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            out, partial_out, partial_lse, partial_lse, meta.query_start_loc, splits, num_heads, out.stride(0),
+            out.stride(1), out.stride(2), HEAD_DIM=rank, HEAD_DIM_P=rank_p, SPLITS_P=_next_pow2(splits),
+            USE_SINKS=False, num_warps=4 if rank_p <= 256 else 8, num_stages=1)
     return out

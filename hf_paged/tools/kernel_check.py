@@ -31,8 +31,8 @@ checked for build errors and shared memory, and their spills are listed.
       (``MODEL_SHAPES``: Llama-3.2-1B, Llama-3.1-8B, Qwen2.5-7B, Gemma2 with soft-capping, gpt-oss with sinks,
       SmolLM2), and an opt-in slice at bf16, d128, group 4: fp8 KV, block sizes 8 and 128, 32 splits (SPLITS_P 32),
       a 4-query extend (a smaller BLOCK_Q). And MLA's latent attention (``hf_paged.ops.triton_mla``) at
-      DeepSeek-V3's shape (rank 512, rope 64, 128 heads): decode and a 512-query prefill in bf16 and fp16 (defaults),
-      fp32 and an fp8 pool (opt-in).
+      DeepSeek-V3's shape (rank 512, rope 64, 128 heads): decode (also split-KV with its merge) and a 512-query
+      prefill in bf16 and fp16 (defaults), fp32 and an fp8 pool (opt-in).
     * ``--full`` (~8,500 builds: hours on 2 cores): dtype x head dim x group 1-8 x block size 8-128 x {decode, split
       decode, prefill of 512 and of 4 queries}, fp8 KV for fp16/bf16, every merge width (SPLITS_P 2-32), KV writes for
       1-32 KV heads, soft-capping and sinks in every dtype.
@@ -138,7 +138,7 @@ class Config:
         parts = [self.kind, self.dtype if self.kv_dtype == "same" else f"{self.dtype}/{self.kv_dtype}-kv",
                  f"d{self.head_dim}", f"kv{self.num_kv_heads}" if self.kind == "write_kv" else f"G{self.group}",
                  f"bs{self.block_size}"]
-        if self.kind == "decode":
+        if self.kind in ("decode", "mla_decode"):
             parts.append(f"split{self.splits}" if self.splits > 1 else "nosplit")
         if self.kind in ("prefill", "mla_prefill"):
             parts.append(f"q{self.query_len}")
@@ -176,12 +176,14 @@ def _ci_set() -> list[Config]:
 
 
 def _mla_configs() -> list[Config]:
-    """MLA at DeepSeek-V3's shape: decode and prefill in fp16/bf16 (default), fp32 and fp8 pools (opt-in)."""
+    """MLA at DeepSeek-V3's shape: decode (without and with split-KV and its merge) and prefill in fp16/bf16
+    (default), fp32 and fp8 pools (opt-in)."""
     configs = []
     for dtype, kv_dtype, default in (("bf16", "same", True), ("fp16", "same", True), ("fp32", "same", False),
                                      ("bf16", "fp8", False)):
         common = dict(dtype=dtype, head_dim=MLA_RANK, group=MLA_HEADS, kv_dtype=kv_dtype, default=default)
-        configs += [Config("mla_decode", **common), Config("mla_prefill", query_len=PREFILL_QUERY_LEN, **common)]
+        configs += [Config("mla_decode", **common), Config("mla_decode", splits=DEFAULT_SPLITS, **common),
+                    Config("mla_prefill", query_len=PREFILL_QUERY_LEN, **common)]
     return configs
 
 
@@ -397,7 +399,8 @@ def _launch_mla(module, config: Config) -> None:
                                 empty(num_tokens, heads, MLA_ROPE, dtype=dtype),  # q_rot [N, H, P]
                                 empty(num_blocks, config.block_size, 1, rank, dtype=kv_dtype),  # latent cache
                                 empty(num_blocks, config.block_size, 1, MLA_ROPE, dtype=kv_dtype),  # rope cache
-                                meta, (rank // 4 + MLA_ROPE) ** -0.5, **scales)
+                                meta, (rank // 4 + MLA_ROPE) ** -0.5,
+                                num_kv_splits=config.splits if config.kind == "mla_decode" else None, **scales)
 
 
 @contextmanager
