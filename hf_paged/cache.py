@@ -308,7 +308,7 @@ class PagedCache(Cache):
                 "it. Build the cache from this model's config: PagedCache(model.config)."
             )
         if not self.planned and (layer_idx == 0 or self._forward is None):
-            self._plan_gathered(key_states)
+            self._plan_gathered(key_states, value_states)
         forward = self._forward
         layer = write_layer(self.pool, self.groups, forward.step, self._buffers, layer_idx, self.num_layers,
                             key_states, value_states, None if forward.paged else "torch")
@@ -527,7 +527,7 @@ class PagedCache(Cache):
                 "PagedCache(config, release_finished=False) to continue finished rows later, or start a new cache."
             )
 
-    def _plan_gathered(self, key: torch.Tensor) -> None:
+    def _plan_gathered(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """A forward without enable_paged_attention: plan it here, at layer 0 (the model is not compiled)."""
         self._check_mode("gathered")
         if self._contents.mode is None:  # a new fill (Python's warning filter shows it once per calling line)
@@ -538,7 +538,8 @@ class PagedCache(Cache):
                 stacklevel=4,
             )
         self._check_call_start(key.shape[0])
-        self.pool.apply_memory_cap(key.shape[1], key.shape[3], key.dtype, self._slots_per_block())
+        self.pool.apply_memory_cap(key.shape[1], key.shape[3], key.dtype, self._slots_per_block(),
+                                   value.shape[3] if value.shape[3] != key.shape[3] else None)  # MLA: narrower V
         # The gathered history reads no paged kernel: the torch backend writes it.
         step = self._plan_rows(None, None, key.shape[0], key.shape[2], "torch", gathered=True)
         self._contents.mode = "gathered"

@@ -194,3 +194,16 @@ def test_other_registered_families_greedy(model_type):
     enable_paged_attention(model, backend="torch")
     got = generate(model, inputs, PagedCache(model.config, block_size=BLOCK), max_new_tokens=10)
     assert_greedy_equal(model, inputs, got, max_new_tokens=10)
+
+
+def test_gathered_mode_holds_the_latent_too():
+    """Without enable_paged_attention a PagedCache gathers the latent history back for the model's own attention:
+    DynamicCache's tokens, from a pool of the same latent shape."""
+    model = tiny_mla_model("deepseek_v2", seed=6)
+    inputs = left_padded(LENGTHS, seed=3)
+    want = generate(model, inputs, DynamicCache(config=model.config), max_new_tokens=6)
+    cache = PagedCache(model.config, block_size=BLOCK)
+    with pytest.warns(UserWarning, match="without enable_paged_attention"):
+        got = generate(model, inputs, cache, max_new_tokens=6)
+    assert torch.equal(got, want)
+    assert cache.pool.value_caches[0].shape[-1] == model.config.qk_rope_head_dim
