@@ -78,3 +78,18 @@ def test_engine_equals_generate_alone(model_type):
     pool.allocator.check_invariants()
     assert pool.key_caches[0].shape[2:] == (1, model.config.kv_lora_rank)
     print(f"\n{model_type}: ties accepted {len(TIES.ties)} of {TIES.requests} requests")
+
+
+def test_engine_on_the_triton_backend_equals_torch():
+    """The engine's packed steps (chunks and decodes together) through the Triton MLA kernel (the interpreter on
+    CPU) give the torch backend's tokens."""
+    prompts = random_prompts(3, VOCAB, (5, 14), seed=21)
+    specs = [(f"t{i}", p, 5) for i, p in enumerate(prompts)]
+    tokens = {}
+    for backend in ("torch", "triton"):
+        model = enable_paged_attention(tiny_mla_model("deepseek_v3", seed=7), backend=backend)
+        manager = init_continuous_batching(model, pool=BlockPool(block_size=BLOCK, num_blocks=32),
+                                           max_batch_tokens=8)
+        reqs, _ = _drive(manager._core, specs, seed=1)
+        tokens[backend] = {rid: reqs[rid].generated for rid, _, _ in specs}
+    assert tokens["triton"] == tokens["torch"]
