@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DeepseekV3Config, DynamicCache
+from torch._dynamo.utils import counters
+from transformers import CompileConfig, DeepseekV3Config, DynamicCache
 
 from helpers import generate, left_padded
 from helpers.engine_oracle import TIE
@@ -207,3 +208,20 @@ def test_gathered_mode_holds_the_latent_too():
         got = generate(model, inputs, cache, max_new_tokens=6)
     assert torch.equal(got, want)
     assert cache.pool.value_caches[0].shape[-1] == model.config.qk_rope_head_dim
+
+
+def test_compiled_decoding_traces_without_graph_breaks():
+    """Compiled decoding (``fullgraph=True``, dynamo's eager backend) of an MLA model on a fixed pool traces the
+    absorbed attention without a graph break and gives DynamicCache's tokens."""
+    model = tiny_mla_model("deepseek_v3", seed=1)
+    inputs = left_padded([3, 9], seed=2)
+    want = generate(model, inputs, DynamicCache(config=model.config), max_new_tokens=6)
+    enable_paged_attention(model, backend="torch")
+    config = CompileConfig(fullgraph=True, backend="eager", mode=None)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    counters.clear()
+    got = generate(model, inputs, PagedCache(model.config, block_size=BLOCK, num_blocks=32), max_new_tokens=6,
+                   compile_config=config)
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
+    assert torch.equal(got, want)
