@@ -22,6 +22,7 @@ from helpers.engine_oracle import TIE
 from helpers.mla import MLA_TYPES, tiny_mla_config, tiny_mla_model
 from hf_paged import BlockPool, PagedCache, enable_paged_attention
 from hf_paged.ops import mla
+from hf_paged.report import kv_bytes_per_token
 from hf_paged.patches import check_supported, kv_shape
 from hf_paged.patches.support import kv_widths
 
@@ -225,3 +226,11 @@ def test_compiled_decoding_traces_without_graph_breaks():
                    compile_config=config)
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
     assert torch.equal(got, want)
+
+
+def test_kv_bytes_per_token_report_counts_the_latent():
+    """hf_paged.report's figures (demo, benchmarks) count ``R + P`` values per token and layer for MLA."""
+    config = tiny_mla_config("deepseek_v3")
+    assert kv_bytes_per_token(config, torch.bfloat16) == config.num_hidden_layers * (
+        config.kv_lora_rank + config.qk_rope_head_dim) * 2
+    assert kv_bytes_per_token(DeepseekV3Config(), torch.bfloat16) == 61 * 1152
