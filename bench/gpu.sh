@@ -22,6 +22,10 @@
 #                  bench/serve.py's mix at Llama-3.2-1B's shape: tokens/s, TTFT, graphs captured / replayed
 #                  (engine.jsonl); DRY: tiny shapes, 8 requests, graphs emulated on CPU
 #   kernels-1b  bench/kernels.py at Llama-3.2-1B's shape (d 64)
+#   mla         bench/mla.py --kernel: one layer's MLA decode attention at DeepSeek-V3's shape (128 heads, rank 512,
+#                  rope 64, bf16) over batch 1/32 x context 1k/8k: the Triton MLA kernel and the absorbed torch path
+#                  on the paged latent vs transformers' expand-then-SDPA (us, GB/s, ratio; fails if Triton differs
+#                  from torch by more than 2% of the largest output) (mla.json); DRY: tiny shapes, interpreter
 #   triton-e2e  tests/test_triton_e2e.py (tiny models through the Triton backend) and the engine's Triton test, eager
 #                  and with its decode steps replayed from CUDA graphs (emulated in DRY): tokens equal generate() alone
 #
@@ -306,6 +310,13 @@ if [ "$DRY" != 1 ]; then  # (DRY: the kernels-8b stage already drove the same fu
         --prefill-lens 2048 --prefill-batches 8 --mixed "" --json "$OUT/kernels-1b.json" ${KERNELS_ARGS:-}
 fi
 
+if [ "$DRY" = 1 ]; then
+    stage mla 60 "$PY" bench/mla.py --kernel --heads 4 --rank 32 --rope 16 --nope 16 --v 16 --batches 2 \
+        --kernel-contexts 32 --json "$OUT/mla.json"
+else
+    stage mla 60 "$PY" bench/mla.py --kernel --json "$OUT/mla.json"
+fi
+
 RESERVE=0
 # shellcheck disable=SC2086
 stage triton-e2e "$TRITON_E2E_CAP" "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_triton_e2e.py \
@@ -354,6 +365,16 @@ for name in ("8b", "1b"):
         for r in data["mixed"]:
             print(f"| {r['chunk']} | {r['decodes']} | {r['context']} | {r['mixed_us']:.1f} | {r['separate_us']:.1f} | "
                   f"{r['mixed_over_separate']:.2f} |")
+mla = load("mla.json")
+if mla:
+    sh = mla["shape"]
+    table(f"MLA decode attention, one layer ({sh['heads']} heads, rank {sh['rank']}, rope {sh['rope']})",
+          ["batch", "context", "Triton us", "torch us", "expanded + SDPA us", "Triton GB/s", "expanded / Triton",
+           "Triton vs torch (rel.)"])
+    for r in mla["rows"]:
+        print(f"| {r['batch']} | {r['context']} | {r['triton_us']:.1f} | {r['torch_us']:.1f} | "
+              f"{r['expanded_us']:.1f} | {r['triton_gbps']:.0f} | {r['expanded_over_triton']:.1f} | "
+              f"{r['triton_vs_torch_rel']:.1e} |")
 rows = [json.loads(l) for l in open(os.path.join(out, "e2e.jsonl")) if l.strip()]
 if rows:
     reference = {r["model"]: r["tokens_per_s"] for r in rows if r["contender"] == "dynamic"}

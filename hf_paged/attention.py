@@ -43,7 +43,7 @@ from . import compat, ops
 from .cache import STEP_KWARG, PagedCache
 from .cache_state import GenerateCall
 from .ops import custom_ops
-from .patches import check_model, find_patch
+from .patches import attention_modules, check_model, find_patch
 
 _PREFIX = "hf_paged_"
 # The PagedCache of the generate() call running in this thread/task (for the stopping criteria it builds).
@@ -92,14 +92,20 @@ def _paged_forward(module, query, scaling, kwargs, layer) -> torch.Tensor:
                                                                               head_dim)  # [B*S, Hq, D]
     if layer.token_index is not None:
         q = q.index_select(0, layer.token_index)  # [num_tokens, Hq, D]
-    # The window is the layer group's, in its step's metadata (hf_paged.patches.layer_windows): what the model's mask
-    # applies, also where its attention passes none (SmolLM3 with use_sliding_window=False slides through its mask).
-    out = custom_ops.paged_attention(q, layer, scaling if scaling is not None else head_dim**-0.5,
-                                     kwargs.get("softcap"), kwargs.get("s_aux"))  # [num_tokens, Hq, D]
+    scale = scaling if scaling is not None else head_dim**-0.5
+    family = getattr(module, "_hf_paged_attention", None)  # the family's own (MLA: over the latent), from patches/
+    if family is not None:
+        out = family(module, q, layer, scale)  # [num_tokens, Hq, Dv]
+    else:
+        # The window is the layer group's, in its step's metadata (hf_paged.patches.layer_windows): what the model's
+        # mask applies, also where its attention passes none (SmolLM3 with use_sliding_window=False slides through
+        # its mask).
+        out = custom_ops.paged_attention(q, layer, scale, kwargs.get("softcap"), kwargs.get("s_aux"))
+    out_dim = out.shape[-1]
     if layer.token_index is not None:
-        full = out.new_zeros(batch * query_len, num_q_heads, head_dim)
+        full = out.new_zeros(batch * query_len, num_q_heads, out_dim)
         out = full.index_copy_(0, layer.token_index, out)
-    return out.view(batch, query_len, num_q_heads, head_dim)
+    return out.view(batch, query_len, num_q_heads, out_dim)
 
 
 def _layer_step(module, kwargs):
@@ -327,6 +333,9 @@ def enable_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module
         for sub in model.modules():
             if hasattr(sub, "layer_idx") and hasattr(sub, "head_dim"):
                 sub._hf_paged_eager = patch.eager_attention
+        if patch.attention is not None:  # a family whose pool holds something else than per-head K/V (MLA)
+            for sub in attention_modules(model):
+                sub._hf_paged_eager, sub._hf_paged_attention = patch.eager_attention, patch.attention
         compat.set_attn_implementation(model, name)
         model._hf_paged_state = state
         if hasattr(model, "generate"):
@@ -349,6 +358,7 @@ def disable_paged_attention(model: nn.Module) -> nn.Module:
         model.__dict__.pop(name, None)
     for sub in model.modules():
         sub.__dict__.pop("_hf_paged_eager", None)
+        sub.__dict__.pop("_hf_paged_attention", None)
     del model._hf_paged_state
     return model
 

@@ -116,6 +116,8 @@ def save_cache(cache, path) -> None:
                     tensors[f"{name}.{layer}"] = flat.index_select(0, slots.to(t.device)).cpu().contiguous()
             s = pool.layer_shapes[layer]
             shapes[layer] = [s.num_kv_heads, s.head_dim, str(s.dtype).removeprefix("torch.")]
+            if s.value_dim is not None:  # MLA: the value tensor (rotated key) is narrower than the key (latent)
+                shapes[layer].append(s.value_dim)
     metadata = {
         "format": FORMAT,
         "model": json.dumps(_fingerprint(cache.config)),
@@ -137,6 +139,7 @@ class LayerSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype  # the model's dtype for this layer (fp8 pools store uint8 bits, see CacheFile.kv_dtype)
+    value_dim: int | None = None  # the value tensor's width where it differs from head_dim (MLA)
 
 
 @dataclasses.dataclass
@@ -280,8 +283,9 @@ def read_cache_file(path, opened) -> CacheFile:
     for layer, spec in layers.items():
         code = "U8" if kv_dtype is not None else _CODES[spec.dtype]
         for kv in ("k", "v"):
+            width = spec.value_dim if kv == "v" and spec.value_dim is not None else spec.head_dim
             held[f"{kv}.{layer}"] = _check_header(path, opened, f"{kv}.{layer}", code,
-                                                  [None, spec.num_kv_heads, spec.head_dim])[0]
+                                                  [None, spec.num_kv_heads, width])[0]
             if kv_dtype is not None and fmt in _HEAD_SCALES:
                 _check_header(path, opened, f"{kv}_scale.{layer}", "F32", [spec.num_kv_heads])
             elif kv_dtype is not None:  # one scale per token and KV head: as many tokens as the K/V
@@ -331,13 +335,13 @@ def _parse_layers(path: str, layers) -> dict[int, LayerSpec]:
     for key, value in layers.items():
         if not _INT.fullmatch(key) or int(key) >= 1 << 20:
             raise CacheFileError(path, "layers", f"layer {key[:80]!r} is not a layer index")
-        if not (isinstance(value, list) and len(value) == 3
-                and all(type(v) is int and 0 < v <= MAX_HEADS_OR_DIM for v in value[:2])
+        if not (isinstance(value, list) and len(value) in (3, 4)  # 4: [..., value width] (MLA)
+                and all(type(v) is int and 0 < v <= MAX_HEADS_OR_DIM for v in value[:2] + value[3:])
                 and isinstance(value[2], str) and value[2] in LAYER_DTYPES):
             raise CacheFileError(path, "layers", f"layer {key}: {str(value)[:80]} is not [num_kv_heads, head_dim, "
                                  f"dtype] with positive sizes up to {MAX_HEADS_OR_DIM} and a dtype in "
                                  f"{list(LAYER_DTYPES)}")
-        specs[int(key)] = LayerSpec(value[0], value[1], LAYER_DTYPES[value[2]])
+        specs[int(key)] = LayerSpec(value[0], value[1], LAYER_DTYPES[value[2]], *value[3:])
     return dict(sorted(specs.items()))
 
 
@@ -408,7 +412,8 @@ def check_fits(cf: CacheFile, cache, device) -> None:
                                  f"{model_dtype}.")
         known = pool.layer_shapes.get(layer)
         if known is not None:
-            if (known.num_kv_heads, known.head_dim, known.dtype) != (spec.num_kv_heads, spec.head_dim, spec.dtype):
+            if (known.num_kv_heads, known.head_dim, known.value_dim, known.dtype) != (
+                    spec.num_kv_heads, spec.head_dim, spec.value_dim, spec.dtype):
                 raise CacheFileError(path, "layers", f"layer {layer} holds {spec.num_kv_heads} KV heads x "
                                      f"{spec.head_dim} ({spec.dtype}) but the pool's holds {known.num_kv_heads} x "
                                      f"{known.head_dim} ({known.dtype})", "Load it into a pool of its own.")
@@ -457,7 +462,7 @@ def _check_room(cf: CacheFile, cache) -> None:
         else:
             slots = groups.group_size if groups.layer_slot else (cache.num_layers or len(cf.layers))
             per_block = slots * pool._block_bytes(LayerShape(spec.num_kv_heads, spec.head_dim, spec.dtype,
-                                                             torch.device("cpu")))
+                                                             torch.device("cpu"), spec.value_dim))
         free = max(0, pool.max_memory // per_block - 1)
     else:
         return  # a growing pool: the rows hold what the file's tensors hold
@@ -492,8 +497,9 @@ def _build(cache, cf: CacheFile, device, trusted: bool) -> None:
         known = pool.layer_shapes.get(layer)
         dev = known.device if known is not None else torch.device(device) if device is not None else torch.device("cpu")
         probe = torch.empty(1, spec.num_kv_heads, 1, spec.head_dim, dtype=spec.dtype, device=dev)  # [B, H, S, D]
+        value = None if spec.value_dim is None else probe.new_empty(1, spec.num_kv_heads, 1, spec.value_dim)
         pool.bind_layer(layer, cache.num_layers or len(cf.layers), probe, groups.layer_slot[layer], groups.group_size,
-                        slot_shapes=[shape for _, shape in groups.slot_shapes])
+                        value, slot_shapes=[shape for _, shape in groups.slot_shapes])
     live, row_tokens = cf.live, cf.row_tokens()
     lengths, tokens = [0] * cf.rows, [None if row_tokens is None else [] for _ in range(cf.rows)]
     for i, r in enumerate(live):

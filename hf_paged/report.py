@@ -8,11 +8,11 @@ import torch
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """K+V bytes one token takes over all layers."""
-    from hf_paged.patches import kv_shape
+    """K+V bytes one token takes over all layers (MLA: the latent and the rotated key)."""
+    from hf_paged.patches.support import kv_widths
 
-    heads, head_dim = kv_shape(config)
-    return 2 * config.num_hidden_layers * heads * head_dim * dtype.itemsize
+    heads, key, value = kv_widths(config)
+    return config.num_hidden_layers * heads * (key + value) * dtype.itemsize
 
 
 def real_kv_tokens(sequences: torch.Tensor, prompt_mask: torch.Tensor, eos_token_id, pad_token_id=None) -> int:
@@ -39,10 +39,11 @@ def row_token_counts(sequences: torch.Tensor, prompt_mask: torch.Tensor, eos_tok
 def real_kv_bytes(config, dtype: torch.dtype, row_tokens: list[int]) -> int:
     """Bytes of the KV the rows really need, layer by layer: a sliding-window layer needs only its last
     ``window - 1`` tokens between steps (what transformers' DynamicCache keeps there), a full layer all of them."""
-    from hf_paged.patches import kv_shape, layer_windows
+    from hf_paged.patches import layer_windows
+    from hf_paged.patches.support import kv_widths
 
-    heads, head_dim = kv_shape(config)
-    per_layer = 2 * heads * head_dim * dtype.itemsize
+    heads, key, value = kv_widths(config)
+    per_layer = heads * (key + value) * dtype.itemsize
     windows = layer_windows(config) or [None] * config.num_hidden_layers
     return sum(per_layer * (n if w is None else min(n, w - 1)) for w in windows for n in row_tokens)
 

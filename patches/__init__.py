@@ -27,7 +27,7 @@ from .registry import (
     GENERIC_VERIFIED, REFUSED, _registry, find_patch, find_patch_for_config, generic_patch, layer_windows,
     supported_model_types, verified_model_types,
 )
-from .support import available_features, check_model, check_supported, kv_shape, required_features
+from .support import attention_modules, available_features, check_model, check_supported, kv_shape, required_features
 from .table import format_models_table, supported_models
 from .windows import WindowRule, layer_types_window, text_config
 
@@ -36,6 +36,7 @@ __all__ = [
     "REFUSED",
     "ModelPatch",
     "WindowRule",
+    "attention_modules",
     "available_features",
     "base_decoder",
     "check_model",

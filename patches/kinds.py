@@ -13,6 +13,7 @@ from __future__ import annotations
 from hf_paged import compat
 from hf_paged.geometry import KVGeometry, LayerKV
 
+from .latent import latent_widths
 from .registry import layer_windows
 from .windows import layer_config, layer_types, num_layers, text_config
 
@@ -33,6 +34,9 @@ def head_sizes(config) -> tuple[int | None, int | None]:
 
 def _layer_shape(config, layer_idx: int) -> tuple[int, int, int]:
     lc = layer_config(config, layer_idx)
+    latent = latent_widths(lc)
+    if latent is not None:  # MLA: one "head" per token, the latent (key tensor) and the rotated key (value tensor)
+        return 1, *latent
     heads = getattr(lc, "num_key_value_heads", None) or getattr(lc, "num_attention_heads", None) or 0
     key, value = head_sizes(lc)
     return int(heads), int(key or 0), int(value or 0)

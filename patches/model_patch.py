@@ -37,6 +37,9 @@ class ModelPatch:
             softmax scale other than ``head_dim ** -0.5``). A given config may need fewer (:func:`required_features`).
         window: ``(config, layer_idx) -> int | None``, the ``sliding_window=`` the layer's attention passes.
         decoder: returns the decoder module whose forward receives ``attention_mask`` and the cache.
+        attention: the family's own paged attention, ``(module, query [N, H, Dq], layer_step, scale) -> [N, H, Dv]``,
+            where its pool holds something other than per-head K/V (MLA's latent, :mod:`latent`); None: the shared
+            one (``hf_paged.ops.paged_attention``).
     """
 
     model_types: tuple[str, ...]
@@ -44,6 +47,7 @@ class ModelPatch:
     features: tuple[str, ...] = ()
     window: WindowRule = layer_types_window
     decoder: Callable[[nn.Module], nn.Module] = base_decoder
+    attention: Callable | None = None
 
     @property
     def eager_attention(self) -> Callable:

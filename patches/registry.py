@@ -17,11 +17,12 @@ import transformers
 
 from hf_paged import compat
 
-from . import gemma2, gemma3, gpt_oss, hybrid, llama, mistral
+from . import deepseek, gemma2, gemma3, gpt_oss, hybrid, llama, mistral
 from .model_patch import ModelPatch
 from .windows import layer_types_window, num_layers, text_config
 
-PATCHES = [*llama.PATCHES, *mistral.PATCHES, *hybrid.PATCHES, gemma2.PATCH, gemma3.PATCH, gpt_oss.PATCH]
+PATCHES = [*llama.PATCHES, *mistral.PATCHES, *hybrid.PATCHES, gemma2.PATCH, gemma3.PATCH, gpt_oss.PATCH,
+           *deepseek.PATCHES]
 
 # Families the test suite runs token for token against DynamicCache (generate() and the engine) that need no
 # ModelPatch: they are taken generically (tests/test_families.py; tests/helpers/models.py has their tiny configs).
@@ -30,9 +31,7 @@ GENERIC_VERIFIED = ("olmo3", "glm4", "glm4_moe", "seed_oss", "apertus", "ernie4_
 
 # Families refused by name until their kind of layer is paged (the suite checks each refusal).
 REFUSED = {
-    "deepseek_v2": "multi-head latent attention", "deepseek_v3": "multi-head latent attention",
-    "kimi_k2": "multi-head latent attention", "glm4_moe_lite": "multi-head latent attention",
-    "minicpm3": "multi-head latent attention", "longcat_flash": "multi-head latent attention",
+    "longcat_flash": "multi-head latent attention", "mistral4": "multi-head latent attention",
     "qwen3_next": "state layers (linear attention)", "qwen3_5_text": "state layers (linear attention)",
     "nemotron_h": "state layers (Mamba2)", "lfm2": "state layers (short convolutions)",
     "falcon_h1": "state layers (Mamba2 beside attention)", "jamba": "state layers (Mamba)",

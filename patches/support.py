@@ -8,6 +8,7 @@ from hf_paged import compat
 
 from . import kinds
 from .kinds import kv_geometry
+from .latent import latent_widths
 from .model_patch import base_decoder
 from .registry import _registry, find_patch_for_config, layer_windows
 from .windows import text_config
@@ -75,11 +76,15 @@ def _check_kinds(config) -> None:
 
 
 def _check_latent(config) -> None:
-    """Multi-head latent attention caches a compressed latent, not per-head K/V (the one place that refuses it)."""
-    rank = getattr(config, "kv_lora_rank", None)
-    if rank:
-        _refuse(f"every layer uses multi-head latent attention (MLA, kv_lora_rank={rank}): its cache holds a latent, "
-                "not per-head K/V, which this build does not page yet", DYNAMIC)
+    """Multi-head latent attention caches a compressed latent, not per-head K/V: only the families with a latent
+    attention of their own (``patches/deepseek.py``) are paged; others are refused here."""
+    if latent_widths(config) is None:
+        return
+    patch = _registry().get(getattr(config, "model_type", None))
+    if patch is None or patch.attention is None:
+        paged = sorted(t for t, p in _registry().items() if p.attention is not None)
+        _refuse(f"every layer uses multi-head latent attention (MLA, kv_lora_rank={config.kv_lora_rank}), which "
+                f"this build pages only for {', '.join(paged)}: its cache holds a latent, not per-head K/V", DYNAMIC)
 
 
 def head_sizes(config) -> tuple[int | None, int | None]:
@@ -89,16 +94,24 @@ def head_sizes(config) -> tuple[int | None, int | None]:
 
 def kv_shape(config) -> tuple[int, int]:
     """``(num_kv_heads, key head size)`` of the first paged layer (models whose layers differ: read
-    :func:`~hf_paged.patches.kv_geometry`)."""
-    geometry = kv_geometry(config)
-    paged = [layer for layer in geometry.layers if layer.paged]
+    :func:`~hf_paged.patches.kv_geometry`; an MLA layer's is one head of the latent's width)."""
+    return kv_widths(config)[:2]
+
+
+def kv_widths(config) -> tuple[int, int, int]:
+    """``(num_kv_heads, key width, value width)`` the pool stores per token in the first paged layer (from
+    :func:`~hf_paged.patches.kv_geometry`): an MLA config's one head of ``(kv_lora_rank, qk_rope_head_dim)``."""
+    paged = [layer for layer in kv_geometry(config).layers if layer.paged]
     if paged:
-        return paged[0].num_kv_heads, paged[0].key_dim
+        return paged[0].shape
     config = text_config(config)
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads, kinds.head_sizes(config)[0]
+    key, value = kinds.head_sizes(config)
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads, key, value
 
 
 def _check_head_sizes(config) -> None:
+    if latent_widths(config) is not None:  # MLA: the pool holds the latent and the rotated key, of other widths
+        return
     for idx, layer in enumerate(kv_geometry(config).layers):
         if layer.paged and layer.key_dim != layer.value_dim:
             _refuse(f"layer {idx} has different key and value head sizes ({layer.key_dim} vs {layer.value_dim}); "
@@ -143,7 +156,13 @@ def check_model(model: nn.Module) -> None:
     with ``layer_idx`` and ``head_dim`` (GPT-NeoX's has ``head_size``)."""
     config = getattr(model, "config", None)
     check_supported(config, paged=False)  # what the config says first: it names the kind of layer refused
+    latent = latent_widths(text_config(config)) is not None
     for module in attention_modules(model):
+        if latent:  # MLA modules have no head_dim: their parts are checked by name
+            if not all(hasattr(module, name) for name in ("kv_b_proj", "qk_nope_head_dim")):
+                _refuse(f"{type(module).__name__} (layer {module.layer_idx}) has no kv_b_proj / qk_nope_head_dim, "
+                        "which MLA's absorbed attention reads", GATHERED)
+            continue
         if not isinstance(getattr(module, "head_dim", None), int):
             _refuse(f"{type(module).__name__} (layer {module.layer_idx}) has no head_dim attribute", GATHERED)
     _check_mixers(model)

@@ -186,10 +186,10 @@ def test_max_memory_sizing_uses_every_layers_shape():
 
 
 REFUSALS = {
-    "deepseek_v3": ("latent attention", dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
-                                             qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
-                                             num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
-                                             n_group=1, topk_group=1)),
+    # MLA families without a latent attention of their own (the others are paged: tests/test_mla.py)
+    "longcat_flash": ("latent attention", dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                                               qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4, moe_topk=2,
+                                               expert_ffn_hidden_size=32, ffn_hidden_size=64, num_layers=2)),
     "qwen3_next": ("'linear_attention' layer", dict(layer_types=["linear_attention", "full_attention"],
                                                     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
     "gemma4_text": ("reuses layer", dict(num_hidden_layers=4, sliding_window=8, num_kv_shared_layers=2,

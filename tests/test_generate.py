@@ -10,7 +10,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from helpers import dynamic, early_eos_model, generate, left_padded, live_blocks_expected, tiny_model
+from helpers import EOS, PAD, dynamic, early_eos_model, generate, left_padded, live_blocks_expected, tiny_model
 from hf_paged import PagedCache, disable_paged_attention, enable_paged_attention, paged_backend
 
 LENGTHS = [3, 17, 9, 1]  # very different prompt lengths in one left-padded batch
@@ -140,12 +140,23 @@ def test_enable_twice_and_disable(llama):
     assert llama.generate.__func__ is cls.generate
 
 
-def test_unsupported_architecture_names_supported_ones():
-    from transformers import GPT2Config, GPT2LMHeadModel
+def test_a_model_without_attention_interface_is_refused_by_name_and_gpt2_is_taken_generically():
+    """A family whose attention does not go through transformers' AttentionInterface (Bloom) is refused with a
+    ValueError naming it and the fix; GPT-2, which has no ModelPatch but whose attention does, is taken generically
+    and gives DynamicCache's tokens."""
+    from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=50))
-    with pytest.raises(ValueError, match="llama, mistral"):
-        enable_paged_attention(model)
+    bloom = BloomForCausalLM(BloomConfig(n_layer=1, n_head=2, hidden_size=32, vocab_size=96))
+    with pytest.raises(ValueError, match="model_type='bloom' has no attention behind transformers' "
+                                         "AttentionInterface.*Fix"):
+        enable_paged_attention(bloom)
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=96)).eval()
+    gpt2.generation_config.pad_token_id, gpt2.generation_config.eos_token_id = PAD, EOS
+    inputs = left_padded([4, 7])
+    expected = generate(gpt2, inputs, dynamic(gpt2), max_new_tokens=6)
+    enable_paged_attention(gpt2, backend="torch")
+    assert torch.equal(generate(gpt2, inputs, PagedCache(gpt2.config, block_size=4), max_new_tokens=6), expected)
 
 
 def test_eager_original_implementation_kept(llama):

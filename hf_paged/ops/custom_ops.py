@@ -40,7 +40,11 @@ _NO_SOFTCAP = 0.0
 
 
 def _write_kv_impl(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, backend: str) -> None:
-    if backend == "triton":
+    if backend == "triton" and value_cache.shape[-1] != key_cache.shape[-1]:  # K, V of two widths (MLA): a pass each
+        write = _triton_kernels().write_kv_triton
+        write(key, key, key_cache, key_cache, slot_mapping, k_scale=k_scale, v_scale=k_scale)
+        write(value, value, value_cache, value_cache, slot_mapping, k_scale=v_scale, v_scale=v_scale)
+    elif backend == "triton":
         _triton_kernels().write_kv_triton(key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale,
                                           v_scale=v_scale)
     else:

@@ -87,7 +87,7 @@ def write_kv_torch(key, value, key_cache, value_cache, slot_mapping, k_scale=Non
     """
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     flat_k = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    flat_v = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    flat_v = value_cache.view(num_blocks * block_size, num_kv_heads, value_cache.shape[-1])  # MLA: narrower
     if slot_mapping.dtype != torch.long:
         slot_mapping = slot_mapping.to(torch.long)
     if key_cache.dtype == torch.uint8:

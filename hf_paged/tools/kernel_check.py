@@ -30,7 +30,9 @@ checked for build errors and shared memory, and their spills are listed.
       (decode: 16 rows for groups 1-8; prefill: 64 rows of BLOCK_Q x GROUP_P). Plus the shapes of models users run
       (``MODEL_SHAPES``: Llama-3.2-1B, Llama-3.1-8B, Qwen2.5-7B, Gemma2 with soft-capping, gpt-oss with sinks,
       SmolLM2), and an opt-in slice at bf16, d128, group 4: fp8 KV, block sizes 8 and 128, 32 splits (SPLITS_P 32),
-      a 4-query extend (a smaller BLOCK_Q).
+      a 4-query extend (a smaller BLOCK_Q). And MLA's latent attention (``hf_paged.ops.triton_mla``) at
+      DeepSeek-V3's shape (rank 512, rope 64, 128 heads): decode (also split-KV with its merge) and a 512-query
+      prefill in bf16 and fp16 (defaults), fp32 and an fp8 pool (opt-in).
     * ``--full`` (~8,500 builds: hours on 2 cores): dtype x head dim x group 1-8 x block size 8-128 x {decode, split
       decode, prefill of 512 and of 4 queries}, fp8 KV for fp16/bf16, every merge width (SPLITS_P 2-32), KV writes for
       1-32 KV heads, soft-capping and sinks in every dtype.
@@ -58,6 +60,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 KERNELS_MODULE = "hf_paged.ops.triton_kernels"
+MLA_MODULE = "hf_paged.ops.triton_mla"  # MLA's latent attention: configurations of kind "mla_decode" / "mla_prefill"
+# DeepSeek-V3's attention: kv_lora_rank 512 (Config.head_dim), qk_rope_head_dim 64, 128 heads (Config.group)
+MLA_RANK, MLA_ROPE, MLA_HEADS = 512, 64, 128
 DEFAULT_ARCHS = (80, 90)
 DTYPES = ("fp16", "bf16", "fp32")
 FP8_QUERY_DTYPES = ("fp16", "bf16")
@@ -107,7 +112,9 @@ TARGETS = {
 
 @dataclass(frozen=True)
 class Config:
-    """One input to the dispatcher. ``kind``: "decode" (``splits`` 1 = no split-KV), "prefill" or "write_kv".
+    """One input to the dispatcher. ``kind``: "decode" (``splits`` 1 = no split-KV), "prefill" or "write_kv"; or
+    "mla_decode" / "mla_prefill" (``head_dim`` is then the latent's rank, ``group`` the number of heads, the rope
+    width ``MLA_ROPE``).
 
     ``kv_dtype``: "same" (the pool holds ``dtype``) or "fp8" (e4m3 bits in uint8, bf16 scales per slot and KV head).
     ``default``: a configuration users get without opting in (spills there fail the check); the others are the explored
@@ -131,9 +138,9 @@ class Config:
         parts = [self.kind, self.dtype if self.kv_dtype == "same" else f"{self.dtype}/{self.kv_dtype}-kv",
                  f"d{self.head_dim}", f"kv{self.num_kv_heads}" if self.kind == "write_kv" else f"G{self.group}",
                  f"bs{self.block_size}"]
-        if self.kind == "decode":
+        if self.kind in ("decode", "mla_decode"):
             parts.append(f"split{self.splits}" if self.splits > 1 else "nosplit")
-        if self.kind == "prefill":
+        if self.kind in ("prefill", "mla_prefill"):
             parts.append(f"q{self.query_len}")
         parts += ["softcap"] * self.softcap + ["sinks"] * self.sinks
         return " ".join(parts)
@@ -165,6 +172,18 @@ def _ci_set() -> list[Config]:
         configs += _attention_configs(False, dtype="bf16", head_dim=128, group=4, block_size=block_size)
     configs.append(Config("decode", "bf16", 128, 4, splits=32, default=False))  # merge with SPLITS_P 32
     configs.append(Config("prefill", "bf16", 128, 4, query_len=SHORT_QUERY_LEN, default=False))
+    return configs + _mla_configs()
+
+
+def _mla_configs() -> list[Config]:
+    """MLA at DeepSeek-V3's shape: decode (without and with split-KV and its merge) and prefill in fp16/bf16
+    (default), fp32 and fp8 pools (opt-in)."""
+    configs = []
+    for dtype, kv_dtype, default in (("bf16", "same", True), ("fp16", "same", True), ("fp32", "same", False),
+                                     ("bf16", "fp8", False)):
+        common = dict(dtype=dtype, head_dim=MLA_RANK, group=MLA_HEADS, kv_dtype=kv_dtype, default=default)
+        configs += [Config("mla_decode", **common), Config("mla_decode", splits=DEFAULT_SPLITS, **common),
+                    Config("mla_prefill", query_len=PREFILL_QUERY_LEN, **common)]
     return configs
 
 
@@ -338,6 +357,9 @@ def _meta_inputs(config: Config) -> dict:
 
 def _launch(module, config: Config) -> None:
     """Run the module's launcher for ``config`` (its kernels are recorders by then)."""
+    if config.kind.startswith("mla"):
+        _launch_mla(module, config)
+        return
     t = _meta_inputs(config)
     if config.kind == "write_kv":
         module.write_kv_triton(t["key"], t["key"], t["key_cache"], t["key_cache"], t["slot_mapping"], **t["scales"])
@@ -352,6 +374,33 @@ def _launch(module, config: Config) -> None:
     meta = AttentionMetadata(t["block_tables"], t["seq_lens"], t["query_start_loc"], config.query_len, CONTEXT_LEN)
     module.paged_attention_triton(t["query"], t["key_cache"], t["key_cache"], meta, config.head_dim**-0.5,
                                   num_kv_splits=config.splits if config.kind == "decode" else None, **features)
+
+
+def _launch_mla(module, config: Config) -> None:
+    """The MLA launcher on meta tensors: absorbed queries, a latent and a rope cache of one head, block tables."""
+    import torch
+
+    from hf_paged.ops.metadata import AttentionMetadata
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[config.dtype]
+    kv_dtype = torch.uint8 if config.kv_dtype == "fp8" else dtype
+    num_seqs, heads, rank = 4, config.group, config.head_dim
+    blocks_per_seq = -(-CONTEXT_LEN // config.block_size) + 1
+    num_tokens = num_seqs * config.query_len
+    num_blocks = num_seqs * blocks_per_seq
+    empty = lambda *shape, dtype: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+    scales = {}
+    if config.kv_dtype == "fp8":
+        scales = dict(latent_scale=empty(num_blocks, config.block_size, 1, dtype=torch.bfloat16),
+                      rope_scale=empty(num_blocks, config.block_size, 1, dtype=torch.bfloat16))
+    meta = AttentionMetadata(empty(num_seqs, blocks_per_seq, dtype=torch.int32), empty(num_seqs, dtype=torch.int32),
+                             empty(num_seqs + 1, dtype=torch.int32), config.query_len, CONTEXT_LEN)
+    module.mla_attention_triton(empty(num_tokens, heads, rank, dtype=dtype),  # q_lat [N, H, R]
+                                empty(num_tokens, heads, MLA_ROPE, dtype=dtype),  # q_rot [N, H, P]
+                                empty(num_blocks, config.block_size, 1, rank, dtype=kv_dtype),  # latent cache
+                                empty(num_blocks, config.block_size, 1, MLA_ROPE, dtype=kv_dtype),  # rope cache
+                                meta, (rank // 4 + MLA_ROPE) ** -0.5,
+                                num_kv_splits=config.splits if config.kind == "mla_decode" else None, **scales)
 
 
 @contextmanager
@@ -393,18 +442,23 @@ def capture_variants(module_ref: str, configs: list[Config], archs) -> list[tupl
     so what is built is what they launch: the tile sizes, warps and stages ``launch_choices`` picks, and the
     argument values the JIT specialises on.
     """
-    module = load_module(module_ref)
+    by_module = [(module_ref, [c for c in configs if not c.kind.startswith("mla")]),
+                 (MLA_MODULE, [c for c in configs if c.kind.startswith("mla")])]
     out = []
-    for arch in archs:
-        with _recording(module, arch) as (kernels, launches):
-            for config in configs:
-                launches.clear()
-                try:
-                    _launch(module, config)
-                except Exception as e:
-                    raise RuntimeError(f"launching {config.label()} on meta tensors failed: {e}") from e
-                variants = [variant_from_launch(kernels[n], f"{module_ref}:{n}", a, k) for n, a, k in launches]
-                out.append((config, arch, variants))
+    for ref, chosen in by_module:
+        if not chosen:
+            continue
+        module = load_module(ref)
+        for arch in archs:
+            with _recording(module, arch) as (kernels, launches):
+                for config in chosen:
+                    launches.clear()
+                    try:
+                        _launch(module, config)
+                    except Exception as e:
+                        raise RuntimeError(f"launching {config.label()} on meta tensors failed: {e}") from e
+                    variants = [variant_from_launch(kernels[n], f"{ref}:{n}", a, k) for n, a, k in launches]
+                    out.append((config, arch, variants))
     return out
 
 
