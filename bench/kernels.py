@@ -294,7 +294,7 @@ def host_cases(args, device) -> dict:
                                                              layer.group.attention, scale, reuse_partials=True)
 
     def op_args(q, layer):  # torch.ops.hf_paged.paged_attention's arguments, as custom_ops.paged_attention makes them
-        tables, lens, qsl, plan, plan_ints, window, max_query_len = layer.group.attention.op_arguments()
+        tables, lens, qsl, plan, plan_ints, window, max_query_len = custom_ops.op_arguments(layer.group.attention)
         return (q, layer.key_cache, layer.value_cache, tables, lens, qsl, plan, plan_ints, None, None, None, scale,
                 window, 0.0, max_query_len, "triton")
 
