@@ -40,7 +40,7 @@ from torch import nn
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from . import compat, ops
-from .cache import STEP_KWARG, PagedCache
+from .cache import STEP_KWARG, PagedCache, StepCache
 from .cache_state import GenerateCall
 from .ops import custom_ops
 from .patches import check_model, find_patch
@@ -102,12 +102,15 @@ def _paged_forward(module, query, scaling, kwargs, layer) -> torch.Tensor:
     return out.view(batch, query_len, num_q_heads, head_dim)
 
 
-def _layer_step(module, kwargs):
+def _layer_step(module, kwargs, query_len: int):
+    """The layer's step: from its kwargs (``update`` put it there), else from the running forward's cache: a
+    KV-shared layer never calls ``update`` and reads its source layer's step (cut to the queries it got when the
+    model sliced them), as does every layer before transformers 5.24."""
     layer = kwargs.pop(STEP_KWARG, None)
-    if layer is None and not compat.STEP_IN_ATTENTION_KWARGS:
+    if layer is None:
         cache = compat.running_cache()
         if cache is not None:
-            layer = cache.layer_step(module.layer_idx)
+            layer = cache.layer_step(module.layer_idx, query_len)
     return layer
 
 
@@ -130,7 +133,7 @@ def _make_mask(original: str):
 @functools.lru_cache(maxsize=None)  # one function per name: re-enabling keeps compiled graphs valid
 def _make_attention(original: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        layer = _layer_step(module, kwargs)
+        layer = _layer_step(module, kwargs, query.shape[2])
         if layer is not None:
             _check_kwargs(module, kwargs, layer)
         if layer is not None and not layer.no_history:
@@ -171,6 +174,9 @@ def _pre_hook(state: PagedModel, module, args, kwargs):
     if torch.compiler.is_compiling():
         return
     cache = compat.cache_from_kwargs(kwargs)
+    if isinstance(cache, StepCache):  # the engine's planned forward: running, for its KV-shared layers
+        compat.forward_begins(cache)
+        return
     if not isinstance(cache, PagedCache):
         compat.forward_begins(None)
         return
