@@ -306,14 +306,28 @@ def test_gemma4_kv_sharing_geometry():
     assert "kv_sharing" in patches.required_features(config)
 
 
+def test_kv_sharing_default_configs_are_accepted():
+    """The released shapes share K/V (Gemma 3n: 15 of 35 layers): taken, on the paged path and in gathered mode."""
+    for config in (AutoConfig.for_model("gemma3n_text"), tiny_family_config("gemma4_text", **GEMMA4_SHARED)):
+        assert "reuse" in patches.kv_geometry(config).kinds()
+        for paged in (True, False):
+            patches.check_supported(config, paged=paged)
+
+
 def test_gemma4_kv_sharing_matches_dynamic_cache():
     """Left-padded greedy batch (the reuse layers' queries cut to the last token of the prompt), beams with returned
-    sequences, a second turn on the same cache (a continuation prefill, cut too), and sampling with a seed."""
+    sequences, a second turn on the same cache (a continuation prefill, cut too), sampling with a seed; and gathered
+    mode (no enable_paged_attention: the source layer's update returns the whole history, which the reuse layers
+    read as the model hands it)."""
     model = tiny_family_model("gemma4_text", seed=1, **GEMMA4_SHARED)
     inputs = left_padded(LENGTHS, seed=1)
     sample = dict(do_sample=True, top_k=20, max_new_tokens=8)
     torch.manual_seed(5)
     expected = generate(model, inputs, DynamicCache(config=model.config), **sample)
+    greedy = generate(model, inputs, DynamicCache(config=model.config), max_new_tokens=6)
+    with pytest.warns(UserWarning, match="without enable_paged_attention"):  # gathered mode: the model's attention
+        assert torch.equal(generate(model, inputs, PagedCache(model.config, block_size=BLOCK), max_new_tokens=6),
+                           greedy)
     _matches_dynamic_cache(model, "gemma4_text shared")
     torch.manual_seed(5)
     assert torch.equal(generate(model, inputs, PagedCache(model.config, block_size=BLOCK), **sample), expected)

@@ -153,12 +153,11 @@ def real_or_marked(model_type: str, **marked):
     [
         (lambda: tiny_family_config("qwen2", v_head_dim=8), "different key and value head sizes"),
         (lambda: AutoConfig.for_model("deepseek_v3"), "multi-head latent attention"),  # MLA: refused until paged
-        (lambda: AutoConfig.for_model("gemma3n_text"), "KV sharing"),
         (lambda: real_or_marked("qwen3_next", layer_types=["linear_attention", "full_attention"]),
          "'linear_attention' layer"),
         (lambda: AutoConfig.for_model("gemma3_text", use_bidirectional_attention=True), "bidirectional attention"),
     ],
-    ids=["kv_head_sizes", "latent_attention", "kv_sharing", "linear_attention", "bidirectional"],
+    ids=["kv_head_sizes", "latent_attention", "linear_attention", "bidirectional"],
 )
 def test_check_supported_refuses_named_feature(make_config, feature):
     config = make_config()
