@@ -237,6 +237,11 @@ def _wrap_generate(model, generate, state: PagedModel):
             warnings.warn(
                 f"compiled decoding with a PagedCache needs transformers >= 5.24 (this is "
                 f"{compat.TRANSFORMERS_VERSION}), so this generate() runs eagerly.", stacklevel=2)
+        elif compile_config is not None and cache.shares_kv:
+            warnings.warn(
+                "compiled decoding of a model with KV-shared layers (num_kv_shared_layers > 0) is not supported: "
+                "their attention finds the source layer's step outside the graph, so this generate() runs eagerly.",
+                stacklevel=2)
         elif compile_config is not None and not cache.pool.fixed:
             warnings.warn(
                 "compiled decoding needs a KV pool of fixed size, so this generate() runs eagerly. Size the pool: "

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, CompileConfig, DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
@@ -31,6 +31,7 @@ from helpers.engine_oracle import TieCount, check_tokens, random_prompts, refere
 from helpers.engine_shadow import one_thread
 from hf_paged import BlockPool, PagedCache, RequestStatus, enable_paged_attention, init_continuous_batching, patches
 from hf_paged import ops
+from hf_paged.cache_state import GenerateCall
 from hf_paged.engine.sampling import SamplingParams
 from hf_paged.groups import LayerGroups
 from hf_paged.ops.reference import paged_attention_torch
@@ -331,6 +332,24 @@ def test_gemma4_kv_sharing_matches_dynamic_cache():
     _matches_dynamic_cache(model, "gemma4_text shared")
     torch.manual_seed(5)
     assert torch.equal(generate(model, inputs, PagedCache(model.config, block_size=BLOCK), **sample), expected)
+
+
+def test_gemma4_kv_sharing_compiled_decoding_runs_eagerly():
+    """compile_config on a model with reuse layers: a warning, an eager run (the cache is not compileable), and
+    DynamicCache's tokens."""
+    model = tiny_family_model("gemma4_text", seed=1, **GEMMA4_SHARED)
+    inputs = left_padded([5, 2], seed=1)
+    expected = generate(model, inputs, DynamicCache(config=model.config), max_new_tokens=4)
+    enable_paged_attention(model, backend="torch")
+    cache = PagedCache(model.config, block_size=BLOCK, num_blocks=32)
+    with pytest.warns(UserWarning, match="KV-shared layers"):
+        got = generate(model, inputs, cache, max_new_tokens=4, compile_config=CompileConfig())
+    assert torch.equal(got, expected)
+    for config, shares in ((model.config, True), (tiny_family_config("gemma4_text"), False)):
+        fixed = PagedCache(config, block_size=BLOCK, num_blocks=32)
+        fixed.begin_call(GenerateCall(backend="torch", release=True, compile=True))  # a call that would compile
+        assert fixed.shares_kv is shares and fixed.is_compileable is not shares
+        fixed.end_call()
 
 
 def test_gemma4_kv_sharing_reads_the_source_layers_blocks():
