@@ -11,8 +11,9 @@ Where state lives, one place each:
   here, so compiled decoding plans outside the compiled region) or, for a forward called directly, by a pre-hook
   on the decoder (a no-op while compiling).
 * A layer's step tensors reach the attention function in the kwargs transformers hands it (``PagedCache.update``
-  adds them); transformers releases without that path (before 5.24) read the cache of the running forward from a
-  context variable the decoder hooks set and clear around each forward (``compat.running_cache``). The mask
+  adds them); transformers releases without that path (before 5.24), and KV-shared layers (which never call
+  ``update``: they read their source layer's step), ask the cache of the running forward, from a context variable
+  the decoder hooks set and clear around each forward (``compat.running_cache``). The mask
   builder registered with the attention asks the same cache whether its forward reads the pool (then no mask is
   built: the step carries the lengths and windows).
 * The columns a forward consumed are counted once it has run (``PagedCache.forward_ran``: after the decoder's

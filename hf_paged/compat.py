@@ -70,7 +70,7 @@ STEP_IN_ATTENTION_KWARGS = CACHE_RENAMED
 
 # The cache of the running forward, in this thread/task: the decoder's hooks push it (or None for another cache)
 # before the forward and pop it after. The mask builder asks it whether the forward needs a mask at all; before
-# 5.24 the attention function also finds its layer's step through it.
+# 5.24 the attention function also finds its layer's step through it, and KV-shared layers their source's on any.
 _FORWARDS = contextvars.ContextVar("hf_paged_forwards", default=())
 
 

@@ -7,6 +7,9 @@ torch backend's gather plan). Inside the forward nothing changes Python state: t
 with those tensors and the attention reads the pool through them, so the forward can be compiled and replayed as a
 CUDA graph. Decode steps stage their tensors into buffers allocated once per shape (stable addresses).
 
+A KV-shared (``reuse``) layer writes nothing: its attention reads its source layer's step (``reading_step``), cut
+to the last columns of each row when the model sliced its queries (Gemma 4's ``logits_to_keep``).
+
 Rows that finished and gave their blocks back still run (a batch keeps its shape): their token is written to the
 pool's scratch block and its output is discarded by ``generate()``.
 """
