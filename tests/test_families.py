@@ -408,6 +408,26 @@ def test_gemma4_reuse_layers_hold_no_blocks_and_no_tensors():
     assert held["shared"] == held["prefix"]
 
 
+def test_gemma4_kv_sharing_save_and_load(tmp_path):
+    """A cache of the shared model saved (its paged layers' K/V only) and loaded continues as DynamicCache does."""
+    model = tiny_family_model("gemma4_text", seed=1, **GEMMA4_SHARED)
+    inputs = left_padded(LENGTHS, seed=1)
+    dyn = DynamicCache(config=model.config)
+    first = generate(model, inputs, dyn, max_new_tokens=3)
+    grown = first.shape[1] - inputs["input_ids"].shape[1] + 2
+    second = {"input_ids": torch.cat([first, torch.full((3, 2), 7)], 1),
+              "attention_mask": torch.cat([inputs["attention_mask"], torch.ones(3, grown, dtype=torch.long)], 1)}
+    expected = generate(model, second, dyn, max_new_tokens=4)
+    enable_paged_attention(model, backend="torch")
+    cache = PagedCache(model.config, block_size=BLOCK, release_finished=False)
+    cache.activate_past_recording()  # keep the sliding layers' whole history: a saved row holds it all
+    assert torch.equal(generate(model, inputs, cache, max_new_tokens=3), first)
+    cache.save(tmp_path / "shared.safetensors")
+    loaded = PagedCache.load(tmp_path / "shared.safetensors", model.config)
+    assert sorted(loaded.pool.layer_shapes) == [0, 1, 2]
+    assert torch.equal(generate(model, second, loaded, max_new_tokens=4), expected)
+
+
 def test_gemma4_kv_sharing_engine_equals_generate_alone():
     """Chunked prefill (a 16-token budget) and preemption (a small pool): each request's tokens equal the request
     alone through generate() with a DynamicCache."""
