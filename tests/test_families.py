@@ -1,8 +1,9 @@
 """Families taken generically (no ModelPatch): every one the suite verifies gives DynamicCache's greedy tokens in
 generate() and in the engine; Llama 4's chunked layers attend within their chunk and give back finished chunks'
 blocks; Gemma 4's full layers keep K/V of their own shape, and the pool's accounting equals the tensors it holds;
-what hf_paged cannot page (latent attention, state layers, KV sharing, attention arguments it does not implement)
-is refused by name, in generate() and the engine; further transformers families give DynamicCache's tokens or a
+Gemma 4's KV-shared layers hold nothing and read their source layer's blocks, with queries cut to logits_to_keep;
+what hf_paged cannot page (latent attention, state layers, attention arguments it does not implement) is refused by
+name, in generate() and the engine; further transformers families give DynamicCache's tokens or a
 named refusal, never another exception.
 
 Where a float tie flips a greedy token in the engine, tests/helpers/engine_oracle.py's rule applies (top-2 logits
@@ -58,7 +59,7 @@ def test_generic_family_matches_dynamic_cache(model_type):
     _matches_dynamic_cache(tiny_family_model(model_type, seed=1), model_type)
 
 
-def _matches_dynamic_cache(model, model_type: str, backend: str = "torch"):
+def _matches_dynamic_cache(model, model_type: str):
     inputs = left_padded(LENGTHS, seed=1)
     runs = {"greedy": dict(max_new_tokens=10), "beams": dict(max_new_tokens=6, num_beams=2, num_return_sequences=2)}
     expected = {name: generate(model, inputs, DynamicCache(config=model.config), **kw) for name, kw in runs.items()}
@@ -70,7 +71,7 @@ def _matches_dynamic_cache(model, model_type: str, backend: str = "torch"):
                                                                                          dtype=torch.long)], 1)}
     expected_second = generate(model, second_inputs, dyn, max_new_tokens=5)
 
-    enable_paged_attention(model, backend=backend)
+    enable_paged_attention(model, backend="torch")
     for name, kw in runs.items():
         got = generate(model, inputs, PagedCache(model.config, block_size=BLOCK), **kw)
         assert torch.equal(got, expected[name]), f"{model_type} {name}: tokens differ from DynamicCache"
