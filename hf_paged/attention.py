@@ -11,8 +11,9 @@ Where state lives, one place each:
   here, so compiled decoding plans outside the compiled region) or, for a forward called directly, by a pre-hook
   on the decoder (a no-op while compiling).
 * A layer's step tensors reach the attention function in the kwargs transformers hands it (``PagedCache.update``
-  adds them); transformers releases without that path (before 5.24) read the cache of the running forward from a
-  context variable the decoder hooks set and clear around each forward (``compat.running_cache``). The mask
+  adds them); transformers releases without that path (before 5.24), and KV-shared layers (which never call
+  ``update``: they read their source layer's step), ask the cache of the running forward, from a context variable
+  the decoder hooks set and clear around each forward (``compat.running_cache``). The mask
   builder registered with the attention asks the same cache whether its forward reads the pool (then no mask is
   built: the step carries the lengths and windows).
 * The columns a forward consumed are counted once it has run (``PagedCache.forward_ran``: after the decoder's
@@ -40,7 +41,7 @@ from torch import nn
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from . import compat, ops
-from .cache import STEP_KWARG, PagedCache
+from .cache import STEP_KWARG, PagedCache, StepCache
 from .cache_state import GenerateCall
 from .ops import custom_ops
 from .patches import attention_modules, check_model, find_patch
@@ -108,12 +109,15 @@ def _paged_forward(module, query, scaling, kwargs, layer) -> torch.Tensor:
     return out.view(batch, query_len, num_q_heads, out_dim)
 
 
-def _layer_step(module, kwargs):
+def _layer_step(module, kwargs, query_len: int):
+    """The layer's step: from its kwargs (``update`` put it there), else from the running forward's cache: a
+    KV-shared layer never calls ``update`` and reads its source layer's step (cut to the queries it got when the
+    model sliced them), as does every layer before transformers 5.24."""
     layer = kwargs.pop(STEP_KWARG, None)
-    if layer is None and not compat.STEP_IN_ATTENTION_KWARGS:
+    if layer is None:
         cache = compat.running_cache()
         if cache is not None:
-            layer = cache.layer_step(module.layer_idx)
+            layer = cache.layer_step(module.layer_idx, query_len)
     return layer
 
 
@@ -136,7 +140,7 @@ def _make_mask(original: str):
 @functools.lru_cache(maxsize=None)  # one function per name: re-enabling keeps compiled graphs valid
 def _make_attention(original: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        layer = _layer_step(module, kwargs)
+        layer = _layer_step(module, kwargs, query.shape[2])
         if layer is not None:
             _check_kwargs(module, kwargs, layer)
         if layer is not None and not layer.no_history:
@@ -177,6 +181,9 @@ def _pre_hook(state: PagedModel, module, args, kwargs):
     if torch.compiler.is_compiling():
         return
     cache = compat.cache_from_kwargs(kwargs)
+    if isinstance(cache, StepCache):  # the engine's planned forward: running, for its KV-shared layers
+        compat.forward_begins(cache)
+        return
     if not isinstance(cache, PagedCache):
         compat.forward_begins(None)
         return
@@ -237,6 +244,11 @@ def _wrap_generate(model, generate, state: PagedModel):
             warnings.warn(
                 f"compiled decoding with a PagedCache needs transformers >= 5.24 (this is "
                 f"{compat.TRANSFORMERS_VERSION}), so this generate() runs eagerly.", stacklevel=2)
+        elif compile_config is not None and cache.shares_kv:
+            warnings.warn(
+                "compiled decoding of a model with KV-shared layers (num_kv_shared_layers > 0) is not supported: "
+                "their attention finds the source layer's step outside the graph, so this generate() runs eagerly.",
+                stacklevel=2)
         elif compile_config is not None and not cache.pool.fixed:
             warnings.warn(
                 "compiled decoding needs a KV pool of fixed size, so this generate() runs eagerly. Size the pool: "

@@ -23,7 +23,7 @@ from .patches import kv_geometry
 from .pool import BlockPool
 from .stats import MemoryStats
 from .rows import Rows
-from .step import LayerStep, Step, StepBuffers, build_layer_step, next_pow2, plan_padded, write_layer
+from .step import LayerStep, Step, StepBuffers, build_layer_step, next_pow2, plan_padded, reading_step, write_layer
 
 _log = logging.getLogger(__name__)
 STEP_KWARG = "hf_paged_step"  # the attention kwarg through which update() hands a layer its LayerStep
@@ -134,8 +134,15 @@ class PagedCache(Cache):
 
     @property
     def is_compileable(self) -> bool:
-        """True inside a ``generate()`` of a paged model on a fixed-size pool: its decoding forward can be compiled."""
-        return self._call is not None and self._call.compile and self.pool.fixed
+        """True inside a ``generate()`` of a paged model on a fixed-size pool: its decoding forward can be compiled.
+        Not for models with KV-shared (``reuse``) layers: their attention finds its source layer's step through the
+        running forward's cache (:func:`hf_paged.compat.running_cache`), which a compiled graph does not look up."""
+        return self._call is not None and self._call.compile and self.pool.fixed and not self.shares_kv
+
+    @property
+    def shares_kv(self) -> bool:
+        """Whether some layer reads another layer's K/V (Gemma 4's KV-shared layers)."""
+        return any(source != i for i, source in enumerate(self.groups.sources))
 
     @property
     def batch_size(self) -> int:
@@ -196,11 +203,15 @@ class PagedCache(Cache):
         forward = self._forward
         return forward is not None and forward.paged and not forward.step.no_history
 
-    def layer_step(self, layer_idx: int) -> LayerStep | None:
-        """Layer ``layer_idx``'s part of the running paged forward (None outside one)."""
+    def layer_step(self, layer_idx: int, query_len: int | None = None) -> LayerStep | None:
+        """What layer ``layer_idx``'s attention reads in the running paged forward (None outside one): its own
+        step, or a ``reuse`` layer's source's; ``query_len``: the query columns it got, when the model sliced them
+        (:func:`~hf_paged.step.reading_step`)."""
         if self._forward is None or not self._forward.paged:
             return None
-        return self._forward.step.layers[layer_idx]
+        step = self._forward.step
+        return reading_step(step, self.groups, layer_idx, step.query_len if query_len is None else query_len,
+                            self.pool.block_size)
 
     def begin_call(self, call: GenerateCall) -> None:
         """A ``generate()`` call starts on this cache (``call``: what it decided); it ends with :meth:`end_call`."""
@@ -701,6 +712,16 @@ class StepCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
+
+    # The decoder's hooks make this the running forward's cache (compat.running_cache): a KV-shared layer, which
+    # writes nothing, finds its source layer's step here. Its forward still builds the model's masks (unread).
+    reads_pool = False
+
+    def layer_step(self, layer_idx: int, query_len: int | None = None) -> LayerStep | None:
+        """What layer ``layer_idx``'s attention reads (see :meth:`PagedCache.layer_step`)."""
+        step = self.step
+        return reading_step(step, self.groups, layer_idx, step.query_len if query_len is None else query_len,
+                            self.pool.block_size)
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
         return compat.query_length(query_length), 0

@@ -29,6 +29,11 @@ try:  # 5.x: the cache layer types DynamicCache builds, KV sharing and MLP-only 
     from transformers.cache_utils import get_layer_types_and_kwargs
 except ImportError:  # 4.x
     get_layer_types_and_kwargs = None
+try:  # heterogeneous configs (Gemma 4's per_layer_config) refuse a per-layer attribute read globally
+    from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
+except ImportError:  # before heterogeneous configs
+    class AmbiguousGlobalPerLayerAttributeError(Exception):
+        """Never raised by this transformers."""
 
 TRANSFORMERS_VERSION = Version(transformers.__version__)
 # Keep in step with pyproject.toml ("transformers>=4.56.0,<6") and scripts/test_oldest.sh (which pins it and checks).
@@ -70,7 +75,7 @@ STEP_IN_ATTENTION_KWARGS = CACHE_RENAMED
 
 # The cache of the running forward, in this thread/task: the decoder's hooks push it (or None for another cache)
 # before the forward and pop it after. The mask builder asks it whether the forward needs a mask at all; before
-# 5.24 the attention function also finds its layer's step through it.
+# 5.24 the attention function also finds its layer's step through it, and KV-shared layers their source's on any.
 _FORWARDS = contextvars.ContextVar("hf_paged_forwards", default=())
 
 
@@ -190,3 +195,12 @@ def cache_layer_types(config) -> list[str] | None:
 def modeling_module_name(model_type: str) -> str:
     """The ``transformers.models.<name>`` package of a ``model_type`` (``"gemma3_text"`` -> ``"gemma3"``)."""
     return model_type_to_module_name(model_type)
+
+
+def global_config_value(config, name: str):
+    """``config.<name>``, or None where a heterogeneous config keeps it per layer (Gemma 4's ``num_key_value_heads``,
+    ``head_dim``: read them from the KV geometry, ``hf_paged.patches.kv_geometry``)."""
+    try:
+        return getattr(config, name, None)
+    except AmbiguousGlobalPerLayerAttributeError:
+        return None

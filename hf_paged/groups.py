@@ -33,6 +33,8 @@ class LayerGroups:
             ``(shape, rank)``).
         chunks: per group, the attention chunk of its layers (``None`` = not chunked).
         slot_shapes: per slot, ``(num_kv_heads, key_dim, value_dim)`` (empty when the shapes are not known yet).
+        sources: per layer, the layer whose K/V its attention reads: itself, or for a ``reuse`` layer its source
+            (empty: every layer reads its own).
     """
 
     windows: tuple[int | None, ...]
@@ -40,6 +42,7 @@ class LayerGroups:
     layer_slot: tuple
     chunks: tuple[int | None, ...] = ()
     slot_shapes: tuple = ()  # ((slot, (heads, key_dim, value_dim)), ...)
+    sources: tuple[int, ...] = ()
 
     def __post_init__(self):
         if not self.chunks:
@@ -53,9 +56,11 @@ class LayerGroups:
     @classmethod
     def from_geometry(cls, geometry: KVGeometry) -> "LayerGroups":
         paged = geometry.paged_layers
+        sources = tuple(layer.source if layer.kind == "reuse" and layer.source is not None else i
+                        for i, layer in enumerate(geometry.layers))
         if not paged:
             return cls((None,), tuple(-1 if not layer.paged else 0 for layer in geometry.layers),
-                       tuple(0 for _ in geometry.layers))
+                       tuple(0 for _ in geometry.layers), sources=sources)
         by_key: dict[tuple, list[int]] = {}
         for layer in paged:
             spec = geometry[layer]
@@ -74,7 +79,7 @@ class LayerGroups:
                 chunks.append(chunk)
         known = all(shape[0] for shape in slots.values())
         return cls(tuple(windows), tuple(layer_group), tuple(layer_slot), tuple(chunks),
-                   tuple(slots.items()) if known else ())
+                   tuple(slots.items()) if known else (), sources)
 
     @property
     def num_groups(self) -> int:
@@ -91,12 +96,17 @@ class LayerGroups:
         """K/V tensor slots one block id stands for."""
         return len(self.slot_shapes) or self.group_size
 
+    def source_of(self, layer_idx: int) -> int:
+        """The layer whose K/V layer ``layer_idx``'s attention reads (its own, or a ``reuse`` layer's source)."""
+        return self.sources[layer_idx] if layer_idx < len(self.sources) else layer_idx
+
     def window_of(self, layer_idx: int) -> int | None:
-        group = self.layer_group[layer_idx]
+        """The window layer ``layer_idx``'s attention applies (a ``reuse`` layer: its source's)."""
+        group = self.layer_group[self.source_of(layer_idx)]
         return self.windows[group] if group >= 0 else None
 
     def chunk_of(self, layer_idx: int) -> int | None:
-        group = self.layer_group[layer_idx]
+        group = self.layer_group[self.source_of(layer_idx)]
         return self.chunks[group] if group >= 0 else None
 
     def limited(self, group: int) -> bool:

@@ -58,7 +58,8 @@ _INT = re.compile(r"0|[1-9][0-9]{0,17}")
 
 
 def _fingerprint(config) -> dict:
-    return {key: getattr(config, key, None) for key in FINGERPRINT_KEYS}
+    # None for what a heterogeneous config keeps per layer: each layer's shape is checked against the file instead
+    return {key: compat.global_config_value(config, key) for key in FINGERPRINT_KEYS}
 
 
 def _row_slots(table: list[int], block_size: int, length: int) -> torch.Tensor:
@@ -396,7 +397,10 @@ def check_fits(cf: CacheFile, cache, device) -> None:
     if num_layers is not None:
         if any(layer >= num_layers for layer in cf.layers):
             raise CacheFileError(path, "layers", f"layer {max(cf.layers)} in a model of {num_layers} layers")
-        if cf.total_tokens and sorted(cf.layers) != list(range(num_layers)):
+        groups = cache.groups.layer_group
+        # every layer keeping K/V in the pool (not the KV-shared ones, which read their source's)
+        paged = [i for i in range(num_layers) if len(groups) != num_layers or groups[i] >= 0]
+        if cf.total_tokens and sorted(cf.layers) != paged:
             raise CacheFileError(path, "layers", f"K/V for layers {sorted(cf.layers)} of a model of {num_layers}")
     shapes = _model_kv_shapes(config)
     model_dtype = compat.config_dtype(config)

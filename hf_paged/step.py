@@ -7,6 +7,9 @@ torch backend's gather plan). Inside the forward nothing changes Python state: t
 with those tensors and the attention reads the pool through them, so the forward can be compiled and replayed as a
 CUDA graph. Decode steps stage their tensors into buffers allocated once per shape (stable addresses).
 
+A KV-shared (``reuse``) layer writes nothing: its attention reads its source layer's step (``reading_step``), cut
+to the last columns of each row when the model sliced its queries (Gemma 4's ``logits_to_keep``).
+
 Rows that finished and gave their blocks back still run (a batch keeps its shape): their token is written to the
 pool's scratch block and its output is discarded by ``generate()``.
 """
@@ -64,6 +67,7 @@ class Step:
     static: bool = False  # a compiled decode step: the same inputs every step, all staged in step buffers
     layers: list = field(default_factory=list)  # per layer: LayerStep once built
     _on_device: dict = field(default_factory=dict)
+    _tails: dict = field(default_factory=dict)  # (group, query count, device) -> (GroupStep, token_index)
 
     def device_view(self, group: int, device: torch.device, buffers: "StepBuffers") -> tuple[GroupStep, tuple]:
         key = (group, device)
@@ -82,6 +86,52 @@ class Step:
                                                      g.attention.moved(put), put("gather_slots", g.gather_slots)),
                                            packing)
         return view
+
+    def last_queries(self, layer: LayerStep, group: int, count: int, block_size: int) -> LayerStep:
+        """``layer`` (of group ``group``) for queries cut to the last ``count`` of the step's ``query_len`` columns
+        of each row: Gemma 4 slices its hidden states to ``logits_to_keep`` before the KV-shared layers, which read
+        the history the step wrote. Each row keeps its real tokens among those columns (left padding: its last
+        ones), so only the query offsets, the token index and the torch plan change; tables and lengths stay. Such
+        a step always reads the pool (also in a first prefill). Planned once per group, count and device, on the
+        host inside the forward (a prefill: never compiled)."""
+        device = layer.key_cache.device
+        key = (group, count, device)
+        tail = self._tails.get(key)
+        if tail is None:
+            real = torch.ones(self.batch_size * self.query_len, dtype=torch.bool)
+            if self.token_index is not None:
+                real = torch.zeros_like(real).index_fill_(0, self.token_index.cpu(), True)
+            real = real.view(self.batch_size, self.query_len)[:, self.query_len - count:]  # [B, count]
+            counts = real.sum(1).tolist()
+            qsl = torch.tensor(list(itertools.accumulate(counts, initial=0)), dtype=torch.int32)
+            meta = self.groups[group].attention
+            plan = None
+            if meta.plan is not None:  # the torch backend
+                context = cdiv(int(meta.seq_lens.max()), block_size) * block_size
+                plan = plan_torch_attention(meta.block_tables, meta.seq_lens, qsl, block_size,
+                                            sliding_window=meta.sliding_window, chunk=meta.chunk, max_seq_len=context)
+            meta = dataclasses.replace(meta, query_start_loc=qsl, max_query_len=max(counts, default=0), plan=plan)
+
+            def put(name, t):
+                return t.to(device, non_blocking=True)
+
+            token_index = None if bool(real.all()) else real.flatten().nonzero().flatten().to(device)
+            tail = self._tails[key] = (GroupStep(torch.empty(0, dtype=torch.long, device=device), meta.moved(put)),
+                                       token_index)
+        view, token_index = tail
+        # the layer's own pool tensors (layers of one group may sit in different slots)
+        return dataclasses.replace(layer, group=view, token_index=token_index, write_index=None, no_history=False)
+
+
+def reading_step(step: Step, groups, layer_idx: int, query_len: int, block_size: int) -> LayerStep | None:
+    """The :class:`LayerStep` layer ``layer_idx``'s attention reads with ``query_len`` query columns: its own, or
+    for a ``reuse`` layer (which writes nothing) its source layer's; cut to the last ``query_len`` columns of each
+    row when the model sliced its queries (:meth:`Step.last_queries`). None before the layer (or source) ran."""
+    source = groups.source_of(layer_idx)
+    layer = step.layers[source] if source < len(step.layers) else None
+    if layer is None or query_len >= step.query_len:
+        return layer
+    return step.last_queries(layer, groups.layer_group[source], query_len, block_size)
 
 
 class StepBuffers:

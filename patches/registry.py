@@ -27,7 +27,7 @@ PATCHES = [*llama.PATCHES, *mistral.PATCHES, *hybrid.PATCHES, gemma2.PATCH, gemm
 # Families the test suite runs token for token against DynamicCache (generate() and the engine) that need no
 # ModelPatch: they are taken generically (tests/test_families.py; tests/helpers/models.py has their tiny configs).
 GENERIC_VERIFIED = ("olmo3", "glm4", "glm4_moe", "seed_oss", "apertus", "ernie4_5", "arcee", "hunyuan_v1_dense",
-                    "llama4_text", "gemma4_text")
+                    "llama4_text", "gemma4_text", "gemma3n_text")
 
 # Families refused by name until their kind of layer is paged (the suite checks each refusal).
 REFUSED = {

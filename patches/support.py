@@ -14,9 +14,10 @@ from .registry import _registry, find_patch_for_config, layer_windows
 from .windows import text_config
 
 # What this build's attention implements: the softmax scale the model passes, a window per layer group and one block
-# table per group of layers sharing a window, logit soft-capping and attention sinks (ops.paged_attention's options).
+# table per group of layers sharing a window, logit soft-capping and attention sinks (ops.paged_attention's options),
+# chunked attention, layers of their own K/V shape, KV-shared layers reading their source layer's blocks.
 FEATURES = frozenset({"scaling", "sliding_window", "layer_windows", "softcap", "sinks", "chunked_attention",
-                      "layer_shapes"})
+                      "layer_shapes", "kv_sharing"})
 GATHERED = "use PagedCache without enable_paged_attention (gathered mode: the model's own attention runs)"
 DYNAMIC = "use transformers' DynamicCache for this model"
 
@@ -42,6 +43,8 @@ def required_features(config) -> tuple[str, ...]:
         need.append("chunked_attention")
     if len({layer.shape for layer in geometry.layers if layer.paged}) > 1:
         need.append("layer_shapes")
+    if any(layer.kind == "reuse" for layer in geometry.layers):
+        need.append("kv_sharing")
     if "softcap" in family and getattr(config, "attn_logit_softcapping", None) is not None:
         need.append("softcap")
     if "sinks" in family:
@@ -57,7 +60,8 @@ STATE_MIXERS = ("Mamba", "DeltaNet", "LinearAttention", "ShortConv", "Recurrent"
 
 
 def _check_kinds(config) -> None:
-    """Refuse, by layer, the kinds this build does not page: state layers (hybrids), KV-sharing reuse layers."""
+    """Refuse, by layer, the kinds this build does not page: state layers (hybrids), reuse layers whose source keeps
+    no K/V in the pool."""
     try:
         geometry = kv_geometry(config)
     except ValueError as err:
@@ -68,9 +72,9 @@ def _check_kinds(config) -> None:
             kind = types[idx] if idx < len(types) else "state"
             _refuse(f"layer {idx} is a {kind!r} layer (a recurrent / convolution state, not K/V): hybrid and "
                     "state-space models are not paged yet", DYNAMIC)
-        if layer.kind == "reuse":
-            _refuse(f"layer {idx} reuses layer {layer.source}'s K/V (KV sharing, kv_sharing_modes 'reuse'): reuse "
-                    "layers are not paged yet; a config with num_kv_shared_layers=0 is", DYNAMIC)
+        if layer.kind == "reuse" and (layer.source is None or not geometry[layer.source].paged):
+            _refuse(f"layer {idx} reuses the K/V of {'no layer' if layer.source is None else f'layer {layer.source}'}"
+                    " (KV sharing, kv_sharing_modes 'reuse'), which keeps none in the pool", DYNAMIC)
     if not any(layer.paged for layer in geometry.layers) and geometry.layers:
         _refuse("no layer keeps K/V (no softmax attention layer)", DYNAMIC)
 

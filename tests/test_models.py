@@ -154,12 +154,11 @@ def real_or_marked(model_type: str, **marked):
         (lambda: tiny_family_config("qwen2", v_head_dim=8), "different key and value head sizes"),
         # MLA families with a latent attention are paged (tests/test_mla.py); the others are refused by name
         (lambda: AutoConfig.for_model("longcat_flash"), "multi-head latent attention"),
-        (lambda: AutoConfig.for_model("gemma3n_text"), "KV sharing"),
         (lambda: real_or_marked("qwen3_next", layer_types=["linear_attention", "full_attention"]),
          "'linear_attention' layer"),
         (lambda: AutoConfig.for_model("gemma3_text", use_bidirectional_attention=True), "bidirectional attention"),
     ],
-    ids=["kv_head_sizes", "latent_attention", "kv_sharing", "linear_attention", "bidirectional"],
+    ids=["kv_head_sizes", "latent_attention", "linear_attention", "bidirectional"],
 )
 def test_check_supported_refuses_named_feature(make_config, feature):
     config = make_config()

@@ -91,6 +91,10 @@ GENERIC_FAMILIES = {
     # full layers with their own head size and KV-head count (per_layer_config), K = V on them
     "gemma4_text": dict(num_hidden_layers=4, sliding_window=FAMILY_WINDOW, global_head_dim=32,
                         num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=0),
+    # two KV-shared layers reading the last sliding and the last full layer before them; per-layer inputs, AltUp
+    "gemma3n_text": dict(num_hidden_layers=4, sliding_window=FAMILY_WINDOW, num_kv_shared_layers=2,
+                         layer_types=["sliding_attention", "full_attention"] * 2, activation_sparsity_pattern=[0.0] * 4,
+                         hidden_size_per_layer_input=8, laurel_rank=4, altup_num_inputs=2),
 }
 
 
