@@ -19,6 +19,7 @@ from typing import Iterator
 import torch
 
 from .core import EngineCore
+from .distributed import AgreeingRunner, make_sync, tp_engine_loop
 from .outputs import EngineStats, GenerationOutput, QueueFullError, RequestStatus
 from .request import Request
 
@@ -58,7 +59,7 @@ class ContinuousBatchingManager:
 
     def __init__(self, core: EngineCore, generation_config=None, *, vocab_size: int | None = None,
                  max_queue_size: int | None = None, max_unread_results: int = DEFAULT_MAX_UNREAD,
-                 default_options: dict | None = None):
+                 default_options: dict | None = None, sync=None):
         if max_queue_size is not None and (not isinstance(max_queue_size, int) or max_queue_size < 1):
             raise ValueError(f"max_queue_size must be a positive int or None (unlimited), got {max_queue_size!r}.")
         self._core = core
@@ -84,6 +85,8 @@ class ContinuousBatchingManager:
         self._ended = {RequestStatus.FINISHED: 0, RequestStatus.CANCELLED: 0, RequestStatus.FAILED: 0}
         self._dropped_warned = False
         self._signals = _Signals()  # what the engine thread reads: it holds these, never the manager itself
+        self._sync = sync  # tensor parallelism: the ranks' control channel (engine/distributed.py), else None
+        self._pending_new: list[Request] = []  # (tensor parallel, rank 0) broadcast, not yet in the engine
         # A manager dropped without stop(): its thread ends (cancelling what is left), then the pool is freed.
         self._finalizer = weakref.finalize(self, _shutdown, self._lock, self._cond, self._signals)
 
@@ -95,8 +98,9 @@ class ContinuousBatchingManager:
                 raise RuntimeError("this manager was stopped; create a new one with init_continuous_batching().")
             if self._thread is not None:
                 return
-            self._thread = threading.Thread(target=_engine_loop, args=(weakref.ref(self), self._core, self._lock,
-                                                                       self._cond, self._signals),
+            loop, extra = (_engine_loop, ()) if self._sync is None else (tp_engine_loop, (self._sync,))
+            self._thread = threading.Thread(target=loop, args=(weakref.ref(self), self._core, self._lock,
+                                                               self._cond, self._signals, *extra),
                                             name="hf_paged-engine", daemon=True)
             self._thread.start()
 
@@ -259,7 +263,13 @@ class ContinuousBatchingManager:
         self._forgotten.pop(rid, None)
         return rid
 
+    def _check_driver(self) -> None:
+        if self._sync is not None and not self._sync.is_driver:
+            raise ValueError(f"this is tensor-parallel rank {self._sync.rank}: requests are added and cancelled on "
+                             "rank 0 only (the other ranks follow its steps).")
+
     def _check_accepting_locked(self) -> None:
+        self._check_driver()
         if self._error is not None:
             raise RuntimeError(f"the engine stopped on an error and takes no more requests: {self._error}")
         if self._stopping or self._stopped:
@@ -272,6 +282,7 @@ class ContinuousBatchingManager:
     def cancel_request(self, request_id: str) -> None:
         """Cancel a request: its blocks go back at the next step, its result has status ``CANCELLED`` (with the
         tokens generated so far). No-op for a request that already ended; ``KeyError`` for an unknown id."""
+        self._check_driver()
         with self._lock:
             req = self._live.get(request_id)
             if req is None:
@@ -566,7 +577,8 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
                              max_queue_size: int | None = None, continuous_batching_config=None,
                              max_num_seqs: int | None = None, max_unread_results: int = DEFAULT_MAX_UNREAD,
                              watermark: float | None = None, backend: str = "auto",
-                             cuda_graphs: bool | None = None) -> ContinuousBatchingManager:
+                             cuda_graphs: bool | None = None, tensor_parallel: bool | None = None,
+                             tp_timeout_s: float = 60.0, tp_heartbeat_s: float = 1.0) -> ContinuousBatchingManager:
     """A continuous-batching manager serving ``model`` from a shared block pool (start it, or use ``with``).
 
     Args:
@@ -593,6 +605,11 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
             block-table width; steps with prefill chunks run eagerly. ``None`` (default): on where it applies (a CUDA
             model and a pool with a cap, which is then preallocated); ``True``: required (``ValueError`` where it
             cannot apply); ``False``: off.
+        tensor_parallel: run as one rank of a tensor-parallel engine (see ``hf_paged/engine/distributed.py``):
+            requests are added on rank 0, every rank runs the same steps. ``None`` (default): when the model was
+            loaded with ``tp_plan`` under torchrun (``model.tp_size > 1``). Call this on every rank.
+        tp_timeout_s: (tensor parallel) seconds a rank waits for the others before the engine stops with an error.
+        tp_heartbeat_s: (tensor parallel) how often an idle rank 0 tells the others it is alive.
 
     Requires transformers >= 5.24 (the attention plumbing the packed forward needs); ``generate()`` with a
     ``PagedCache`` works from 4.56.
@@ -654,13 +671,16 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
         options["cuda_graphs"] = cuda_graphs
     runner = ModelRunner(model, kv, paged_backend(model), num_layers,
                          _decode_graphs(options.pop("cuda_graphs", None), device, pool, scheduler.max_num_seqs))
+    sync = make_sync(model, tensor_parallel, tp_timeout_s, tp_heartbeat_s)
+    if sync is not None:
+        runner = AgreeingRunner(runner, sync)
     limit, reason = context_limit(config)
     core = EngineCore(scheduler, runner, Sampler(device=device), max_context=limit, context_reason=reason)
     defaults = {"logprobs": options.pop("logprobs")} if "logprobs" in options else {}
     return ContinuousBatchingManager(core, generation_config if generation_config is not None
                                      else model.generation_config, vocab_size=config.vocab_size,
                                      max_queue_size=options.pop("max_queue_size", None),
-                                     max_unread_results=max_unread_results, default_options=defaults)
+                                     max_unread_results=max_unread_results, default_options=defaults, sync=sync)
 
 
 def _graph_stats(graphs) -> dict:
@@ -726,6 +746,9 @@ def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool 
     request_options = {k: options.pop(k) for k in _SAMPLING_KEYS if k in options}
     for name in ("persistent_manager", "warmup", "record_timestamps"):  # transformers' options with no meaning here
         options.pop(name, None)
+    # Every rank of a tensor-parallel model calls generate_batch with the same prompts: each runs its own engine
+    # (same events at the same steps, by construction), so no rank 0 driver is needed unless asked.
+    options.setdefault("tensor_parallel", False)
     if not inputs:
         return {}
     manager = init_continuous_batching(model, generation_config, **options)

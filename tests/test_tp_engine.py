@@ -1,0 +1,151 @@
+"""The continuous-batching engine under tensor parallelism: two gloo ranks on CPU, rank 0 drives.
+
+``tests/_tp_engine_worker.py`` runs under torchrun with a tiny Llama whose two KV heads split over the two ranks.
+Rank 0 adds 18 requests from three threads at staggered moments (greedy and seeded sampling, shared prefixes, a pool
+small enough to preempt, chunked prefill) and cancels one; both ranks must produce the single-process engine's
+tokens, hold half its KV bytes per block, and fail together a step whose forward raised on rank 1 only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from helpers import tiny_model
+from helpers.models import VOCAB
+from hf_paged import BlockPool, init_continuous_batching
+from test_distributed import _tp_unavailable
+
+WORKER = Path(__file__).with_name("_tp_engine_worker.py")
+WORLD_SIZE = 2
+BLOCK_SIZE = 4
+NUM_BLOCKS = 20  # small: running requests preempt each other
+MAX_BATCH_TOKENS = 16  # prompts up to 21 tokens are prefilled in chunks
+TIMEOUT_S = 60
+LAUNCH_TIMEOUT_S = 240
+CANCEL = "r5"
+UNSEEDED = "r17"
+
+
+def _requests() -> list[dict]:
+    rng = random.Random(0)
+    shared = [rng.randrange(3, VOCAB) for _ in range(8)]  # two full blocks: later requests hit them in the cache
+    specs = []
+    for i in range(18):
+        own = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(3, 14))]
+        prompt = shared + own if i % 3 else own
+        if i % 2:
+            settings = dict(do_sample=True, temperature=0.9, top_k=20, seed=100 + i)
+        else:
+            settings = dict(do_sample=False)
+        rid = f"r{i}"
+        if rid == CANCEL:
+            settings = dict(do_sample=False, eos_token_id=VOCAB - 1)  # runs its 40 tokens unless cancelled
+        if rid == UNSEEDED:
+            settings = dict(do_sample=True, temperature=1.0)  # rank 0 seeds it: the ranks must still agree
+        specs.append(dict(id=rid, prompt=prompt, settings=settings, thread=i % 3, at=0.03 * i,
+                          max_new_tokens=40 if rid == CANCEL else 6 + i % 5))
+    return specs
+
+
+def _single_process(path: Path, specs: list[dict]) -> dict:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    pool = BlockPool(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, prefix_caching=True)
+    with init_continuous_batching(model, pool=pool, max_batch_tokens=MAX_BATCH_TOKENS) as manager:
+        for spec in specs:
+            manager.add_request(spec["prompt"], request_id=spec["id"], max_new_tokens=spec["max_new_tokens"],
+                                **spec["settings"])
+        tokens = {spec["id"]: list(manager.get_result(spec["id"], timeout=120).generated_tokens) for spec in specs}
+    return {"tokens": tokens, "bytes_per_block": pool.memory_stats().bytes_per_block}
+
+
+@pytest.fixture(scope="module")
+def tp_engine(tmp_path_factory):
+    reason = _tp_unavailable()
+    if reason:
+        pytest.skip(reason)
+    work = tmp_path_factory.mktemp("tp_engine")
+    tiny_model("llama", seed=3).save_pretrained(work / "llama")
+    specs = _requests()
+    single = _single_process(work / "llama", specs)
+    job = dict(model=str(work / "llama"), requests=specs, cancel=CANCEL, threads=3, block_size=BLOCK_SIZE,
+               num_blocks=NUM_BLOCKS, max_batch_tokens=MAX_BATCH_TOKENS, timeout_s=TIMEOUT_S)
+    (work / "job.json").write_text(json.dumps(job))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD_SIZE}",
+           str(WORKER), str(work)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"torchrun did not finish in {LAUNCH_TIMEOUT_S} s\n{stderr[-4000:]}")
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun exited with {proc.returncode}\nstdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-6000:]}")
+    ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+    return specs, single, ranks
+
+
+def test_tp_engine_tokens_equal_single_process(tp_engine):
+    specs, single, ranks = tp_engine
+    for rank, result in enumerate(ranks):
+        main = result["main"]
+        assert main["error"] is None, main["error"]
+        for spec in specs:
+            out = main["outputs"][spec["id"]]
+            expected = single["tokens"][spec["id"]]
+            if spec["id"] == UNSEEDED:
+                continue
+            if spec["id"] == CANCEL:
+                assert out["status"] == "CANCELLED", (rank, out)
+                assert out["tokens"] == expected[: len(out["tokens"])], rank
+                continue
+            assert out["status"] == "FINISHED", (rank, spec["id"], out)
+            assert out["tokens"] == expected, (rank, spec["id"], spec["settings"])
+
+
+def test_tp_engine_ranks_agree_on_everything(tp_engine):
+    """Every rank ends every request the same way with the same tokens, the unseeded sampled one included."""
+    specs, _, ranks = tp_engine
+    first, second = (r["main"] for r in ranks)
+    assert set(first["outputs"]) == set(second["outputs"]) == {s["id"] for s in specs}
+    assert first["outputs"] == second["outputs"]
+    assert len(first["outputs"][UNSEEDED]["tokens"]) > 0
+    # the run exercised what it claims: preemption, prefix hits, several steps; the same counts on both ranks
+    assert first["preemptions"] > 0 and first["prefix_hit_tokens"] > 0
+    assert (first["preemptions"], first["prefix_hit_tokens"], first["steps"]) == \
+        (second["preemptions"], second["prefix_hit_tokens"], second["steps"])
+    assert second["follower_refused"], "add_request on rank 1 must raise"
+
+
+def test_tp_engine_rank_holds_half_the_kv(tp_engine):
+    _, single, ranks = tp_engine
+    for result in ranks:
+        main = result["main"]
+        assert result["tp_size"] == WORLD_SIZE
+        assert main["pool_heads"] and set(main["pool_heads"]) == {1}  # 2 KV heads, one per rank
+        assert main["bytes_per_block"] * WORLD_SIZE == single["bytes_per_block"]
+        assert main["all_ranks_bytes_per_block"] == single["bytes_per_block"]
+
+
+def test_tp_engine_forward_failing_on_one_rank_fails_its_step_everywhere(tp_engine):
+    _, _, ranks = tp_engine
+    for rank, result in enumerate(ranks):
+        failing = result["failing"]
+        assert failing["error"] is None, failing["error"]  # the engine went on
+        boom, after = failing["outputs"]["boom"], failing["outputs"]["after"]
+        assert boom["status"] == "FAILED", (rank, boom)
+        assert ("injected failure on rank 1" if rank == 1 else "failed on rank(s) [1]") in boom["error"]
+        assert after["status"] == "FINISHED" and after["tokens"], (rank, after)
+    assert ranks[0]["failing"]["outputs"]["after"]["tokens"] == ranks[1]["failing"]["outputs"]["after"]["tokens"]
