@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 
 from .core import EngineCore
-from .distributed import AgreeingRunner, make_sync, tp_engine_loop
+from .distributed import AgreeingRunner, agree_on_pool, make_sync, tp_engine_loop
 from .outputs import EngineStats, GenerationOutput, QueueFullError, RequestStatus
 from .request import Request
 
@@ -138,6 +138,11 @@ class ContinuousBatchingManager:
     def is_running(self) -> bool:
         """Whether the engine thread is alive and not stopping."""
         return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def error(self) -> str | None:
+        """Why the engine stopped, if it stopped on an error (a lost tensor-parallel rank, an engine bug)."""
+        return self._error
 
     @property
     def max_context(self) -> int | None:
@@ -662,6 +667,9 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
         raise ValueError(f"continuous_batching_config sets {sorted(pool_options)} but pool= was given: size the "
                          "BlockPool itself instead.")
     _cap_pool(pool, config, model.dtype, groups)
+    sync = make_sync(model, tensor_parallel, tp_timeout_s, tp_heartbeat_s)
+    if sync is not None:
+        agree_on_pool(pool, sync)
     batch_tokens = options.pop("max_batch_tokens", None) or default_batch_tokens(device)
     kv = RequestKV(pool, groups, batch_tokens)
     watermark = options.pop("watermark", None)
@@ -671,7 +679,6 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
         options["cuda_graphs"] = cuda_graphs
     runner = ModelRunner(model, kv, paged_backend(model), num_layers,
                          _decode_graphs(options.pop("cuda_graphs", None), device, pool, scheduler.max_num_seqs))
-    sync = make_sync(model, tensor_parallel, tp_timeout_s, tp_heartbeat_s)
     if sync is not None:
         runner = AgreeingRunner(runner, sync)
     limit, reason = context_limit(config)

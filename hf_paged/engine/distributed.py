@@ -278,6 +278,19 @@ def _deliver(deliveries) -> None:
     _call_back(deliveries)
 
 
+def agree_on_pool(pool, sync: TensorParallelSync) -> None:
+    """Give every rank's pool the same block cap (the smallest): the schedulers count blocks, and a rank with more
+    room than another would admit or preempt differently. A cap from free memory differs from rank to rank."""
+    mine = pool.allocator.max_blocks
+    caps = sync.gather(-1 if mine is None else mine)
+    if len(set(caps)) == 1:
+        return
+    if -1 in caps:
+        raise ValueError(f"the ranks' KV pools disagree on having a cap (blocks per rank {caps}, -1: none): give "
+                         "every rank the same pool settings (BlockPool(num_blocks=...) or max_memory=...).")
+    pool.allocator.set_limit(min(caps))
+
+
 def make_sync(model, tensor_parallel: bool | None, timeout_s: float, heartbeat_s: float) -> TensorParallelSync | None:
     """The control channel when ``model`` is tensor-parallel (``tensor_parallel=None``: when ``model.tp_size > 1``
     in an initialized process group), else None."""
@@ -290,6 +303,6 @@ def make_sync(model, tensor_parallel: bool | None, timeout_s: float, heartbeat_s
     return TensorParallelSync(timeout_s=timeout_s, heartbeat_s=heartbeat_s)
 
 
-__all__ = ["AgreeingRunner", "Events", "NewRequest", "RankFailure", "TensorParallelSync", "batch_digest",
+__all__ = ["AgreeingRunner", "agree_on_pool", "Events", "NewRequest", "RankFailure", "TensorParallelSync", "batch_digest",
            "make_sync", "tp_engine_loop"]
 
