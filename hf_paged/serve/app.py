@@ -89,7 +89,8 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
     @app.get("/health")
     async def health():
         if not manager.is_running():
-            return JSONResponse(error_body(503, "the engine thread is not running; restart the server."),
+            why = f" ({manager.error})" if getattr(manager, "error", None) else ""
+            return JSONResponse(error_body(503, f"the engine thread is not running{why}; restart the server."),
                                 status_code=503)
         return {"status": "ok"}
 
