@@ -65,7 +65,8 @@ def _single_process(path: Path, specs: list[dict]) -> dict:
             manager.add_request(spec["prompt"], request_id=spec["id"], max_new_tokens=spec["max_new_tokens"],
                                 **spec["settings"])
         tokens = {spec["id"]: list(manager.get_result(spec["id"], timeout=120).generated_tokens) for spec in specs}
-    return {"tokens": tokens, "bytes_per_block": pool.memory_stats().bytes_per_block}
+    stats = pool.memory_stats()
+    return {"tokens": tokens, "bytes_per_block": stats.bytes_per_block, "bytes_reserved": stats.bytes_reserved}
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +138,9 @@ def test_tp_engine_rank_holds_half_the_kv(tp_engine):
         assert main["pool_heads"] and set(main["pool_heads"]) == {1}  # 2 KV heads, one per rank
         assert main["bytes_per_block"] * WORLD_SIZE == single["bytes_per_block"]
         assert main["all_ranks_bytes_per_block"] == single["bytes_per_block"]
+        # manager.memory_stats(all_ranks=True) (its own group) and sum_over_ranks (the default group) agree
+        assert main["all_ranks_bytes_reserved"] == main["all_ranks_default_group"] == WORLD_SIZE * main["bytes_reserved"]
+        assert main["bytes_reserved"] > 0
 
 
 def test_tp_engine_forward_failing_on_one_rank_fails_its_step_everywhere(tp_engine):

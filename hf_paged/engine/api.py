@@ -20,6 +20,7 @@ import torch
 
 from .core import EngineCore
 from .distributed import AgreeingRunner, agree_on_pool, make_sync, tp_engine_loop
+from ..distributed import sum_over_ranks
 from .outputs import EngineStats, GenerationOutput, QueueFullError, RequestStatus
 from .request import Request
 
@@ -143,6 +144,15 @@ class ContinuousBatchingManager:
     def error(self) -> str | None:
         """Why the engine stopped, if it stopped on an error (a lost tensor-parallel rank, an engine bug)."""
         return self._error
+
+    def memory_stats(self, all_ranks: bool = False):
+        """The pool's :class:`~hf_paged.MemoryStats`. Under tensor parallelism each rank's pool holds its own KV
+        heads; ``all_ranks=True`` sums the byte figures over the ranks (a collective: call it on every rank at a
+        moment their pools agree, e.g. after ``stop()``; ``ValueError`` if their block counts differ)."""
+        stats = self.pool.memory_stats()
+        if all_ranks and self._sync is not None:
+            return sum_over_ranks(stats, group=self._sync.stats_group)
+        return stats
 
     @property
     def max_context(self) -> int | None:

@@ -93,6 +93,8 @@ class TensorParallelSync:
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        # memory_stats(all_ranks=True) from users' threads: its own group, never interleaved with the engine's
+        self.stats_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     @property
     def is_driver(self) -> bool:
