@@ -116,12 +116,30 @@ def failing_run(model, job: dict, rank: int) -> dict:
     return {"outputs": seen, "error": manager._error}
 
 
+def fp8_run(model, job: dict, rank: int) -> dict:
+    """Greedy requests on an fp8 pool (the same requests every rank; rank 0 adds them)."""
+    pool = BlockPool(num_blocks=64, block_size=job["block_size"], prefix_caching=True, kv_dtype=torch.float8_e4m3fn)
+    manager = init_continuous_batching(model, pool=pool, max_batch_tokens=job["max_batch_tokens"],
+                                       tp_timeout_s=job["timeout_s"])
+    specs = [s for s in job["requests"] if not s["settings"].get("do_sample")][:job["fp8_requests"]]
+    with manager:
+        if rank == 0:
+            for spec in specs:
+                manager.add_request(spec["prompt"], request_id=spec["id"], max_new_tokens=spec["max_new_tokens"],
+                                    do_sample=False)
+            seen = outputs(manager, [s["id"] for s in specs])
+    if rank != 0:
+        seen = outputs(manager, None)
+    return {"outputs": seen, "error": manager._error}
+
+
 def main(work_dir: str) -> None:
     job = json.load(open(os.path.join(work_dir, "job.json")))
     dist.init_process_group("gloo", timeout=timedelta(seconds=job["timeout_s"]))
     rank = dist.get_rank()
     model = AutoModelForCausalLM.from_pretrained(job["model"], tp_plan="auto", dtype=torch.float32).eval()
     result = {"main": main_run(model, job, rank), "failing": failing_run(model, job, rank),
+              "fp8": fp8_run(model, job, rank),
               "tp_size": model.tp_size}
     tmp = os.path.join(work_dir, f"rank{rank}.json.tmp")
     with open(tmp, "w") as f:

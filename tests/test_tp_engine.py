@@ -34,6 +34,7 @@ TIMEOUT_S = 60
 LAUNCH_TIMEOUT_S = 240
 CANCEL = "r5"
 UNSEEDED = "r17"
+FP8_REQUESTS = 4
 
 
 def _requests() -> list[dict]:
@@ -66,7 +67,15 @@ def _single_process(path: Path, specs: list[dict]) -> dict:
                                 **spec["settings"])
         tokens = {spec["id"]: list(manager.get_result(spec["id"], timeout=120).generated_tokens) for spec in specs}
     stats = pool.memory_stats()
-    return {"tokens": tokens, "bytes_per_block": stats.bytes_per_block, "bytes_reserved": stats.bytes_reserved}
+    fp8_pool = BlockPool(num_blocks=64, block_size=BLOCK_SIZE, prefix_caching=True, kv_dtype=torch.float8_e4m3fn)
+    with init_continuous_batching(model, pool=fp8_pool, max_batch_tokens=MAX_BATCH_TOKENS) as manager:
+        greedy = [s for s in specs if not s["settings"].get("do_sample")][:FP8_REQUESTS]
+        for spec in greedy:
+            manager.add_request(spec["prompt"], request_id=spec["id"], max_new_tokens=spec["max_new_tokens"],
+                                do_sample=False)
+        fp8 = {s["id"]: list(manager.get_result(s["id"], timeout=120).generated_tokens) for s in greedy}
+    return {"tokens": tokens, "bytes_per_block": stats.bytes_per_block, "bytes_reserved": stats.bytes_reserved,
+            "fp8_tokens": fp8}
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +88,8 @@ def tp_engine(tmp_path_factory):
     specs = _requests()
     single = _single_process(work / "llama", specs)
     job = dict(model=str(work / "llama"), requests=specs, cancel=CANCEL, threads=3, block_size=BLOCK_SIZE,
-               num_blocks=NUM_BLOCKS, max_batch_tokens=MAX_BATCH_TOKENS, timeout_s=TIMEOUT_S)
+               num_blocks=NUM_BLOCKS, max_batch_tokens=MAX_BATCH_TOKENS, timeout_s=TIMEOUT_S,
+               fp8_requests=FP8_REQUESTS)
     (work / "job.json").write_text(json.dumps(job))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD_SIZE}",
@@ -153,3 +163,12 @@ def test_tp_engine_forward_failing_on_one_rank_fails_its_step_everywhere(tp_engi
         assert ("injected failure on rank 1" if rank == 1 else "failed on rank(s) [1]") in boom["error"]
         assert after["status"] == "FINISHED" and after["tokens"], (rank, after)
     assert ranks[0]["failing"]["outputs"]["after"]["tokens"] == ranks[1]["failing"]["outputs"]["after"]["tokens"]
+
+
+def test_tp_engine_fp8_pool_tokens_equal_single_process(tp_engine):
+    _, single, ranks = tp_engine
+    assert len(single["fp8_tokens"]) == FP8_REQUESTS
+    for rank, result in enumerate(ranks):
+        fp8 = result["fp8"]
+        assert fp8["error"] is None, fp8["error"]
+        assert {rid: out["tokens"] for rid, out in fp8["outputs"].items()} == single["fp8_tokens"], rank
