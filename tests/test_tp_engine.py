@@ -172,3 +172,14 @@ def test_tp_engine_fp8_pool_tokens_equal_single_process(tp_engine):
         fp8 = result["fp8"]
         assert fp8["error"] is None, fp8["error"]
         assert {rid: out["tokens"] for rid, out in fp8["outputs"].items()} == single["fp8_tokens"], rank
+
+
+def test_tensor_parallel_without_a_process_group_is_refused(llama):
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group is already initialized in this pytest process")
+    with pytest.raises(ValueError, match="torchrun"):
+        init_continuous_batching(llama, pool=BlockPool(num_blocks=8, block_size=BLOCK_SIZE), tensor_parallel=True)
+    manager = init_continuous_batching(llama, pool=BlockPool(num_blocks=8, block_size=BLOCK_SIZE))
+    assert manager._sync is None  # a model without tp_plan runs the single-process engine

@@ -45,6 +45,7 @@ from .outputs import RequestStatus
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_HEARTBEAT_S = 1.0
+IDLE_WAIT = 0.005  # seconds every rank waits after a step that could run nothing
 
 
 @dataclass
@@ -251,6 +252,8 @@ def tp_engine_loop(manager_ref, core, lock, cond, signals, sync: TensorParallelS
                     del manager
                 _deliver(deliveries)
                 core.times.output += time.perf_counter() - t0
+                if not core.last_batch_tokens and not touched:
+                    time.sleep(IDLE_WAIT)  # nothing could run (a shared pool held by others): every rank waits alike
     except BaseException as err:  # a lost rank, diverged ranks, an engine bug: fail everything, keep the message
         error = f"{type(err).__name__}: {err}"
         with lock:
