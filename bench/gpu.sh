@@ -73,6 +73,7 @@ SUMMARY="$OUT/summary.txt"
 printf '%-26s %4s %7s\n' stage rc seconds >"$SUMMARY"
 : >"$OUT/e2e.jsonl"
 : >"$OUT/engine.jsonl"
+: >"$OUT/engine-tp.jsonl"
 FAILED=()
 E2E=$(mktemp /tmp/hf_paged_e2e.XXXXXX.py)
 DRY_KERNELS=$(mktemp /tmp/hf_paged_dry_kernels.XXXXXX.py)
