@@ -38,8 +38,8 @@ def outputs(manager, ids: list[str] | None) -> dict:
     else:
         while (out := manager.get_result(timeout=0)) is not None:
             got[out.request_id] = out
-    return {rid: {"tokens": list(o.generated_tokens), "status": o.status.name, "error": o.error}
-            for rid, o in got.items()}
+    return {rid: {"tokens": list(o.generated_tokens), "status": o.status.name, "error": o.error} if o is not None
+            else {"tokens": [], "status": "NO RESULT", "error": None} for rid, o in got.items()}
 
 
 def main_run(model, job: dict, rank: int) -> dict:

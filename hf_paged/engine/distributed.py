@@ -240,8 +240,6 @@ def tp_engine_loop(manager_ref, core, lock, cond, signals, sync: TensorParallelS
                 if not core.has_work:
                     continue
                 touched = core.step()
-                if core.runner.fatal is not None:
-                    raise RuntimeError(core.runner.fatal)
                 for r in touched:
                     if r.is_finished:
                         known.pop(r.request_id, None)
@@ -252,6 +250,8 @@ def tp_engine_loop(manager_ref, core, lock, cond, signals, sync: TensorParallelS
                     del manager
                 _deliver(deliveries)
                 core.times.output += time.perf_counter() - t0
+                if core.runner.fatal is not None:  # (after handing out the step's failed requests)
+                    raise RuntimeError(core.runner.fatal)
                 if not core.last_batch_tokens and not touched:
                     time.sleep(IDLE_WAIT)  # nothing could run (a shared pool held by others): every rank waits alike
     except BaseException as err:  # a lost rank, diverged ranks, an engine bug: fail everything, keep the message
