@@ -133,6 +133,23 @@ def fp8_run(model, job: dict, rank: int) -> dict:
     return {"outputs": seen, "error": manager._error}
 
 
+def diverged_run(model, job: dict, rank: int) -> dict:
+    """Ranks whose engines are set up differently (step budgets 16 and 8) schedule different steps: the batch digest
+    check stops both engines with an error before any forward, instead of hanging in the model's collectives."""
+    manager = init_continuous_batching(model, pool=BlockPool(num_blocks=64, block_size=job["block_size"]),
+                                       max_batch_tokens=16 if rank == 0 else 8, tp_timeout_s=job["timeout_s"])
+    manager.start()
+    start = time.monotonic()
+    if rank == 0:
+        manager.add_request(list(range(3, 23)), request_id="long", max_new_tokens=4)  # 20 tokens: chunked apart
+        seen = outputs(manager, ["long"])
+    manager._thread.join(timeout=job["timeout_s"])
+    if rank != 0:
+        seen = outputs(manager, None)
+    return {"outputs": seen, "error": manager._error, "seconds": time.monotonic() - start,
+            "stopped": not manager._thread.is_alive()}
+
+
 def main(work_dir: str) -> None:
     job = json.load(open(os.path.join(work_dir, "job.json")))
     dist.init_process_group("gloo", timeout=timedelta(seconds=job["timeout_s"]))
@@ -140,6 +157,7 @@ def main(work_dir: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(job["model"], tp_plan="auto", dtype=torch.float32).eval()
     result = {"main": main_run(model, job, rank), "failing": failing_run(model, job, rank),
               "fp8": fp8_run(model, job, rank),
+              "diverged": diverged_run(model, job, rank),
               "tp_size": model.tp_size}
     tmp = os.path.join(work_dir, f"rank{rank}.json.tmp")
     with open(tmp, "w") as f:

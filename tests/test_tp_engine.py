@@ -211,3 +211,12 @@ def test_tensor_parallel_without_a_process_group_is_refused(llama):
         init_continuous_batching(llama, pool=BlockPool(num_blocks=8, block_size=BLOCK_SIZE), tensor_parallel=True)
     manager = init_continuous_batching(llama, pool=BlockPool(num_blocks=8, block_size=BLOCK_SIZE))
     assert manager._sync is None  # a model without tp_plan runs the single-process engine
+
+
+def test_tp_engine_diverged_ranks_stop_with_an_error_instead_of_hanging(tp_engine):
+    _, _, ranks = tp_engine
+    for rank, result in enumerate(ranks):
+        diverged = result["diverged"]
+        assert diverged["stopped"] and diverged["seconds"] < TIMEOUT_S, (rank, diverged)
+        assert "scheduled different steps" in (diverged["error"] or ""), (rank, diverged)
+        assert diverged["outputs"]["long"]["status"] == "FAILED", (rank, diverged)
