@@ -1,19 +1,28 @@
-"""Request parsing for ``/v1/completions`` and ``/v1/chat/completions``: OpenAI's fields, checked.
+"""Request parsing for ``/v1/completions`` and ``/v1/chat/completions``: OpenAI's fields and the vLLM extensions that
+benchmark and evaluation tools send, checked.
 
-Unknown fields are ignored; a known field of the wrong type or out of range is a 400 naming it; a feature the engine
-does not have (tools, ``response_format``, ``logit_bias``, presence / frequency penalties, ``suffix``, ``best_of`` above
-``n``, non-text content parts) is a 400 naming it rather than silently dropped.
+Honoured beyond OpenAI's own: ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
+``skip_special_tokens``, ``stream_options.continuous_usage_stats``, ``prompt_logprobs``, ``top_k``, ``min_p``,
+``repetition_penalty``; completions' ``echo`` with ``logprobs`` (prompt logprobs) and ``max_tokens: 0`` with ``echo``.
+A field this server does not know is ignored and logged once per name (``UNKNOWN_LOGGED``); a known field of the
+wrong type or out of range is a 400 naming it; a feature the engine does not have (``REFUSED_FIELDS``: tools,
+``logit_bias``, presence / frequency penalties, ``suffix``, beam search, allowed / bad words, ...) is a 400 naming it
+rather than silently dropped.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import APIError
+
+log = logging.getLogger("hf_paged.serve")
 
 MAX_N = 16
 MAX_STOP = 16
@@ -26,6 +35,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class _Common(_Strict):
@@ -45,9 +55,16 @@ class _Common(_Strict):
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool | None = False
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class CompletionFields(_Common):
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: the prompt's logprobs, nothing generated
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = Field(None, ge=1, le=MAX_N)
@@ -74,9 +91,30 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and k alternatives
+    ignore_eos: bool = False
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop: bool = False  # include_stop_str_in_output
+    skip_special_tokens: bool = True
+    echo_logprobs: int | None = None  # completions' echo + logprobs: the prompt tokens' logprobs, k alternatives
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field
+    generate: bool = True  # False: max_tokens 0 with echo (one token runs, none is returned)
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        asked = [k for k in (self.echo_logprobs, self.prompt_logprobs) if k is not None]
+        return max(asked) if asked else None
 
     def engine_kwargs(self, index: int) -> dict:
         kwargs: dict[str, Any] = {}
+        if self.ignore_eos:
+            kwargs["ignore_eos"] = True
+        if self.min_tokens:
+            kwargs["min_tokens"] = self.min_tokens
+        if self.stop_token_ids:
+            kwargs["stop_token_ids"] = list(self.stop_token_ids)
+        if self.engine_prompt_logprobs is not None:
+            kwargs["prompt_logprobs"] = self.engine_prompt_logprobs
         if self.temperature is not None:
             kwargs["do_sample"] = self.temperature > 0
             if self.temperature > 0:
@@ -98,6 +136,7 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     echo: bool
+    continuous_usage: bool = False
 
 
 @dataclass
@@ -108,6 +147,7 @@ class ChatRequest:
     n: int
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False
 
 
 def parse_json(raw: bytes) -> dict:
@@ -133,6 +173,39 @@ def _validate(model_cls, body: dict):
         raise APIError(400, f"invalid value for '{'.'.join(loc)}': {err['msg']} (got {shown}).", param=param) from None
 
 
+# Fields read straight from the body (not model fields), per endpoint.
+_BODY_FIELDS = {"completion": {"prompt", "stop"}, "chat": {"messages", "stop", "tools", "tool_choice"}}
+# vLLM / OpenAI fields that change what is generated and that the engine cannot do: a 400 when set (truthy).
+REFUSED_FIELDS = {
+    "use_beam_search": "beam search", "allowed_token_ids": "allowed token ids", "bad_words": "bad words",
+    "logits_processors": "custom logits processors", "truncate_prompt_tokens": "prompt truncation",
+    "guided_json": "structured output", "guided_regex": "structured output", "guided_choice": "structured output",
+    "guided_grammar": "structured output", "guided_decoding_backend": "structured output",
+    "structured_outputs": "structured output", "length_penalty": "beam search",
+    "functions": "function calling", "audio": "audio output", "prediction": "predicted outputs",
+    "modalities": "output modalities", "web_search_options": "web search", "continue_final_message":
+    "continuing the final message",
+}
+# Known fields that change nothing this server computes (accepted silently).
+NO_EFFECT_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "request_id", "priority",
+                    "add_generation_prompt", "add_special_tokens", "documents", "chat_template_kwargs",
+                    "spaces_between_special_tokens", "return_tokens_as_token_ids", "reasoning_effort"}
+UNKNOWN_LOGGED: set[str] = set()
+_unknown_lock = threading.Lock()
+
+
+def _log_unknown(body: dict, model_cls, kind: str) -> None:
+    """Log each field no part of this server reads, once per name for the process (it changes nothing here, so a
+    benchmark relying on it should know)."""
+    known = set(model_cls.model_fields) | _BODY_FIELDS[kind] | set(REFUSED_FIELDS) | NO_EFFECT_FIELDS
+    for name in body.keys() - known:
+        with _unknown_lock:
+            if name in UNKNOWN_LOGGED:
+                continue
+            UNKNOWN_LOGGED.add(name)
+        log.warning("request field %r is not known to this server and is ignored (logged once per name)", name)
+
+
 def _unsupported(body: dict, fields: _Common) -> None:
     named = []
     if fields.logit_bias:
@@ -140,7 +213,7 @@ def _unsupported(body: dict, fields: _Common) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(fields, name):
             named.append(name)
-    for name in ("tools", "functions", "audio", "prediction"):
+    for name in ("tools", *REFUSED_FIELDS):
         if body.get(name):
             named.append(name)
     if body.get("tool_choice") not in (None, "none"):
@@ -168,13 +241,26 @@ def _common(body: dict, fields: _Common, max_tokens: int | None, logprobs: int |
     _unsupported(body, fields)
     if fields.stream_options is not None and not fields.stream:
         raise APIError(400, "'stream_options' is only allowed with 'stream': true.", param="stream_options")
+    if fields.min_tokens and max_tokens is not None and fields.min_tokens > max_tokens:
+        raise APIError(400, f"'min_tokens' ({fields.min_tokens}) is more than max_tokens ({max_tokens}).",
+                       param="min_tokens")
+    if fields.stop_token_ids and not all(t >= 0 for t in fields.stop_token_ids):
+        raise APIError(400, "'stop_token_ids' must hold token ids >= 0.", param="stop_token_ids")
     return SamplingParams(max_tokens=max_tokens, temperature=fields.temperature, top_p=fields.top_p,
                           top_k=fields.top_k, min_p=fields.min_p, repetition_penalty=fields.repetition_penalty,
-                          seed=fields.seed, stop=_stop(body.get("stop")), logprobs=logprobs)
+                          seed=fields.seed, stop=_stop(body.get("stop")), logprobs=logprobs,
+                          ignore_eos=bool(fields.ignore_eos), min_tokens=fields.min_tokens,
+                          stop_token_ids=fields.stop_token_ids, include_stop=bool(fields.include_stop_str_in_output),
+                          skip_special_tokens=fields.skip_special_tokens is not False,
+                          prompt_logprobs=fields.prompt_logprobs)
 
 
 def _include_usage(fields: _Common) -> bool:
     return bool(fields.stream_options and fields.stream_options.include_usage)
+
+
+def _continuous_usage(fields: _Common) -> bool:
+    return bool(fields.stream_options and fields.stream_options.continuous_usage_stats)
 
 
 def _is_ids(value) -> bool:
@@ -198,18 +284,23 @@ def _prompts(value) -> list[str | list[int]]:
 
 def parse_completion(body: dict) -> CompletionRequest:
     fields = _validate(CompletionFields, body)
+    _log_unknown(body, CompletionFields, "completion")
     if fields.suffix:
         raise APIError(400, "this server's engine does not support 'suffix' (insertion); remove it.", param="suffix")
     n = fields.n or 1
     if fields.best_of is not None and fields.best_of != n:
         raise APIError(400, f"'best_of' ({fields.best_of}) other than 'n' ({n}) is not supported: the engine does "
                             "not rank samples; use 'n'.", param="best_of")
-    if fields.echo and fields.logprobs is not None:
-        raise APIError(400, "'echo' with 'logprobs' asks for prompt logprobs, which the engine does not give; drop "
-                            "one of them.", param="echo")
+    if fields.max_tokens == 0 and not fields.echo:
+        raise APIError(400, "'max_tokens': 0 generates nothing; it is accepted only with 'echo': true (to score the "
+                            "prompt with 'logprobs').", param="max_tokens")
     params = _common(body, fields, fields.max_tokens, fields.logprobs)
+    if fields.echo and fields.logprobs is not None:
+        params.echo_logprobs = fields.logprobs
+    if fields.max_tokens == 0:
+        params.max_tokens, params.generate = 1, False
     return CompletionRequest(fields.model, _prompts(body.get("prompt")), params, n, bool(fields.stream),
-                             _include_usage(fields), bool(fields.echo))
+                             _include_usage(fields), bool(fields.echo), _continuous_usage(fields))
 
 
 _ROLES = ("system", "developer", "user", "assistant")
@@ -234,7 +325,7 @@ def _content(value, where: str) -> str:
                    param="messages")
 
 
-def _messages(value) -> list[dict]:
+def parse_messages(value) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise APIError(400, "'messages' must be a non-empty list of {\"role\", \"content\"} objects.",
                        param="messages")
@@ -255,6 +346,7 @@ def _messages(value) -> list[dict]:
 
 def parse_chat(body: dict) -> ChatRequest:
     fields = _validate(ChatFields, body)
+    _log_unknown(body, ChatFields, "chat")
     fmt = fields.response_format
     if fmt is not None and fmt.get("type", "text") != "text":
         raise APIError(400, f"this server's engine does not support response_format {fmt.get('type')!r} "
@@ -264,5 +356,5 @@ def parse_chat(body: dict) -> ChatRequest:
     logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
     max_tokens = fields.max_completion_tokens if fields.max_completion_tokens is not None else fields.max_tokens
     params = _common(body, fields, max_tokens, logprobs)
-    return ChatRequest(fields.model, _messages(body.get("messages")), params, fields.n or 1, bool(fields.stream),
-                       _include_usage(fields))
+    return ChatRequest(fields.model, parse_messages(body.get("messages")), params, fields.n or 1, bool(fields.stream),
+                       _include_usage(fields), _continuous_usage(fields))
