@@ -108,6 +108,7 @@ class EngineCore:
                 prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                 prompt_ranks=[None] if params.prompt_logprobs is not None else None,
                 prompt_top_logprobs=[None] if params.prompt_logprobs is not None else None,
+                matcher=params.grammar.matcher() if params.grammar is not None else None,
             )
 
         request = make(request_id, 0)
@@ -214,8 +215,9 @@ class EngineCore:
                         rows.append(i)
         if len(rows) != len(chunks):
             logits = logits[torch.tensor(rows, device=logits.device)]  # [k + forks, vocab]
+        bitmask, constrained = self._bitmask(reqs, logits.shape[-1])
         result = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs],
-                              [r.tokens for r in reqs], [r.num_generated for r in reqs])
+                              [r.tokens for r in reqs], [r.num_generated for r in reqs], bitmask, constrained)
         now = time.perf_counter()
         lps = result.logprobs or [None] * len(reqs)
         tops = result.top_logprobs or [None] * len(reqs)
@@ -226,9 +228,27 @@ class EngineCore:
                 self.ttft.append(now - req.created_time)
             req.append(token, now, lp, top)
             self.generated_tokens += 1
+            if req.matcher is not None and req.finish_reason is None:
+                if not req.matcher.accept(token):
+                    req.error = f"the sampled token {token} does not continue the request's grammar"
+                    self._end(req, RequestStatus.FAILED)
+                    continue
+                if req.matcher.is_terminated:  # the grammar's text is complete: nothing more may follow
+                    req.finish_reason = "stop"
             if req.finish_reason is not None:
                 self._end(req, RequestStatus.FINISHED)
         return reqs
+
+    @staticmethod
+    def _bitmask(reqs: list[Request], vocab: int):
+        """``(int32 [r, words] allowed tokens, rows)`` of the requests with a grammar; ``(None, None)`` if none."""
+        constrained = [i for i, r in enumerate(reqs) if r.matcher is not None]
+        if not constrained:
+            return None, None
+        bitmask = torch.full((len(constrained), (vocab + 31) // 32), -1, dtype=torch.int32)  # [r, words]
+        for j, i in enumerate(constrained):
+            reqs[i].matcher.fill(bitmask, j)
+        return bitmask, constrained
 
     def _fail_batch(self, batch: Batch, err: Exception, computed: bool = False) -> list[Request]:
         self.failed_steps += 1

@@ -88,7 +88,8 @@ REFUSED = {
 # Values of refusable settings that do nothing, where generate()'s default is None.
 NEUTRAL = {"min_new_tokens": 0, "guidance_scale": 1.0, "diversity_penalty": 0.0, "num_beam_groups": 1}
 # Options of the engine's add_request that are not GenerationConfig fields.
-ENGINE_OPTIONS = frozenset({"seed", "logprobs", "stop_token_ids", "ignore_eos", "min_tokens", "prompt_logprobs"})
+ENGINE_OPTIONS = frozenset({"seed", "logprobs", "stop_token_ids", "ignore_eos", "min_tokens", "prompt_logprobs",
+                            "grammar"})
 # Per-call callables generate() accepts; refused because they may keep state across steps and see padded batches.
 CALLABLES = frozenset({"logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn"})
 
@@ -112,6 +113,8 @@ class SamplingParams:
     ``prompt_logprobs``: None for none, else every prompt token's log-probability under the model (the first has
     none) with the k most likely tokens at each position (k = 0: the token's own only).
     ``min_tokens``: EOS and stop token ids are masked out until that many tokens were generated.
+    ``grammar``: a :class:`~hf_paged.engine.structured.CompiledGrammar` the output must match (structured output),
+    applied as a token bitmask before the other processors.
     ``num_return_sequences`` > 1 (sampling only) asks the engine for that many forks of the request.
 
     Example::
@@ -132,6 +135,7 @@ class SamplingParams:
     num_return_sequences: int = 1
     min_tokens: int = 0
     prompt_logprobs: int | None = None
+    grammar: object = None
 
     def __post_init__(self):
         if not isinstance(self.do_sample, bool):
@@ -159,6 +163,9 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
             raise ValueError(f"prompt_logprobs must be None or an integer >= 0 (top alternatives), got "
                              f"{self.prompt_logprobs!r}")
+        if self.grammar is not None and not callable(getattr(self.grammar, "matcher", None)):
+            raise ValueError(f"grammar must be a CompiledGrammar (GrammarCompiler(tokenizer).compile(spec)), got "
+                             f"{type(self.grammar).__name__}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_new_tokens:
@@ -257,7 +264,7 @@ class SamplingParams:
             eos_token_ids=eos + _token_ids(settings.get("stop_token_ids"), "stop_token_ids"),
             seed=settings.get("seed"), logprobs=settings.get("logprobs"),
             num_return_sequences=settings.get("num_return_sequences") or 1,
-            min_tokens=min_tokens, prompt_logprobs=settings.get("prompt_logprobs"),
+            min_tokens=min_tokens, prompt_logprobs=settings.get("prompt_logprobs"), grammar=settings.get("grammar"),
         )
 
     def finish_reason(self, token: int, num_generated: int) -> str | None:
@@ -349,18 +356,23 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None], histories: list[list[int]],
-                 num_generated: list[int] | None = None) -> SampleResult:
+                 num_generated: list[int] | None = None, bitmask: torch.Tensor | None = None,
+                 bitmask_rows: list[int] | None = None) -> SampleResult:
         """Tokens for ``logits`` ``[n, vocab]`` (the last-token logits of n rows).
 
         ``generators[i]`` is row i's ``new_generator`` (None: the global RNG); ``histories[i]`` its prompt +
         generated ids, read only when ``params[i].uses_history`` (others may pass ``[]``); ``num_generated[i]``: the
-        tokens row i has generated so far (read for ``min_tokens``; default 0 for every row).
+        tokens row i has generated so far (read for ``min_tokens``; default 0 for every row). ``bitmask``
+        ``int32 [r, ceil(vocab / 32)]``: the allowed tokens of rows ``bitmask_rows`` (structured output; bit j of
+        word w set = token 32 w + j allowed); None when no row is constrained.
         """
         n, vocab = logits.shape
         if not len(params) == len(generators) == len(histories) == n:
             raise ValueError(f"logits have {n} rows but {len(params)} params, {len(generators)} generators and "
                              f"{len(histories)} histories were given; pass one of each per row")
         scores = _mask_min_tokens(logits.float(), params, num_generated)  # [n, vocab]
+        if bitmask is not None:
+            scores = apply_bitmask(scores, bitmask, bitmask_rows)
         groups: dict[tuple, list[int]] = {}
         for row, p in enumerate(params):
             groups.setdefault(_chain_key(p), []).append(row)
@@ -454,6 +466,19 @@ def _mask_min_tokens(scores: torch.Tensor, params, num_generated) -> torch.Tenso
         return scores
     scores = scores.clone()
     scores[torch.tensor(rows, device=scores.device), torch.tensor(cols, device=scores.device)] = float("-inf")
+    return scores
+
+
+def apply_bitmask(scores: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """A copy of ``scores`` ``[n, vocab]`` with the tokens ``bitmask`` ``int32 [r, words]`` disallows in ``rows``
+    set to -inf."""
+    n, vocab = scores.shape
+    bits = torch.arange(32, dtype=torch.int32, device=scores.device)  # [32]
+    words = bitmask.to(scores.device)  # [r, words]
+    allowed = ((words[:, :, None] >> bits) & 1).bool().reshape(len(rows), -1)[:, :vocab]  # [r, vocab]
+    scores = scores.clone()
+    index = torch.tensor(rows, device=scores.device)  # [r]
+    scores[index] = scores[index].masked_fill(~allowed, float("-inf"))
     return scores
 
 

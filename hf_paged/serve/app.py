@@ -189,6 +189,8 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
         check_model(req.model)
         prompts = [p if isinstance(p, list) else await engine.encode(p) for p in req.prompts]
         limits = await engine.run(budgets, prompts, req.params.max_tokens)
+        if req.params.grammar_spec is not None:
+            req.params.grammar = await engine.compile_grammar(req.params.grammar_spec)
         gen = engine.generate(prompts, req.params, req.n, limits, record.start)
         record.generation = gen
         echoes = None
@@ -206,6 +208,8 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
         check_model(req.model)
         prompt = await engine.chat_prompt(req.messages)
         limits = await engine.run(budgets, [prompt], req.params.max_tokens)
+        if req.params.grammar_spec is not None:
+            req.params.grammar = await engine.compile_grammar(req.params.grammar_spec)
         gen = engine.generate([prompt], req.params, req.n, limits, record.start)
         record.generation = gen
         shape = Shape("chat", f"chatcmpl-{record.id}", int(time.time()), name, req.include_usage)

@@ -16,6 +16,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..engine.structured import GrammarCompiler, GrammarSpec
 from .detokenizer import IncrementalDetokenizer
 from .errors import APIError
 from .protocol import SamplingParams
@@ -136,6 +137,8 @@ class AsyncEngine:
         self.metrics = metrics
         self._tokenize_pool = ThreadPoolExecutor(tokenize_workers, thread_name_prefix="hf_paged-tokenize")
         self._detok_pool = ThreadPoolExecutor(1, thread_name_prefix="hf_paged-detok")
+        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="hf_paged-grammar")
+        self._grammars: GrammarCompiler | None = None  # built at the first structured request
         self._serial = itertools.count()
         self._token_text: dict[int, str] = {}
         self._live: dict[str, _Choice] = {}  # submitted, not ended (added on the loop, removed by the detok thread)
@@ -146,6 +149,7 @@ class AsyncEngine:
 
     def close(self) -> None:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         self._detok_pool.shutdown(wait=True, cancel_futures=False)
 
     # -- tokenization (thread pool) --------------------------------------------------------------------------------
@@ -172,6 +176,29 @@ class AsyncEngine:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
         return await self._offload(render)
+
+    def stop_token_ids(self) -> list[int]:
+        """The ids that end a request by default (the generation config's EOS and the tokenizer's)."""
+        eos = getattr(getattr(self.manager, "generation_config", None), "eos_token_id", None)
+        ids = [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
+            ids.append(self.tokenizer.eos_token_id)
+        return ids
+
+    async def compile_grammar(self, spec: GrammarSpec):
+        """The compiled grammar for ``spec`` (cached by spec), compiled on the grammar thread, never the engine's."""
+
+        def compile_():
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_token_ids())
+            return self._grammars.compile(spec)
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._grammar_pool, compile_)
+        except ImportError as exc:
+            raise APIError(400, f"this server cannot constrain output: {exc}.") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="response_format") from None
 
     # -- generation ------------------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int, max_new_tokens: list[int],

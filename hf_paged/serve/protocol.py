@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..engine.structured import GrammarSpec
 from .errors import APIError
 
 log = logging.getLogger("hf_paged.serve")
@@ -98,6 +99,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     echo_logprobs: int | None = None  # completions' echo + logprobs: the prompt tokens' logprobs, k alternatives
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field
+    grammar_spec: GrammarSpec | None = None  # structured output asked for (compiled by the app)
+    grammar: object = None  # its CompiledGrammar
     generate: bool = True  # False: max_tokens 0 with echo (one token runs, none is returned)
 
     @property
@@ -115,6 +118,8 @@ class SamplingParams:
             kwargs["stop_token_ids"] = list(self.stop_token_ids)
         if self.engine_prompt_logprobs is not None:
             kwargs["prompt_logprobs"] = self.engine_prompt_logprobs
+        if self.grammar is not None:
+            kwargs["grammar"] = self.grammar
         if self.temperature is not None:
             kwargs["do_sample"] = self.temperature > 0
             if self.temperature > 0:
@@ -174,14 +179,15 @@ def _validate(model_cls, body: dict):
 
 
 # Fields read straight from the body (not model fields), per endpoint.
-_BODY_FIELDS = {"completion": {"prompt", "stop"}, "chat": {"messages", "stop", "tools", "tool_choice"}}
+_STRUCTURED = {"structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+               "guided_decoding_backend", "response_format"}
+_BODY_FIELDS = {"completion": {"prompt", "stop", *_STRUCTURED}, "chat": {"messages", "stop", "tools", "tool_choice",
+                                                                        *_STRUCTURED}}
 # vLLM / OpenAI fields that change what is generated and that the engine cannot do: a 400 when set (truthy).
 REFUSED_FIELDS = {
     "use_beam_search": "beam search", "allowed_token_ids": "allowed token ids", "bad_words": "bad words",
     "logits_processors": "custom logits processors", "truncate_prompt_tokens": "prompt truncation",
-    "guided_json": "structured output", "guided_regex": "structured output", "guided_choice": "structured output",
-    "guided_grammar": "structured output", "guided_decoding_backend": "structured output",
-    "structured_outputs": "structured output", "length_penalty": "beam search",
+    "length_penalty": "beam search",
     "functions": "function calling", "audio": "audio output", "prediction": "predicted outputs",
     "modalities": "output modalities", "web_search_options": "web search", "continue_final_message":
     "continuing the final message",
@@ -255,6 +261,69 @@ def _common(body: dict, fields: _Common, max_tokens: int | None, logprobs: int |
                           prompt_logprobs=fields.prompt_logprobs)
 
 
+def _schema_text(value, where: str) -> str:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise APIError(400, f"'{where}' is not valid JSON: {exc}.", param=where.split(".")[0]) from None
+    if not isinstance(value, dict):
+        raise APIError(400, f"'{where}' must be a JSON schema (an object), got {type(value).__name__}.",
+                       param=where.split(".")[0])
+    return json.dumps(value, sort_keys=True)
+
+
+def grammar_spec(body: dict) -> GrammarSpec | None:
+    """The structured output a request asks for: OpenAI's ``response_format`` (``json_object``, ``json_schema``),
+    vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) or its older
+    ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``; None for none. At most one."""
+    asked: list[tuple[str, GrammarSpec]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type", "text") not in ("text", "json_object", "json_schema"):
+            raise APIError(400, "'response_format' must be {\"type\": \"text\" | \"json_object\" | "
+                                "\"json_schema\"}.", param="response_format")
+        if fmt.get("type") == "json_object":
+            asked.append(("response_format", GrammarSpec("json_object")))
+        elif fmt.get("type") == "json_schema":
+            inner = fmt.get("json_schema")
+            if not isinstance(inner, dict) or "schema" not in inner:
+                raise APIError(400, "'response_format' of type json_schema needs 'json_schema': {\"name\", "
+                                    "\"schema\"}.", param="response_format")
+            asked.append(("response_format", GrammarSpec("json_schema",
+                                                         _schema_text(inner["schema"], "response_format.schema"))))
+    so = body.get("structured_outputs")
+    guided = {key[len("guided_"):]: body[key] for key in ("guided_json", "guided_regex", "guided_choice",
+                                                           "guided_grammar") if body.get(key) is not None}
+    for where, options in (("structured_outputs", so), ("guided_*", guided or None)):
+        if options is None:
+            continue
+        if not isinstance(options, dict):
+            raise APIError(400, f"'{where}' must be an object.", param=where)
+        for key, value in options.items():
+            if value is None or value is False or key in ("disable_fallback", "disable_any_whitespace",
+                                                          "disable_additional_properties", "whitespace_pattern"):
+                continue
+            if key == "json":
+                asked.append((where, GrammarSpec("json_schema", _schema_text(value, f"{where}.json"))))
+            elif key == "json_object":
+                asked.append((where, GrammarSpec("json_object")))
+            elif key in ("regex", "grammar") and isinstance(value, str):
+                asked.append((where, GrammarSpec(key, value)))
+            elif key == "choice" and isinstance(value, list) and value and all(isinstance(c, str) for c in value):
+                asked.append((where, GrammarSpec("choice", json.dumps(value))))
+            elif key in ("regex", "grammar", "choice"):
+                raise APIError(400, f"'{where}.{key}' must be "
+                                    f"{'a list of strings' if key == 'choice' else 'a string'}.", param=where)
+            else:
+                raise APIError(400, f"'{where}.{key}' is not supported; use json, regex, choice, grammar or "
+                                    "json_object.", param=where)
+    if len(asked) > 1:
+        raise APIError(400, f"the request asks for {len(asked)} output constraints ({', '.join(w for w, _ in asked)}); "
+                            "send one.", param=asked[0][0])
+    return asked[0][1] if asked else None
+
+
 def _include_usage(fields: _Common) -> bool:
     return bool(fields.stream_options and fields.stream_options.include_usage)
 
@@ -299,6 +368,7 @@ def parse_completion(body: dict) -> CompletionRequest:
         params.echo_logprobs = fields.logprobs
     if fields.max_tokens == 0:
         params.max_tokens, params.generate = 1, False
+    params.grammar_spec = grammar_spec(body)
     return CompletionRequest(fields.model, _prompts(body.get("prompt")), params, n, bool(fields.stream),
                              _include_usage(fields), bool(fields.echo), _continuous_usage(fields))
 
@@ -347,14 +417,11 @@ def parse_messages(value) -> list[dict]:
 def parse_chat(body: dict) -> ChatRequest:
     fields = _validate(ChatFields, body)
     _log_unknown(body, ChatFields, "chat")
-    fmt = fields.response_format
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise APIError(400, f"this server's engine does not support response_format {fmt.get('type')!r} "
-                            "(structured output); remove it.", param="response_format")
     if fields.top_logprobs is not None and not fields.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
     logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
     max_tokens = fields.max_completion_tokens if fields.max_completion_tokens is not None else fields.max_tokens
     params = _common(body, fields, max_tokens, logprobs)
+    params.grammar_spec = grammar_spec(body)
     return ChatRequest(fields.model, parse_messages(body.get("messages")), params, fields.n or 1, bool(fields.stream),
                        _include_usage(fields), _continuous_usage(fields))
