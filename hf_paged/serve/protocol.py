@@ -270,7 +270,7 @@ def _schema_text(value, where: str) -> str:
     if not isinstance(value, dict):
         raise APIError(400, f"'{where}' must be a JSON schema (an object), got {type(value).__name__}.",
                        param=where.split(".")[0])
-    return json.dumps(value, sort_keys=True)
+    return json.dumps(value)  # property order kept: the model writes them in this order
 
 
 def grammar_spec(body: dict) -> GrammarSpec | None:
