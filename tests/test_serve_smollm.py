@@ -1,8 +1,10 @@
 """The server on the embedded SmolLM2 with the real ``openai`` client (loopback): ``chat.completions.parse`` with a
-pydantic model returns a valid object (every field typed) at temperature 0 and 1."""
+pydantic model returns a valid object (every field typed) at temperature 0 and 1; ``tool_choice="required"`` gives
+a valid call (SmolLM2's chat template has no tool support: the tools reach it as a system message)."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated
 
 import pytest
@@ -57,3 +59,24 @@ def test_parse_with_a_pydantic_model_gives_a_valid_object(served, temperature, s
     assert isinstance(person.name, str) and type(person.age) is int and isinstance(person.employed, bool)
     assert all(isinstance(h, str) for h in person.hobbies) and len(person.hobbies) <= 3
     assert len(person.name) <= 40 and len(person.city) <= 40 and 0 <= person.age <= 130
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city.",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 40},
+                                                "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                                "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+def test_tool_choice_required_gives_a_valid_call(served):
+    """tool_choice "required" (one call): the call names the tool and its arguments validate against its schema;
+    finish_reason "tool_calls"."""
+    r = served.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER],
+        tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=120)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and set(args) == {"city", "unit"}
+    assert isinstance(args["city"], str) and len(args["city"]) <= 40 and args["unit"] in ("celsius", "fahrenheit")

@@ -19,6 +19,9 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .middleware import DEFAULT_MAX_BODY_BYTES, ServeMiddleware
 from .protocol import SamplingParams, parse_chat, parse_messages, parse_completion, parse_json
 from .responses import DONE, Shape, echo_logprobs, sse, usage, vllm_prompt_logprobs
+from .tools import MISTRAL, NAMED, REQUIRED, ToolCallParser, template_reads_tools, tool_format
+
+ARGUMENT_FRAGMENT = 24  # characters of a tool call's arguments per streamed delta
 
 log = logging.getLogger("hf_paged.serve")
 
@@ -206,16 +209,32 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
         record = request.state.record
         req = await engine.run(lambda raw: parse_chat(parse_json(raw)), await request.body())
         check_model(req.model)
-        prompt = await engine.chat_prompt(req.messages)
+        prompt = await engine.chat_prompt(req.messages, tools=req.tools)
         limits = await engine.run(budgets, [prompt], req.params.max_tokens)
+        parser = tool_parser(req.tools, req.params)
         if req.params.grammar_spec is not None:
             req.params.grammar = await engine.compile_grammar(req.params.grammar_spec)
         gen = engine.generate([prompt], req.params, req.n, limits, record.start)
         record.generation = gen
         shape = Shape("chat", f"chatcmpl-{record.id}", int(time.time()), name, req.include_usage)
         if req.stream:
-            return _stream(gen, shape, record, req.n, None, req.params, req.continuous_usage)
-        return await _collect(gen, shape, request, record, req.n, None, req.params)
+            return _stream(gen, shape, record, req.n, None, req.params, req.continuous_usage, parser)
+        return await _collect(gen, shape, request, record, req.n, None, req.params, parser)
+
+    def tool_parser(tools, params: SamplingParams):
+        """A factory of per-choice tool-call parsers (None: the output is all content)."""
+        if tools is None or tools.choice == "none":
+            return None
+        if tools.choice in (REQUIRED, NAMED):
+            mode = tools.choice
+        else:
+            template = str(getattr(tokenizer, "chat_template", "") or "")
+            mode = tool_format(template) if template_reads_tools(template) else tool_format(None)
+        drop = None
+        if mode == MISTRAL:  # [TOOL_CALLS] is a special token: keep special tokens, drop the EOS text
+            params.skip_special_tokens = False
+            drop = tokenizer.eos_token
+        return lambda: ToolCallParser(mode, tools.name, drop)
 
     app.add_middleware(ServeMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        on_done=lambda r: metrics.count_request(r.path, r.status or 499))
@@ -251,8 +270,10 @@ def _prompt_views(entries, params: SamplingParams) -> tuple[dict | None, list | 
     return echo, vllm
 
 
-async def _collect(gen: Generation, shape: Shape, request: Request, record, n: int, echoes, params: SamplingParams):
-    """A whole (non-streamed) response; a client that goes away meanwhile cancels its choices."""
+async def _collect(gen: Generation, shape: Shape, request: Request, record, n: int, echoes, params: SamplingParams,
+                   parser=None):
+    """A whole (non-streamed) response; a client that goes away meanwhile cancels its choices. ``parser``: a
+    factory of :class:`ToolCallParser` (chat with tools)."""
     prompts: dict[int, list | None] = {c.index: None for c in gen.choices}
     texts: dict[int, list[str]] = {c.index: [] for c in gen.choices}
     logprobs: dict[int, list | None] = {c.index: None for c in gen.choices}
@@ -288,21 +309,31 @@ async def _collect(gen: Generation, shape: Shape, request: Request, record, n: i
         prefix = echoes[c.index // n] if echoes else ""
         want = c.want_logprobs
         echo_lp, vllm_lp = _prompt_views(prompts[c.index], params)
-        choices.append({"index": c.index, "text": prefix + "".join(texts[c.index]),
-                        "finish_reason": finish.get(c.index, "stop"),
+        text, reason, calls = prefix + "".join(texts[c.index]), finish.get(c.index, "stop"), None
+        if parser is not None:
+            tools = parser()
+            text = tools.feed(text)
+            rest, found = tools.finish()
+            text += rest
+            if found:
+                calls, reason = [call.openai() for call in found], "tool_calls"
+        choices.append({"index": c.index, "text": text, "finish_reason": reason,
                         "logprobs": (logprobs[c.index] or []) if want else None, "offset": len(prefix),
-                        "echo_logprobs": echo_lp, "prompt_logprobs": vllm_lp})
+                        "echo_logprobs": echo_lp, "prompt_logprobs": vllm_lp, "tool_calls": calls})
     return JSONResponse(shape.full(choices, gen.prompt_tokens, gen.completion_tokens))
 
 
 def _stream(gen: Generation, shape: Shape, record, n: int, echoes, params: SamplingParams,
-            continuous_usage: bool = False) -> StreamingResponse:
+            continuous_usage: bool = False, parser=None) -> StreamingResponse:
     """Server-sent chunks. The echoed prompt goes first, or, when its logprobs are asked, with the first piece
-    (which carries them); ``continuous_usage``: every chunk carries the usage so far."""
+    (which carries them); ``continuous_usage``: every chunk carries the usage so far. With tools (``parser``), text
+    that may open a tool call is held back; the calls go out at the choice's end as OpenAI streams them (a delta
+    with index, id and name, then fragments of the arguments), with ``finish_reason: "tool_calls"``."""
     late_echo = echoes is not None and params.echo_logprobs is not None
 
     async def events():
         offsets = {c.index: 0 for c in gen.choices}
+        tools = {c.index: parser() for c in gen.choices} if parser is not None else {}
 
         def now():
             return usage(gen.prompt_tokens, gen.completion_tokens) if continuous_usage else None
@@ -326,13 +357,28 @@ def _stream(gen: Generation, shape: Shape, record, n: int, echoes, params: Sampl
                     yield shape.chunk(piece.index, text, echo_lp=echo_lp, prompt_logprobs=vllm_lp, usage_now=now())
                     if late_echo:
                         offsets[piece.index] = len(text)
-                if piece.text or piece.logprobs:
-                    yield shape.chunk(piece.index, piece.text, logprobs=piece.logprobs, offset=offsets[piece.index],
+                text, reason = piece.text, piece.finish_reason
+                if tools:
+                    text = tools[piece.index].feed(text)
+                if text or piece.logprobs:
+                    yield shape.chunk(piece.index, text, logprobs=piece.logprobs, offset=offsets[piece.index],
                                       usage_now=now())
-                    offsets[piece.index] += len(piece.text)
-                if piece.finish_reason is not None:
-                    yield shape.chunk(piece.index, None if shape.kind == "chat" else "", piece.finish_reason,
-                                      usage_now=now())
+                    offsets[piece.index] += len(text)
+                if reason is not None and tools:
+                    rest, calls = tools[piece.index].finish()
+                    if rest:
+                        yield shape.chunk(piece.index, rest, usage_now=now())
+                    for i, call in enumerate(calls):
+                        yield shape.chunk(piece.index, None, usage_now=now(), tool_calls=[{
+                            "index": i, "id": call.id, "type": "function",
+                            "function": {"name": call.name, "arguments": ""}}])
+                        for at in range(0, len(call.arguments), ARGUMENT_FRAGMENT):
+                            yield shape.chunk(piece.index, None, usage_now=now(), tool_calls=[{
+                                "index": i, "function": {"arguments": call.arguments[at:at + ARGUMENT_FRAGMENT]}}])
+                    if calls:
+                        reason = "tool_calls"
+                if reason is not None:
+                    yield shape.chunk(piece.index, None if shape.kind == "chat" else "", reason, usage_now=now())
             if shape.include_usage:
                 yield shape.usage_chunk(gen.prompt_tokens, gen.completion_tokens)
             yield DONE

@@ -21,6 +21,7 @@ from .detokenizer import IncrementalDetokenizer
 from .errors import APIError
 from .protocol import SamplingParams
 from .stops import StopChecker
+from .tools import ToolRequest, template_messages, template_reads_tools
 
 log = logging.getLogger("hf_paged.serve")
 
@@ -166,13 +167,19 @@ class AsyncEngine:
     async def decode(self, ids: list[int]) -> str:
         return await self._offload(lambda: self.tokenizer.decode(ids, skip_special_tokens=True))
 
-    async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
+    async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                          tools: ToolRequest | None = None) -> list[int]:
+        """The prompt's ids: ``messages`` through the chat template, with ``tools`` (see ``tools.py``)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions with a prompt.")
+        reads_tools = template_reads_tools(template if isinstance(template, str) else str(template))
+        messages = template_messages(messages, tools, reads_tools)
+        extra = {"tools": tools.tools} if tools is not None and tools.choice != "none" and reads_tools else {}
 
         def render():
             text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+                                                      add_generation_prompt=add_generation_prompt, **extra)
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
         return await self._offload(render)

@@ -5,7 +5,7 @@ Honoured beyond OpenAI's own: ``ignore_eos``, ``min_tokens``, ``stop_token_ids``
 ``skip_special_tokens``, ``stream_options.continuous_usage_stats``, ``prompt_logprobs``, ``top_k``, ``min_p``,
 ``repetition_penalty``; completions' ``echo`` with ``logprobs`` (prompt logprobs) and ``max_tokens: 0`` with ``echo``.
 A field this server does not know is ignored and logged once per name (``UNKNOWN_LOGGED``); a known field of the
-wrong type or out of range is a 400 naming it; a feature the engine does not have (``REFUSED_FIELDS``: tools,
+wrong type or out of range is a 400 naming it; a feature the engine does not have (``REFUSED_FIELDS``:
 ``logit_bias``, presence / frequency penalties, ``suffix``, beam search, allowed / bad words, ...) is a 400 naming it
 rather than silently dropped.
 """
@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..engine.structured import GrammarSpec
 from .errors import APIError
+from .tools import NAMED, REQUIRED, ToolRequest, named_schema, parse_tools, required_schema
 
 log = logging.getLogger("hf_paged.serve")
 
@@ -153,6 +154,7 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     continuous_usage: bool = False
+    tools: ToolRequest | None = None
 
 
 def parse_json(raw: bytes) -> dict:
@@ -182,6 +184,7 @@ def _validate(model_cls, body: dict):
 _STRUCTURED = {"structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                "guided_decoding_backend", "response_format"}
 _BODY_FIELDS = {"completion": {"prompt", "stop", *_STRUCTURED}, "chat": {"messages", "stop", "tools", "tool_choice",
+                                                                        "parallel_tool_calls",
                                                                         *_STRUCTURED}}
 # vLLM / OpenAI fields that change what is generated and that the engine cannot do: a 400 when set (truthy).
 REFUSED_FIELDS = {
@@ -193,7 +196,7 @@ REFUSED_FIELDS = {
     "continuing the final message",
 }
 # Known fields that change nothing this server computes (accepted silently).
-NO_EFFECT_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "request_id", "priority",
+NO_EFFECT_FIELDS = {"user", "metadata", "store", "service_tier", "request_id", "priority",
                     "add_generation_prompt", "add_special_tokens", "documents", "chat_template_kwargs",
                     "spaces_between_special_tokens", "return_tokens_as_token_ids", "reasoning_effort"}
 UNKNOWN_LOGGED: set[str] = set()
@@ -219,11 +222,9 @@ def _unsupported(body: dict, fields: _Common) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(fields, name):
             named.append(name)
-    for name in ("tools", *REFUSED_FIELDS):
+    for name in REFUSED_FIELDS:
         if body.get(name):
             named.append(name)
-    if body.get("tool_choice") not in (None, "none"):
-        named.append("tool_choice")
     if body.get("function_call") not in (None, "none"):
         named.append("function_call")
     if named:
@@ -354,6 +355,8 @@ def _prompts(value) -> list[str | list[int]]:
 def parse_completion(body: dict) -> CompletionRequest:
     fields = _validate(CompletionFields, body)
     _log_unknown(body, CompletionFields, "completion")
+    if body.get("tools") or body.get("tool_choice") not in (None, "none"):
+        raise APIError(400, "tools are served on /v1/chat/completions, not /v1/completions.", param="tools")
     if fields.suffix:
         raise APIError(400, "this server's engine does not support 'suffix' (insertion); remove it.", param="suffix")
     n = fields.n or 1
@@ -373,7 +376,7 @@ def parse_completion(body: dict) -> CompletionRequest:
                              _include_usage(fields), bool(fields.echo), _continuous_usage(fields))
 
 
-_ROLES = ("system", "developer", "user", "assistant")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _content(value, where: str) -> str:
@@ -405,12 +408,22 @@ def parse_messages(value) -> list[dict]:
         if not isinstance(msg, dict):
             raise APIError(400, f"{where} must be an object, got {type(msg).__name__}.", param="messages")
         role = msg.get("role")
-        if role == "tool" or msg.get("tool_calls"):
-            raise APIError(400, f"{where}: tool messages and tool calls are not supported by this server's engine.",
-                           param="messages")
         if role not in _ROLES:
             raise APIError(400, f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}.", param="messages")
-        out.append({"role": "system" if role == "developer" else role, "content": _content(msg.get("content"), where)})
+        item = {"role": "system" if role == "developer" else role, "content": _content(msg.get("content"), where)}
+        if role == "tool":
+            if msg.get("tool_call_id") is not None:
+                item["tool_call_id"] = str(msg["tool_call_id"])
+        calls = msg.get("tool_calls")
+        if calls:
+            if role != "assistant" or not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    and isinstance(c["function"].get("name"), str) for c in calls):
+                raise APIError(400, f"{where}.tool_calls must be a list of {{\"id\", \"type\": \"function\", "
+                                    "\"function\": {\"name\", \"arguments\"}} on an assistant message.",
+                               param="messages")
+            item["tool_calls"] = calls
+        out.append(item)
     return out
 
 
@@ -423,5 +436,12 @@ def parse_chat(body: dict) -> ChatRequest:
     max_tokens = fields.max_completion_tokens if fields.max_completion_tokens is not None else fields.max_tokens
     params = _common(body, fields, max_tokens, logprobs)
     params.grammar_spec = grammar_spec(body)
+    tools = parse_tools(body)
+    if tools is not None and tools.choice in (REQUIRED, NAMED):
+        if params.grammar_spec is not None:
+            raise APIError(400, f"tool_choice {tools.choice!r} constrains the output itself; drop the other output "
+                                "constraint (response_format / structured_outputs).", param="tool_choice")
+        schema = required_schema(tools) if tools.choice == REQUIRED else named_schema(tools)
+        params.grammar_spec = GrammarSpec("json_schema", json.dumps(schema))
     return ChatRequest(fields.model, parse_messages(body.get("messages")), params, fields.n or 1, bool(fields.stream),
-                       _include_usage(fields), _continuous_usage(fields))
+                       _include_usage(fields), _continuous_usage(fields), tools)

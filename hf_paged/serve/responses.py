@@ -105,9 +105,12 @@ class Shape:
                 out.append(choice)
             else:
                 lp = chat_logprobs(c["logprobs"]) if c["logprobs"] is not None else None
-                out.append({"index": c["index"], "message": {"role": "assistant", "content": c["text"],
-                                                             "refusal": None},
-                            "logprobs": lp, "finish_reason": c["finish_reason"]})
+                message = {"role": "assistant", "content": c["text"], "refusal": None}
+                if c.get("tool_calls"):
+                    message["content"] = c["text"] or None
+                    message["tool_calls"] = c["tool_calls"]
+                out.append({"index": c["index"], "message": message, "logprobs": lp,
+                            "finish_reason": c["finish_reason"]})
                 if prompt_logprobs is None:
                     prompt_logprobs = c.get("prompt_logprobs")
         body = self._head("text_completion" if self.kind == "completion" else "chat.completion")
@@ -122,10 +125,10 @@ class Shape:
     def chunk(self, index: int, text: str | None, finish_reason: str | None = None,
               logprobs: list[TokenLogprob] | None = None, offset: int = 0, role: bool = False,
               echo_lp: dict | None = None, prompt_logprobs: list | None = None,
-              usage_now: dict | None = None) -> bytes:
+              usage_now: dict | None = None, tool_calls: list[dict] | None = None) -> bytes:
         """One stream chunk. ``echo_lp``: legacy logprobs of echoed prompt tokens (before ``logprobs``);
         ``prompt_logprobs``: vLLM's list (completions: in the choice, chat: top level); ``usage_now``: the usage so
-        far (``continuous_usage_stats``)."""
+        far (``continuous_usage_stats``); ``tool_calls``: chat delta entries (``index``, ``id``, ``function``)."""
         if self.kind == "completion":
             lp = completion_logprobs(logprobs, offset) if logprobs else None
             choice = {"index": index, "text": text or "", "logprobs": joined_logprobs(echo_lp, lp),
@@ -139,6 +142,8 @@ class Shape:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             lp = chat_logprobs(logprobs) if logprobs else None
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
             body = self._head("chat.completion.chunk")
