@@ -81,6 +81,12 @@ generation_kwargs:
   until: ["\\n", "Q:"]
   max_gen_toks: 12
   do_sample: false
+filter_list:
+  - name: last_word
+    filter:
+      - function: regex
+        regex_pattern: '(\\w+)\\W*$'
+      - function: take_first
 metric_list:
   - metric: exact_match
     ignore_case: true
@@ -132,6 +138,16 @@ def loglikelihoods(sample_files) -> dict:
     return out
 
 
+def generations(sample_files) -> dict:
+    out = {}
+    for path in sample_files:
+        if "gen" in path.name:
+            for line in path.read_text().splitlines():
+                s = json.loads(line)
+                out[s["doc_id"]] = s["resps"][0][0]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lm-eval", default="/tmp/evalvenv/bin/lm_eval")
@@ -171,13 +187,16 @@ def main() -> None:
     print(f"{'task':14} {'metric':12} {'server':>8} {'hf':>8}")
     for task in ("hfp_tiny_mc", "hfp_tiny_gen"):
         for key, value in hf["results"][task].items():
-            if "," in key and not key.endswith("_stderr,none") and isinstance(value, (int, float)):
+            if "," in key and "_stderr," not in key and isinstance(value, (int, float)):
                 print(f"{task:14} {key.split(',')[0]:12} {served['results'][task][key]:8.3f} {value:8.3f}")
     a, b = loglikelihoods(served["samples"]), loglikelihoods(hf["samples"])
     common = sorted(a.keys() & b.keys())
     if common:
         worst = max(abs(a[k] - b[k]) for k in common)
         print(f"loglikelihoods compared: {len(common)}, largest |server - hf|: {worst:.2e}")
+    ga, gb = generations(served["samples"]), generations(hf["samples"])
+    same = sum(ga[k] == gb.get(k) for k in ga)
+    print(f"generations identical to hf's: {same}/{len(ga)}")
     print(f"wall time: server {t_served:.0f} s, hf {t_hf:.0f} s")
 
 

@@ -101,31 +101,37 @@ async def throughput(client, concurrency: int, max_tokens: int, json_mode: bool)
     return sum(tokens), time.perf_counter() - t0
 
 
-async def main_async(args, url: str) -> None:
-    client = openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0, timeout=3600)
+async def validity_table(client, args) -> None:
     print(f"## 1. validity: {args.prompts} prompts, temperature 1, chat.completions.parse, max_tokens "
           f"{args.validity_max_tokens}")
     print(f"{'schema':10} {'valid':>7} {'tokens':>7}  failures")
     for name, schema in (("bounded", Bounded), ("free", Free)):
         ok, tokens, errors = await validity(client, schema, args.prompts, args.validity_max_tokens)
         print(f"{name:10} {ok:>3}/{args.prompts:<3} {tokens:>7}  {', '.join(errors) or '-'}")
+
+
+async def main_async(args, url: str) -> None:
+    client = openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0, timeout=3600)
+    if args.prompts:
+        await validity_table(client, args)
     print(f"\n## 2. throughput: {args.concurrency} concurrent requests, max_tokens {args.max_tokens}")
     print(f"{'requests':10} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}")
     rows = {}
-    for label, json_mode in (("plain", False), ("json", True), ("plain", False), ("json", True)):
+    for label, json_mode in [("plain", False), ("json", True)] * args.rounds:
         tokens, seconds = await throughput(client, args.concurrency, args.max_tokens, json_mode)
         rows.setdefault(label, []).append(tokens / seconds)
         print(f"{label:10} {tokens:>7} {seconds:>8.1f} {tokens / seconds:>9.1f}")
     best = {k: max(v) for k, v in rows.items()}
-    print(f"json / plain tokens/s (best of 2 each): {best['json'] / best['plain']:.2f}x")
+    print(f"json / plain tokens/s (best of {args.rounds} each): {best['json'] / best['plain']:.2f}x")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=20)
+    parser.add_argument("--prompts", type=int, default=20, help="validity prompts (0: skip section 1)")
     parser.add_argument("--validity-max-tokens", type=int, default=300)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=2, help="alternated plain / json rounds")
     args = parser.parse_args()
     model, tokenizer = embedded.load()
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch threads "
