@@ -1,4 +1,4 @@
-"""guidellm's synthetic benchmark against the server, with fixed output lengths.
+"""guidellm's synthetic benchmark against the server, with fixed output lengths (guidellm 0.8's `run` CLI).
 
 One question: does guidellm run end to end against `python -m hf_paged serve` with its fixed output lengths honoured
 (it sends `ignore_eos: true`)? The server's own `/metrics` counts the tokens generated: with every request asking for
@@ -63,10 +63,11 @@ def main() -> None:
                 pass
             time.sleep(0.5)
         before = counter(url, "hf_paged_generation_tokens_total")
-        cmd = [args.guidellm, "benchmark", "--target", url, "--rate-type", "synchronous",
-               "--max-requests", str(args.requests), "--processor", str(embedded.local_model_dir()),
-               "--data", f"prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}",
-               "--output-path", str(root / "guidellm.json")]
+        cmd = [args.guidellm, "run", "--backend", f"kind=openai_http,target={url}",
+               "--profile", "kind=synchronous", "--constraint", f"kind=max_requests,count={args.requests}",
+               "--tokenizer", f"kind=hf_auto,model={embedded.local_model_dir()}",
+               "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}",
+               "--output", f"kind=json,path={root / 'guidellm.json'}", "--disable-progress"]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         t0 = time.perf_counter()
         with open(root / "guidellm.log", "w") as f:
