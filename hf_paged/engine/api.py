@@ -30,7 +30,8 @@ DEFAULT_MAX_UNREAD = 100_000  # finished results kept until read; the oldest unr
 IDLE_WAIT = 0.005  # seconds the engine thread waits after a step that could run nothing
 _FORGOTTEN = 10_000  # ids of results read or dropped, remembered to say so (not "unknown")
 _SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
-                  "eos_token_id", "stop_token_ids", "logprobs", "num_return_sequences")
+                  "eos_token_id", "stop_token_ids", "logprobs", "num_return_sequences", "ignore_eos", "min_tokens",
+                  "prompt_logprobs", "grammar")
 
 
 class _Delivery:
@@ -169,7 +170,8 @@ class ContinuousBatchingManager:
                     streaming: bool = False, *, generation_config=None, do_sample=None, temperature=None,
                     top_p=None, top_k=None, min_p=None, repetition_penalty=None, seed: int | None = None,
                     eos_token_id=None, stop_token_ids: list[int] | None = None, logprobs: int | None = None,
-                    num_return_sequences: int | None = None, callback=None,
+                    num_return_sequences: int | None = None, ignore_eos: bool | None = None,
+                    min_tokens: int | None = None, prompt_logprobs: int | None = None, grammar=None, callback=None,
                     record_timestamps: bool | None = None) -> str:
         """Queue one request; returns its id.
 
@@ -180,7 +182,15 @@ class ContinuousBatchingManager:
             streaming: read its tokens step by step with :meth:`request_id_iter`.
             generation_config: settings for this request instead of the manager's; the keywords after it override
                 single settings (``seed`` makes a sampled request reproducible whatever shares its steps;
-                ``stop_token_ids`` end it like EOS; ``logprobs``: None, 0 (the sampled token's) or k (plus the top k)).
+                ``stop_token_ids`` end it like EOS; ``ignore_eos``: EOS does not end it (stop token ids still do);
+                ``min_tokens``: EOS / stop ids are masked until that many tokens were generated; ``logprobs``: None,
+                0 (the sampled token's) or k (plus the top k); ``prompt_logprobs``: None, or k: every prompt
+                token's log-probability, rank and the top k at its position, in ``GenerationOutput.prompt_logprobs``
+                / ``prompt_ranks`` / ``prompt_top_logprobs``. Such a request computes logits at every prompt
+                position through its prefill chunks; it takes from the prefix cache only the positions whose logits
+                it already has (after a preemption), so a cache hit never loses them. ``grammar``: a
+                :class:`~hf_paged.engine.structured.CompiledGrammar` the output must match (structured output: a
+                token bitmask each step; the request ends "stop" when the grammar's text is complete).
             callback: called from the engine thread with each step's :class:`GenerationOutput` delta (keep it short).
             record_timestamps: accepted for transformers' signature; timestamps are always recorded.
 
@@ -194,7 +204,8 @@ class ContinuousBatchingManager:
                          dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                               repetition_penalty=repetition_penalty, seed=seed, eos_token_id=eos_token_id,
                               stop_token_ids=stop_token_ids, logprobs=logprobs,
-                              num_return_sequences=num_return_sequences))[0]
+                              num_return_sequences=num_return_sequences, ignore_eos=ignore_eos,
+                              min_tokens=min_tokens, prompt_logprobs=prompt_logprobs, grammar=grammar))[0]
 
     def add_requests(self, inputs, max_new_tokens: int | None = None, streaming: bool = False, **options) -> list[str]:
         """Queue several prompts with the same settings (all or none: every one is checked before any is queued).
@@ -750,7 +761,8 @@ def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool 
     ``options``: those of :func:`init_continuous_batching` (``pool``, ``max_batch_tokens``, ``cuda_graphs``,
     ``continuous_batching_config``, ...) and per-request settings for every prompt (``do_sample``, ``temperature``,
     ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``, ``eos_token_id``, ``stop_token_ids``,
-    ``logprobs``, ``num_return_sequences``).
+    ``logprobs``, ``num_return_sequences``, ``ignore_eos``, ``min_tokens``, ``prompt_logprobs``, ``grammar``; see
+    :meth:`ContinuousBatchingManager.add_request`).
 
     Example::
 
