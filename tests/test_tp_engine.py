@@ -220,3 +220,20 @@ def test_tp_engine_diverged_ranks_stop_with_an_error_instead_of_hanging(tp_engin
         assert diverged["stopped"] and diverged["seconds"] < TIMEOUT_S, (rank, diverged)
         assert "scheduled different steps" in (diverged["error"] or ""), (rank, diverged)
         assert diverged["outputs"]["long"]["status"] == "FAILED", (rank, diverged)
+
+
+def test_settings_the_other_ranks_cannot_receive_are_refused_at_add():
+    from types import SimpleNamespace
+
+    from hf_paged.engine.distributed import check_broadcastable
+    from hf_paged.engine.sampling import SamplingParams
+
+    class Grammar:
+        def matcher(self):
+            return None
+
+    check_broadcastable(SamplingParams(do_sample=True, seed=3))  # plain settings pass
+    with pytest.raises(ValueError, match="structured output"):
+        check_broadcastable(SamplingParams(grammar=Grammar()))
+    with pytest.raises(ValueError, match="cannot be sent"):
+        check_broadcastable(SimpleNamespace(grammar=None, stop=lambda text: False))  # a local function: no pickle

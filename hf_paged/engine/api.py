@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 
 from .core import EngineCore
-from .distributed import AgreeingRunner, agree_on_pool, make_sync, tp_engine_loop
+from .distributed import AgreeingRunner, agree_on_pool, check_broadcastable, make_sync, tp_engine_loop
 from ..distributed import sum_over_ranks
 from .outputs import EngineStats, GenerationOutput, QueueFullError, RequestStatus
 from .request import Request
@@ -231,6 +231,8 @@ class ContinuousBatchingManager:
             params = SamplingParams.from_generation_config(config, prompt_length=len(prompt),
                                                            max_new_tokens=max_new_tokens, **overrides)
             self._core.check_fits(len(prompt), params.max_new_tokens)
+            if self._sync is not None:
+                check_broadcastable(params)
             prepared.append((prompt, params, request_id))
         with self._lock:
             self._check_accepting_locked()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import pickle
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -112,6 +113,20 @@ class TensorParallelSync:
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(out, mine, group=self.group)
         return [int(t.item()) for t in out]
+
+
+def check_broadcastable(params) -> None:
+    """``ValueError`` now (in the caller's thread) for settings the other ranks could not receive: structured output
+    (its compiled grammar lives on rank 0, beside the tokenizer), or anything else that does not pickle."""
+    if getattr(params, "grammar", None) is not None:
+        raise ValueError("structured output (a grammar, response_format or tool_choice) is not supported under "
+                         "tensor parallelism: the other ranks have no tokenizer to compile it with. Serve it from a "
+                         "single-process engine.")
+    try:
+        pickle.dumps(params)
+    except Exception as err:
+        raise ValueError(f"these request settings cannot be sent to the other tensor-parallel ranks "
+                         f"({type(err).__name__}: {err}); use plain values.") from None
 
 
 def batch_digest(batch) -> int:
@@ -308,6 +323,6 @@ def make_sync(model, tensor_parallel: bool | None, timeout_s: float, heartbeat_s
     return TensorParallelSync(timeout_s=timeout_s, heartbeat_s=heartbeat_s)
 
 
-__all__ = ["AgreeingRunner", "agree_on_pool", "Events", "NewRequest", "RankFailure", "TensorParallelSync", "batch_digest",
+__all__ = ["AgreeingRunner", "agree_on_pool", "check_broadcastable", "Events", "NewRequest", "RankFailure", "TensorParallelSync", "batch_digest",
            "make_sync", "tp_engine_loop"]
 
