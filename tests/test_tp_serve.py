@@ -2,13 +2,14 @@
 
 A tiny Llama (two KV heads: one per rank) with the tiny byte-level BPE tokenizer of ``test_serve.py`` is saved to a
 directory and served with ``--tp-plan auto``. Under torchrun, concurrent ``openai`` clients (one dropping its stream)
-get ``generate()``'s greedy text, and SIGTERM on rank 0 drains and stops both ranks. Launched by hand (the same
+get ``generate()``'s greedy text, and SIGTERM on rank 0 during a stream lets it finish, then stops both ranks. Launched by hand (the same
 environment torchrun gives, without its agent, which would itself tear the survivors down), killing rank 1 makes rank
 0's ``/health`` answer 503 and rank 0 exit with status 1 on its own.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -99,6 +100,7 @@ def served_dir(tmp_path_factory):
     tokenizer = tiny_tokenizer()
     model_dir = tmp_path_factory.mktemp("tp_serve") / "tiny-tp"
     lm = tiny_lm(tokenizer, seed=4)
+    lm.generation_config.eos_token_id = None  # every completion runs to max_tokens
     lm.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     return model_dir, lm, tokenizer
@@ -141,7 +143,16 @@ def test_tp_server_answers_openai_clients_and_drains_on_sigterm(served_dir):
         os.kill(pids[1], signal.SIGTERM)  # a follower ignores it: only rank 0 decides
         time.sleep(0.5)
         assert httpx.get(url + "/health", timeout=5).status_code == 200
-        os.kill(pids[0], signal.SIGTERM)  # drains, then the stop reaches rank 1
+        # SIGTERM on rank 0 during a stream: the stream finishes, then the stop reaches rank 1
+        with client.completions.with_streaming_response.create(model="tiny-tp", prompt=PROMPTS[1], max_tokens=48,
+                                                               temperature=0, stream=True) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: {"))
+            os.kill(pids[0], signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and '"error"' not in "".join([first, *rest])
+        finishes = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in [first, *rest[:-1]]]
+        assert finishes[-1] == "length"  # all 48 tokens came after the signal
         proc.wait(timeout=90)
         assert proc.returncode == 0, out.text()[-5000:]
         assert "Application shutdown complete" in out.text()
