@@ -96,24 +96,33 @@ def failing_run(model, job: dict, rank: int) -> dict:
     manager = init_continuous_batching(model, pool=BlockPool(num_blocks=64, block_size=job["block_size"]),
                                        max_batch_tokens=job["max_batch_tokens"], tp_timeout_s=job["timeout_s"])
     inner = manager._core.runner.inner
-    run = inner.run
+    run, plan = inner.run, inner._plan
+    planning_fails = [False]
 
     def run_or_raise(batch):
+        ids = {c.request.request_id for c in batch.chunks}
+        planning_fails[0] = rank == 1 and "boom-plan" in ids
         logits = run(batch)
-        if rank == 1 and any(c.request.request_id == "boom" for c in batch.chunks):
+        if rank == 1 and "boom" in ids:  # after the forward's collectives
             raise RuntimeError("injected failure on rank 1")
         return logits
 
-    inner.run = run_or_raise
+    def plan_or_raise(*args, **kwargs):  # before the forward: rank 0 must not start its collectives
+        if planning_fails[0]:
+            raise RuntimeError("injected planning failure on rank 1")
+        return plan(*args, **kwargs)
+
+    inner.run, inner._plan = run_or_raise, plan_or_raise
+    start = time.monotonic()
     with manager:
         if rank == 0:
-            manager.add_request(job["requests"][0]["prompt"], request_id="boom", max_new_tokens=4)
-            first = outputs(manager, ["boom"])
-            manager.add_request(job["requests"][0]["prompt"], request_id="after", max_new_tokens=4)
-            seen = {**first, **outputs(manager, ["after"])}
+            seen = {}
+            for rid in ("boom", "boom-plan", "after"):
+                manager.add_request(job["requests"][0]["prompt"], request_id=rid, max_new_tokens=4)
+                seen.update(outputs(manager, [rid]))
     if rank != 0:
         seen = outputs(manager, None)
-    return {"outputs": seen, "error": manager._error}
+    return {"outputs": seen, "error": manager._error, "seconds": time.monotonic() - start}
 
 
 def fp8_run(model, job: dict, rank: int) -> dict:

@@ -177,7 +177,9 @@ def test_tp_engine_rank_holds_half_the_kv(tp_engine):
         assert main["bytes_reserved"] > 0
 
 
-def test_tp_engine_forward_failing_on_one_rank_fails_its_step_everywhere(tp_engine):
+def test_tp_engine_step_failing_on_one_rank_fails_its_step_everywhere(tp_engine):
+    """A forward raising on rank 1 after its collectives, then planning raising on rank 1 before the forward: both
+    fail their request on both ranks, promptly, and the next request runs."""
     _, _, ranks = tp_engine
     for rank, result in enumerate(ranks):
         failing = result["failing"]
@@ -185,6 +187,10 @@ def test_tp_engine_forward_failing_on_one_rank_fails_its_step_everywhere(tp_engi
         boom, after = failing["outputs"]["boom"], failing["outputs"]["after"]
         assert boom["status"] == "FAILED", (rank, boom)
         assert ("injected failure on rank 1" if rank == 1 else "failed on rank(s) [1]") in boom["error"]
+        planning = failing["outputs"]["boom-plan"]
+        assert planning["status"] == "FAILED", (rank, planning)
+        assert ("injected planning failure on rank 1" if rank == 1 else "failed on rank(s) [1]") in planning["error"]
+        assert failing["seconds"] < TIMEOUT_S  # nobody waited for a collective's timeout
         assert after["status"] == "FINISHED" and after["tokens"], (rank, after)
     assert ranks[0]["failing"]["outputs"]["after"]["tokens"] == ranks[1]["failing"]["outputs"]["after"]["tokens"]
 

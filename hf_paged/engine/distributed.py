@@ -21,8 +21,10 @@ Two checks per step keep the ranks honest (both over the gloo group, with its ti
 
 - before the forward, every rank's batch digest (request ids, chunk starts and sizes, each chunk's last token) is
   gathered: ranks that would run different steps stop the engine with an error instead of hanging;
-- after it, every rank's outcome is gathered: a forward (or planning) that raised on any rank fails that step's
-  requests on every rank, and the engine goes on.
+- after planning and before the forward (the runner's ``before_forward`` hook), and again after the forward, every
+  rank's outcome is gathered: planning or a forward that raised on any rank fails that step's requests on every
+  rank, and the engine goes on. (A rank raising *inside* the forward, between two of the model's collectives, leaves
+  the others in that collective until the process group's timeout.)
 
 A rank that dies or stops answering makes the next broadcast or gather raise (the connection closes, or the group's
 ``timeout_s`` passes), which stops the engine on every surviving rank with an error. An idle rank 0 sends an empty
@@ -139,15 +141,26 @@ def batch_digest(batch) -> int:
 
 
 class AgreeingRunner:
-    """Wraps the engine's runner: the ranks agree on the batch before the forward and on its outcome after it."""
+    """Wraps the engine's runner: the ranks agree on the batch before planning, on the planning's outcome before the
+    forward (the runner's ``before_forward`` hook), and on the forward's outcome after it. A failure on any rank
+    raises :class:`RankFailure` on every rank, so the engine fails the step's requests everywhere alike."""
 
     def __init__(self, inner, sync: TensorParallelSync):
         self.inner = inner
         self.sync = sync
         self.fatal: str | None = None  # set when the ranks diverged: the engine must stop
+        self._planned = False  # this step's planning outcome was agreed on
+        inner.before_forward = self._agree_planned
 
     def __getattr__(self, name):  # plan_time, forward_time, graphs, ...: the inner runner's
         return getattr(self.inner, name)
+
+    def _agree_planned(self, ok: bool = True) -> None:
+        planned = self.sync.gather(1 if ok else 0)
+        self._planned = True
+        failed = [r for r, good in enumerate(planned) if not good]
+        if failed and ok:  # another rank could not plan: nobody starts the forward's collectives
+            raise RankFailure(f"planning the step failed on rank(s) {failed}")
 
     def run(self, batch):
         digests = self.sync.gather(batch_digest(batch))
@@ -155,17 +168,20 @@ class AgreeingRunner:
             self.fatal = (f"the tensor-parallel ranks scheduled different steps (batch digests per rank {digests}); "
                           "their states diverged and the engine stops.")
             raise RankFailure(self.fatal)
-        error = None
+        self._planned = False
+        error = logits = None
         try:
             logits = self.inner.run(batch)
         except Exception as err:
             error = err
-        outcomes = self.sync.gather(0 if error is None else 1)
-        if error is not None:
-            raise error
+            if not self._planned:  # it failed before the forward: join the planning agreement as failed
+                self._agree_planned(ok=False)
+        own = error is not None and not isinstance(error, RankFailure)
+        outcomes = self.sync.gather(1 if own else 0)
         failed = [r for r, bad in enumerate(outcomes) if bad]
-        if failed:
-            raise RankFailure(f"the step failed on rank(s) {failed}")
+        if failed or error is not None:
+            detail = f": {type(error).__name__}: {error}" if own else ""
+            raise RankFailure(f"the step failed on rank(s) {failed}{detail}") from error
         return logits
 
 

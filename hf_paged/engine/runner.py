@@ -106,6 +106,7 @@ class ModelRunner:
         params = inspect.signature(model.forward).parameters
         self.keeps_logits = "logits_to_keep" in params
         self.plan_time = self.forward_time = 0.0
+        self.before_forward = None  # called once the step is planned, before the forward (tensor parallelism)
 
     def run(self, batch: Batch) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -122,6 +123,8 @@ class ModelRunner:
             step = self._plan(self.kv.rows, rows, backend=self.backend, num_layers=self.num_layers)
         t1 = time.perf_counter()
         self.plan_time = t1 - t0
+        if self.before_forward is not None:
+            self.before_forward()
         if bucket is not None:
             logits = self.graphs.run(step, inputs, self._buffers, self._forward)
         else:
