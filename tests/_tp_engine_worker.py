@@ -85,7 +85,8 @@ def main_run(model, job: dict, rank: int) -> dict:
     mine = pool.memory_stats()
     return {"outputs": seen, "follower_refused": refused, "error": manager._error,
             "preemptions": stats.preemptions, "prefix_hit_tokens": stats.prefix_hit_tokens, "steps": stats.steps,
-            "bytes_per_block": mine.bytes_per_block, "all_ranks_bytes_per_block": manager.memory_stats(all_ranks=True).bytes_per_block,
+            "bytes_per_block": mine.bytes_per_block,
+            "all_ranks_bytes_per_block": manager.memory_stats(all_ranks=True).bytes_per_block,
             "all_ranks_bytes_reserved": manager.memory_stats(all_ranks=True).bytes_reserved,
             "bytes_reserved": mine.bytes_reserved, "all_ranks_default_group": sum_over_ranks(mine).bytes_reserved,
             "pool_heads": [int(t.shape[2]) for t in pool.key_caches.values()]}

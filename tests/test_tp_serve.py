@@ -2,9 +2,9 @@
 
 A tiny Llama (two KV heads: one per rank) with the tiny byte-level BPE tokenizer of ``test_serve.py`` is saved to a
 directory and served with ``--tp-plan auto``. Under torchrun, concurrent ``openai`` clients (one dropping its stream)
-get ``generate()``'s greedy text, and SIGTERM on rank 0 during a stream lets it finish, then stops both ranks. Launched by hand (the same
-environment torchrun gives, without its agent, which would itself tear the survivors down), killing rank 1 makes rank
-0's ``/health`` answer 503 and rank 0 exit with status 1 on its own.
+get ``generate()``'s greedy text, and SIGTERM on rank 0 during a stream lets it finish, then stops both ranks.
+Launched by hand (the same environment torchrun gives, without its agent, which would itself tear the survivors
+down), killing rank 1 makes rank 0's ``/health`` answer 503 and rank 0 exit with status 1 on its own.
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ from typing import Iterator
 
 import torch
 
+from ..distributed import sum_over_ranks
 from .core import EngineCore
 from .distributed import AgreeingRunner, agree_on_pool, check_broadcastable, make_sync, tp_engine_loop
-from ..distributed import sum_over_ranks
 from .outputs import EngineStats, GenerationOutput, QueueFullError, RequestStatus
 from .request import Request
 
@@ -100,7 +100,7 @@ class ContinuousBatchingManager:
                 raise RuntimeError("this manager was stopped; create a new one with init_continuous_batching().")
             if self._thread is not None:
                 return
-            loop, extra = (_engine_loop, ()) if self._sync is None else (tp_engine_loop, (self._sync,))
+            loop, extra = (_engine_loop, ()) if self._sync is None else (tp_engine_loop, (self._sync, _call_back))
             self._thread = threading.Thread(target=loop, args=(weakref.ref(self), self._core, self._lock,
                                                                self._cond, self._signals, *extra),
                                             name="hf_paged-engine", daemon=True)

@@ -189,9 +189,10 @@ def _fresh_seed() -> int:
     return secrets.randbits(63)
 
 
-def _events_locked(manager, core, signals) -> Events:
-    """Rank 0: take the manager's queued requests and cancellations into a packet (under the manager's lock)."""
-    ev = Events()
+def _events_locked(manager, core, signals) -> tuple[Events, list]:
+    """Rank 0: take the manager's queued requests and cancellations into a packet (under the manager's lock);
+    returns it with the requests it announces (added to this rank's engine once the packet is out)."""
+    ev, reqs = Events(), []
     while manager._incoming:
         req = manager._incoming.popleft()
         params = req.params
@@ -200,21 +201,23 @@ def _events_locked(manager, core, signals) -> Events:
             for i, r in enumerate((req, *req.children)):
                 r.params, r.generator = params, core.sampler.new_generator(params, i)
         ev.new.append(NewRequest(req.request_id, list(req.tokens[: req.num_prompt]), params))
-        manager._pending_new.append(req)
+        reqs.append(req)
+    manager._pending_new = reqs  # (failed by the engine thread if the broadcast fails)
     ev.cancels = [req.request_id for req in manager._cancels]
     manager._cancels.clear()
     ev.cancel_all = signals.stop and not signals.drain
     ev.stop = signals.stop
-    return ev
+    return ev, reqs
 
 
-def tp_engine_loop(manager_ref, core, lock, cond, signals, sync: TensorParallelSync) -> None:
-    """The engine thread of a tensor-parallel manager, on every rank (see the module's docstring)."""
-    error = None
+def tp_engine_loop(manager_ref, core, lock, cond, signals, sync: TensorParallelSync, call_back) -> None:
+    """The engine thread of a tensor-parallel manager, on every rank (see the module's docstring). ``call_back``
+    hands a list of deliveries to the requests' callbacks (outside the lock)."""
     known: dict[str, object] = {}  # requests this rank's engine holds, by id (followers look cancels up here)
     try:
         with torch.no_grad():
             while True:
+                ev, reqs = None, []
                 with lock:
                     manager = manager_ref()
                     if sync.is_driver:
@@ -225,15 +228,13 @@ def tp_engine_loop(manager_ref, core, lock, cond, signals, sync: TensorParallelS
                             if not core.has_work and not manager._incoming and not manager._cancels \
                                     and not signals.stop:
                                 cond.wait(sync.heartbeat_s)
-                            ev = _events_locked(manager, core, signals)
+                            ev, reqs = _events_locked(manager, core, signals)
                     del manager
-                ev = sync.broadcast(ev if sync.is_driver else None)
+                ev = sync.broadcast(ev)
                 deliveries = []
                 with lock:
                     manager = manager_ref()
-                    if sync.is_driver:
-                        reqs = manager._pending_new if manager is not None else []
-                    else:
+                    if not sync.is_driver:
                         reqs = [core.new_request(n.request_id, n.prompt, n.params) for n in ev.new]
                         if manager is not None:
                             for req in reqs:
@@ -267,7 +268,7 @@ def tp_engine_loop(manager_ref, core, lock, cond, signals, sync: TensorParallelS
                         del manager
                         break
                     del manager
-                _deliver(deliveries)
+                call_back(deliveries)
                 if not core.has_work:
                     continue
                 touched = core.step()
@@ -279,7 +280,7 @@ def tp_engine_loop(manager_ref, core, lock, cond, signals, sync: TensorParallelS
                     manager = manager_ref()
                     deliveries = manager._deliver_locked(touched) if manager is not None else []
                     del manager
-                _deliver(deliveries)
+                call_back(deliveries)
                 core.times.output += time.perf_counter() - t0
                 if core.runner.fatal is not None:  # (after handing out the step's failed requests)
                     raise RuntimeError(core.runner.fatal)
@@ -308,12 +309,6 @@ def tp_engine_loop(manager_ref, core, lock, cond, signals, sync: TensorParallelS
             raise
 
 
-def _deliver(deliveries) -> None:
-    from .api import _call_back
-
-    _call_back(deliveries)
-
-
 def agree_on_pool(pool, sync: TensorParallelSync) -> None:
     """Give every rank's pool the same block cap (the smallest): the schedulers count blocks, and a rank with more
     room than another would admit or preempt differently. A cap from free memory differs from rank to rank."""
@@ -339,6 +334,6 @@ def make_sync(model, tensor_parallel: bool | None, timeout_s: float, heartbeat_s
     return TensorParallelSync(timeout_s=timeout_s, heartbeat_s=heartbeat_s)
 
 
-__all__ = ["AgreeingRunner", "agree_on_pool", "check_broadcastable", "Events", "NewRequest", "RankFailure", "TensorParallelSync", "batch_digest",
-           "make_sync", "tp_engine_loop"]
+__all__ = ["AgreeingRunner", "Events", "NewRequest", "RankFailure", "TensorParallelSync", "agree_on_pool",
+           "batch_digest", "check_broadcastable", "make_sync", "tp_engine_loop"]
 
