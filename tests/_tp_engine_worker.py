@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from hf_paged import BlockPool, init_continuous_batching
+from hf_paged import BlockPool, generate_batch, init_continuous_batching
 from hf_paged.distributed import sum_over_ranks
 
 warnings.filterwarnings("ignore")
@@ -160,6 +160,15 @@ def diverged_run(model, job: dict, rank: int) -> dict:
             "stopped": not manager._thread.is_alive()}
 
 
+def generate_batch_run(model, job: dict) -> dict:
+    """generate_batch as before: every rank is handed the same prompts and runs its own engine."""
+    specs = [s for s in job["requests"] if not s["settings"].get("do_sample")][:job["fp8_requests"]]
+    out = generate_batch(model, [s["prompt"] for s in specs], max_new_tokens=6, do_sample=False, progress_bar=False,
+                         pool=BlockPool(num_blocks=64, block_size=job["block_size"], prefix_caching=True),
+                         max_batch_tokens=job["max_batch_tokens"])
+    return {rid: list(o.generated_tokens) for rid, o in out.items()}
+
+
 def main(work_dir: str) -> None:
     job = json.load(open(os.path.join(work_dir, "job.json")))
     dist.init_process_group("gloo", timeout=timedelta(seconds=job["timeout_s"]))
@@ -167,6 +176,7 @@ def main(work_dir: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(job["model"], tp_plan="auto", dtype=torch.float32).eval()
     result = {"main": main_run(model, job, rank), "failing": failing_run(model, job, rank),
               "fp8": fp8_run(model, job, rank),
+              "generate_batch": generate_batch_run(model, job),
               "diverged": diverged_run(model, job, rank),
               "tp_size": model.tp_size}
     tmp = os.path.join(work_dir, f"rank{rank}.json.tmp")

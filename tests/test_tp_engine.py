@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 from helpers import tiny_model
 from helpers.engine_oracle import TIE, TieCount, check_tokens, reference
 from helpers.models import VOCAB
-from hf_paged import BlockPool, init_continuous_batching
+from hf_paged import BlockPool, generate_batch, init_continuous_batching
 from test_distributed import _tp_unavailable
 
 WORKER = Path(__file__).with_name("_tp_engine_worker.py")
@@ -75,11 +75,16 @@ def _single_process(path: Path, specs: list[dict]) -> dict:
             manager.add_request(spec["prompt"], request_id=spec["id"], max_new_tokens=spec["max_new_tokens"],
                                 do_sample=False)
         fp8 = {s["id"]: list(manager.get_result(s["id"], timeout=120).generated_tokens) for s in greedy}
+    batch_pool = BlockPool(num_blocks=64, block_size=BLOCK_SIZE, prefix_caching=True)
+    batch = generate_batch(model, [s["prompt"] for s in greedy], max_new_tokens=6, do_sample=False,
+                           progress_bar=False, pool=batch_pool, max_batch_tokens=MAX_BATCH_TOKENS)
     # greedy: generate() alone with a DynamicCache, its logits kept for the tie rule
     greedy_refs = {s["id"]: reference(model, s["prompt"], s["max_new_tokens"]) for s in specs
                    if not s["settings"].get("do_sample")}
     return {"tokens": tokens, "bytes_per_block": stats.bytes_per_block, "bytes_reserved": stats.bytes_reserved,
-            "fp8_tokens": fp8, "greedy_refs": greedy_refs}
+            "fp8_tokens": fp8, "greedy_refs": greedy_refs,
+            "generate_batch": {rid: list(o.generated_tokens) for rid, o in batch.items()},
+            "generate_batch_specs": [s["id"] for s in greedy]}
 
 
 @pytest.fixture(scope="module")
@@ -244,3 +249,17 @@ def test_settings_the_other_ranks_cannot_receive_are_refused_at_add():
         check_broadcastable(SamplingParams(grammar=Grammar()))
     with pytest.raises(ValueError, match="cannot be sent"):
         check_broadcastable(SimpleNamespace(grammar=None, stop=lambda text: False))  # a local function: no pickle
+
+
+def test_tp_generate_batch_on_every_rank_still_works(tp_engine):
+    """generate_batch called on every rank with the same prompts (no driver): 6 tokens each (no EOS in the way), equal
+    to generate() alone's under the tie rule, the same on both ranks."""
+    _, single, ranks = tp_engine
+    assert len(single["generate_batch"]) == FP8_REQUESTS
+    assert ranks[0]["generate_batch"] == ranks[1]["generate_batch"]
+    for i, spec_id in enumerate(single["generate_batch_specs"]):
+        ref = single["greedy_refs"][spec_id]
+        for rank, result in enumerate(ranks):
+            got = result["generate_batch"][f"req_{i}"]
+            assert len(got) == min(6, len(ref.tokens)), (rank, spec_id, got)
+            _check_prefix(f"rank {rank} generate_batch {spec_id}", got, ref)
