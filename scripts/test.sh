@@ -3,7 +3,7 @@
 set -uo pipefail
 PY=${1:-.venv/bin/python}
 export PYTHONUNBUFFERED=1  # tests/conftest.py turns the Triton interpreter on where there is no CUDA
-"$PY" -m pytest -q tests
+"$PY" -m pytest -q --durations=25 tests
 status=$?
 if [ "$status" -eq 5 ]; then echo "no tests were collected: treating as failure" >&2; exit 1; fi
 exit "$status"
