@@ -237,7 +237,7 @@ def claims_compiled_decoding(nb):
 
 def claims_model_families(nb):
     text = text_of(nb)
-    assert re.search(r"^gpt_oss +sliding_window, layer_windows, sinks +supported", text, re.M)
+    assert re.search(r"^gpt_oss +patch +sliding_window, layer_windows, sinks +verified", text, re.M)
     rows = dict(re.findall(r"^(qwen2|gemma2|gemma3_text|gpt_oss) +(.*)$", text, re.M))
     assert set(rows) == {"qwen2", "gemma2", "gemma3_text", "gpt_oss"}, rows
     assert all(row.endswith("True") and re.search(r"\b8: \d+", row) and "full: " in row for row in rows.values()), rows
