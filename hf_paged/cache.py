@@ -86,8 +86,11 @@ class PagedCache(Cache):
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.config = text_config
         self.num_layers = getattr(text_config, "num_hidden_layers", None)
-        self.groups = LayerGroups.from_geometry(kv_geometry(text_config)) if text_config is not None else \
-            LayerGroups.from_windows([])
+        geometry = kv_geometry(text_config) if text_config is not None else None
+        self.groups = LayerGroups.from_geometry(geometry) if geometry is not None else LayerGroups.from_windows([])
+        # layers keeping a per-row state (linear attention, Mamba, short convolutions): slots of the pool's store
+        self.state_layers = frozenset(geometry.state_layers) if geometry is not None else frozenset()
+        self._linear = [i in self.state_layers and not geometry[i].paged for i in range(len(geometry or ()))]
         self.pool = pool if pool is not None else BlockPool(block_size, num_blocks, max_memory, prefix_caching,
                                                             kv_dtype)
         self._own_pool = pool is None  # out-of-blocks advice names the constructor that sized the pool
@@ -101,7 +104,9 @@ class PagedCache(Cache):
         self._buffers = self.pool.lend_step_buffers(self)  # a compiled decode step's tensors, at fixed addresses
         # The state, one object per lifetime (hf_paged/cache_state.py): until reset(), one generate() call, one
         # planned forward.
-        self.rows = Rows(self.pool, self.groups)  # per batch row: its sequences, tokens, released or not
+        self.rows = Rows(self.pool, self.groups, bool(self.state_layers))  # per batch row: its sequences, state
+        # slot, tokens, released or not
+        self._handouts: dict = {}  # state key -> (tensor the running forward was handed, rows gathered or None)
         self._contents = Contents()
         self._call: GenerateCall | None = None
         self._forward: Forward | None = None
@@ -150,7 +155,8 @@ class PagedCache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        return True
+        """False on models with state layers: a recurrent state holds every token and cannot be rolled back."""
+        return not self.state_layers
 
     @property
     def is_initialized(self) -> bool:
@@ -162,7 +168,8 @@ class PagedCache(Cache):
 
     @property
     def is_linear(self) -> list[bool]:
-        return [False] * (self.num_layers or 1)
+        """Per layer: keeps a state and no K/V (transformers' linear-attention layers; a hybrid layer is False)."""
+        return list(self._linear) or [False] * (self.num_layers or 1)
 
     @property
     def is_dummy(self) -> list[bool]:
@@ -175,10 +182,119 @@ class PagedCache(Cache):
         return f"PagedCache(rows={len(self.rows)}, columns={self._contents.columns}, block_size={self.pool.block_size})"
 
     def activate_past_recording(self):
+        if self.state_layers:
+            raise ValueError(
+                f"this model keeps recurrent / convolution states (layers {sorted(self.state_layers)}), which a "
+                "PagedCache cannot roll back: assisted decoding (assistant_model=, prompt_lookup_num_tokens=) and "
+                "other rollbacks are not supported on it. Fix: generate without assistance, or use transformers' "
+                "DynamicCache for assisted decoding.")
         self._contents.recording = True
 
     def is_recording_past(self, layer_idx: int = 0) -> bool:
         return self._contents.recording
+
+    # ------------------------------------------------------- state layers
+    # transformers' contract of linear-attention cache layers (cache_utils.LinearAttentionLayer), on slots of the
+    # pool's state store: the model is handed [B, ...] tensors it may change in place. When the rows' slots are
+    # consecutive (the usual batch) that is a view of the store; otherwise a gathered copy, written back to the live
+    # rows' slots once the forward has run (_sync_states), released rows' left out.
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        self._check_state_layer(layer_idx)
+        if (layer_idx, state_idx) not in self._contents.states_written:
+            return None
+        return self._handout("conv", layer_idx, state_idx)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        self._check_state_layer(layer_idx)
+        if (layer_idx, state_idx) not in self._contents.states_written:
+            return None
+        return self._handout("recurrent", layer_idx, state_idx)
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
+        """Keep the last ``kernel`` columns of ``[B, C, S]`` (after the held state on later forwards); returns the
+        columns the causal convolution reads: the new ones, left-padded to the kernel on a first write, else the
+        held state followed by the new ones."""
+        self._check_state_layer(layer_idx)
+        key = (layer_idx, state_idx)
+        kernel = conv_kernel_size if conv_kernel_size is not None else conv_states.shape[-1]
+        self._state_tensor("conv", layer_idx, state_idx, (*conv_states.shape[1:-1], kernel), conv_states)
+        held = self._handout("conv", layer_idx, state_idx)
+        if key not in self._contents.states_written:
+            full = conv_states
+            if full.shape[-1] < kernel:
+                full = torch.nn.functional.pad(full, (kernel - full.shape[-1], 0), value=0)
+            self._contents.states_written.add(key)
+        else:
+            full = torch.cat([held, conv_states], dim=-1)
+        held.copy_(full[..., -held.shape[-1]:])
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs) -> torch.Tensor:
+        self._check_state_layer(layer_idx)
+        self._state_tensor("recurrent", layer_idx, state_idx, tuple(recurrent_states.shape[1:]), recurrent_states)
+        held = self._handout("recurrent", layer_idx, state_idx)
+        held.copy_(recurrent_states)
+        return held
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        if layer_idx is not None and layer_idx >= (self.num_layers or 0):
+            return False
+        if layer_idx is None:
+            if not self.state_layers:
+                raise ValueError("has_previous_state() is for state layers, and this model has none.")
+            layer_idx = max(self.state_layers)
+        self._check_state_layer(layer_idx)
+        return (layer_idx, state_idx or 0) in self._contents.states_written
+
+    def _check_state_layer(self, layer_idx: int) -> None:
+        if layer_idx not in self.state_layers:
+            raise ValueError(f"layer {layer_idx} keeps no recurrent / convolution state (the state layers of this "
+                             f"model are {sorted(self.state_layers)}); build the cache from this model's config.")
+        if not len(self.rows):
+            raise ValueError("a state layer ran before this PagedCache planned its forward: models with state layers "
+                             "need the paged path. Fix: call hf_paged.enable_paged_attention(model) before generate().")
+
+    def _state_tensor(self, kind: str, layer_idx: int, state_idx: int, shape, like: torch.Tensor) -> torch.Tensor:
+        store = self.pool.states
+        existing = store.get(kind, layer_idx, state_idx)
+        if existing is not None and tuple(existing.shape[1:]) == tuple(shape):
+            return existing
+        with self.pool.lock:
+            t = store.ensure(kind, layer_idx, state_idx, tuple(shape), like.dtype, like.device)
+            self.pool.fit_blocks_to_states()
+        return t
+
+    def _handout(self, kind: str, layer_idx: int, state_idx: int) -> torch.Tensor:
+        key = (kind, layer_idx, state_idx)
+        held = self._handouts.get(key)
+        if held is not None:
+            return held[0]
+        t = self.pool.states.get(kind, layer_idx, state_idx)
+        slots = self.rows.state_slots()
+        first = slots[0] if slots else None
+        if first is not None and slots == list(range(first, first + len(slots))):
+            out, live = t[first: first + len(slots)], None  # a view: the model's in-place changes land in the store
+        else:
+            live = [i for i, s in enumerate(slots) if s is not None]
+            out = t.new_zeros((len(slots), *t.shape[1:]))
+            if live:
+                out[live] = t[[slots[i] for i in live]]
+        self._handouts[key] = (out, live)
+        return out
+
+    def _sync_states(self) -> None:
+        """Write back the gathered states the last forward was handed (to its live rows' slots) and forget them."""
+        handouts, self._handouts = self._handouts, {}
+        slots = self.rows.state_slots()
+        for (kind, layer_idx, state_idx), (out, live) in handouts.items():
+            if live is None:
+                continue
+            keep = [i for i in live if i < len(slots) and slots[i] is not None]
+            if keep:
+                t = self.pool.states.get(kind, layer_idx, state_idx)
+                t[[slots[i] for i in keep]] = out[keep]
 
     # ------------------------------------------------------------- the step
     @property
@@ -296,6 +412,8 @@ class PagedCache(Cache):
 
     def _drop_first_rows(self) -> None:
         """A failed first forward: give its rows back, the cache is empty again (what it was asked stays)."""
+        self._handouts = {}
+        self._contents.states_written = set()
         self.rows.clear()
         self._contents.columns, self._contents.mode = 0, None
 
@@ -350,6 +468,8 @@ class PagedCache(Cache):
         """The planned forward has run: count its columns, once (the only place the count grows); the next forward
         needs a new plan. Called by the decoder's post-hook after an eager forward, by ``generate()``'s input
         preparation (a compiled forward runs no hooks), and by this cache before it changes or reports its rows."""
+        if self._handouts:
+            self._sync_states()
         forward = self._forward
         if forward is not None and not forward.counted:
             self._contents.columns += forward.columns
@@ -371,24 +491,28 @@ class PagedCache(Cache):
         self._invalidate_step()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: re-point block tables; no KV is copied."""
+        """Beam search: re-point block tables; no KV is copied (states are: each row keeps its own)."""
+        self.forward_ran()
         self.rows.reorder(beam_idx.tolist())
         self._contents.beams_reordered = True
         self._invalidate_step()
 
     def reset(self) -> None:
-        """Give every block back to the pool; the cache can then start a new generation."""
+        """Give every block (and state slot) back to the pool; the cache can then start a new generation."""
+        self._handouts = {}
         self.rows.clear()
         self._contents = Contents()
         self._forward = None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self.forward_ran()
         self.rows.keep([i for i in range(len(self.rows)) for _ in range(repeats)])
         self._invalidate_step()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.rows.released:
             raise RuntimeError("batch_select_indices on a cache with released rows; use release_finished=False.")
+        self.forward_ran()
         self.rows.keep(indices.tolist())
         self._invalidate_step()
 
@@ -428,11 +552,13 @@ class PagedCache(Cache):
                         "cache.save(path) and restore it with PagedCache.load(path, config).")
 
     def _clone(self, indices: list[int]) -> "PagedCache":
+        self.forward_ran()  # its states written back before they are copied
         child = PagedCache.__new__(PagedCache)
         child.__dict__.update(self.__dict__)  # the configuration (pool, groups, ...); the state is replaced below
         child._buffers = self.pool.lend_step_buffers(child)
-        child._contents = dataclasses.replace(self._contents, columns=self._contents.columns + self._pending_columns())
-        child._call, child._forward = None, None
+        child._contents = dataclasses.replace(self._contents, columns=self._contents.columns + self._pending_columns(),
+                                              states_written=set(self._contents.states_written))
+        child._call, child._forward, child._handouts = None, None, {}
         child.rows = self.rows.select(indices)
         compat.init_cache_base(child)
         return child
@@ -477,7 +603,9 @@ class PagedCache(Cache):
 
     # ------------------------------------------------------ finished rows
     def release_rows(self, rows) -> None:
-        """Give back the blocks of finished ``rows``; they will take no KV and may not be continued."""
+        """Give back the blocks (and state slots) of finished ``rows``; they will take no KV and may not be
+        continued."""
+        self.forward_ran()
         for index in rows:
             self.rows.release(self.rows[index])
         self._invalidate_step()
@@ -520,6 +648,8 @@ class PagedCache(Cache):
             return sum_over_ranks(self.memory_stats())
         with self.pool.lock:
             stats = MemoryStats.for_rows(self.pool, [row.seqs for row in self.rows.live], self.groups.windows)
+            if self.state_layers:
+                stats = stats.with_states(self.pool.states, sum(row.state is not None for row in self.rows))
         return dataclasses.replace(stats, cache_prefix_query_tokens=self.prefix_queries,
                                    cache_prefix_hit_tokens=self.prefix_hits)
 

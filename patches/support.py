@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from hf_paged import compat
-
 from . import kinds
 from .kinds import kv_geometry
 from .latent import latent_widths
@@ -60,18 +58,13 @@ STATE_MIXERS = ("Mamba", "DeltaNet", "LinearAttention", "ShortConv", "Recurrent"
 
 
 def _check_kinds(config) -> None:
-    """Refuse, by layer, the kinds this build does not page: state layers (hybrids), reuse layers whose source keeps
-    no K/V in the pool."""
+    """Refuse, by layer, the kinds this build does not page: reuse layers whose source keeps no K/V in the pool,
+    models without any attention layer. (State layers keep their states in the pool's state store.)"""
     try:
         geometry = kv_geometry(config)
     except ValueError as err:
         _refuse(str(err).removesuffix(" Fix: use transformers' DynamicCache for this model."), DYNAMIC)
-    types = compat.cache_layer_types(config) or []
     for idx, layer in enumerate(geometry.layers):
-        if layer.kind == "state":
-            kind = types[idx] if idx < len(types) else "state"
-            _refuse(f"layer {idx} is a {kind!r} layer (a recurrent / convolution state, not K/V): hybrid and "
-                    "state-space models are not paged yet", DYNAMIC)
         if layer.kind == "reuse" and (layer.source is None or not geometry[layer.source].paged):
             _refuse(f"layer {idx} reuses the K/V of {'no layer' if layer.source is None else f'layer {layer.source}'}"
                     " (KV sharing, kv_sharing_modes 'reuse'), which keeps none in the pool", DYNAMIC)
@@ -174,10 +167,14 @@ def check_model(model: nn.Module) -> None:
 
 
 def _check_mixers(model: nn.Module) -> None:
-    """Layers whose token mixer keeps a state (Mamba, gated delta nets, short convolutions, ...) even where the
-    config's ``layer_types`` does not say so (hybrids that describe their layers another way)."""
+    """Layers whose token mixer keeps a state (Mamba, gated delta nets, short convolutions, ...) where the config's
+    cache layer types do not say so (hybrids that describe their layers another way, whose states transformers' own
+    cache would not keep either). Layers the geometry knows as state layers keep theirs in the state store."""
     layers = getattr(base_decoder(model), "layers", None)
+    state_layers = set(kv_geometry(getattr(model, "config", None)).state_layers)
     for idx, layer in enumerate(layers if isinstance(layers, nn.ModuleList) else []):
+        if idx in state_layers:
+            continue
         for sub in layer.modules():
             name = type(sub).__name__
             if any(word in name for word in STATE_MIXERS):
