@@ -143,6 +143,16 @@ def check_supported(config, paged: bool = True) -> None:
         _refuse(f"the model's attention needs {', '.join(missing)}, which this hf_paged build does not implement", fix)
 
 
+def check_engine_supported(config) -> None:
+    """What the continuous-batching engine cannot run yet, beyond :func:`check_supported`: state layers (their
+    states are kept for ``generate()`` only; the engine's packed forward would mix requests inside them)."""
+    geometry = kv_geometry(text_config(config))
+    if geometry.state_layers:
+        _refuse(f"layer {geometry.state_layers[0]} keeps a recurrent / convolution state (a hybrid model) and the "
+                "continuous-batching engine does not run state layers yet", "generate() with a PagedCache "
+                "(hf_paged.enable_paged_attention(model); model.generate(..., cache=PagedCache(model.config)))")
+
+
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     """The per-layer attention modules of ``model`` (modules carrying a ``layer_idx``, whose class is an attention)."""
     return [m for m in model.modules() if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention")]

@@ -607,7 +607,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     """
     from ..attention import enable_paged_attention, is_paged, paged_backend
     from ..groups import LayerGroups
-    from ..patches import check_model, kv_geometry
+    from ..patches import check_engine_supported, check_model, kv_geometry
     from .core import EngineCore
     from .kv import RequestKV
     from .options import (DEFAULT_WATERMARK, context_limit, default_batch_tokens, default_pool,
@@ -631,6 +631,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     if watermark is not None:
         options["watermark"] = watermark
     check_model(model)
+    check_engine_supported(model.config)
     if not is_paged(model) or backend != "auto":  # a model paged before keeps its backend unless one is asked
         enable_paged_attention(model, backend=backend)
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
