@@ -141,8 +141,10 @@ class PagedCache(Cache):
     def is_compileable(self) -> bool:
         """True inside a ``generate()`` of a paged model on a fixed-size pool: its decoding forward can be compiled.
         Not for models with KV-shared (``reuse``) layers: their attention finds its source layer's step through the
-        running forward's cache (:func:`hf_paged.compat.running_cache`), which a compiled graph does not look up."""
-        return self._call is not None and self._call.compile and self.pool.fixed and not self.shares_kv
+        running forward's cache (:func:`hf_paged.compat.running_cache`), which a compiled graph does not look up; nor
+        for models with state layers (their states are handed out by Python bookkeeping at each forward)."""
+        return (self._call is not None and self._call.compile and self.pool.fixed and not self.shares_kv
+                and not self.state_layers)
 
     @property
     def shares_kv(self) -> bool:
@@ -572,6 +574,8 @@ class PagedCache(Cache):
         """
         from .persist import save_cache
 
+        if self.state_layers:
+            raise ValueError(_NO_STATE_FILES)
         self.forward_ran()
         save_cache(self, path)
 
@@ -587,6 +591,9 @@ class PagedCache(Cache):
         """
         from .persist import load_cache
 
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        if text is not None and kv_geometry(text).state_layers:
+            raise ValueError(_NO_STATE_FILES)
         return load_cache(cls, path, config, pool, trusted=trusted, **kwargs)
 
     @property
@@ -816,6 +823,9 @@ class PagedCache(Cache):
 
 
 _WARNED: set[str] = set()
+_NO_STATE_FILES = ("save() / load() of a PagedCache of a model with state layers (linear attention, Mamba, short "
+                   "convolutions) is not supported yet: the cache file format holds K/V only, not the rows' states. "
+                   "Fix: keep the cache in memory (copy.deepcopy(cache) to branch it), or re-run the prompt.")
 
 
 def _warn_once(message: str) -> None:

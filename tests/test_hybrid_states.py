@@ -237,10 +237,10 @@ def test_states_and_blocks_share_a_max_memory_cap():
     assert_released(small)
 
 
-def test_rollbacks_and_the_engine_are_refused_by_name():
+def test_rollbacks_files_and_the_engine_are_refused_by_name(tmp_path):
     """A recurrent state cannot be cropped: assisted decoding (transformers refuses it for stateful models first;
-    the cache's past recording, which it needs, is refused by name too) and crop() are refused; the engine does not
-    run state layers yet."""
+    the cache's past recording, which it needs, is refused by name too) and crop() are refused; cache files (K/V
+    only) and the engine do not hold states yet."""
     model = hybrid_model("qwen3_next")
     enable_paged_attention(model, backend="torch")
     inputs = left_padded([6], seed=8)
@@ -253,6 +253,11 @@ def test_rollbacks_and_the_engine_are_refused_by_name():
     run(model, inputs, cache, max_new_tokens=2)
     with pytest.raises(ValueError, match="cannot crop"):
         cache.crop(-1)
+    with pytest.raises(ValueError, match="save.*state layers"):
+        cache.save(tmp_path / "cache.safetensors")
+    with pytest.raises(ValueError, match="save.*state layers"):
+        PagedCache.load(tmp_path / "cache.safetensors", model.config)
+    assert not (tmp_path / "cache.safetensors").exists()
     assert_released(cache)
     with pytest.raises(ValueError, match="does not run state layers"):
         init_continuous_batching(model)
