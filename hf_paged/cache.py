@@ -21,6 +21,7 @@ from .groups import LayerGroups
 from .errors import OutOfBlocksError
 from .patches import kv_geometry
 from .pool import BlockPool
+from .states import StateView
 from .stats import MemoryStats
 from .rows import Rows
 from .step import LayerStep, Step, StepBuffers, build_layer_step, next_pow2, plan_padded, reading_step, write_layer
@@ -106,7 +107,7 @@ class PagedCache(Cache):
         # planned forward.
         self.rows = Rows(self.pool, self.groups, bool(self.state_layers))  # per batch row: its sequences, state
         # slot, tokens, released or not
-        self._handouts: dict = {}  # state key -> (tensor the running forward was handed, rows gathered or None)
+        self._states: StateView | None = None  # the running forward's state handouts (models with state layers)
         self._contents = Contents()
         self._call: GenerateCall | None = None
         self._forward: Forward | None = None
@@ -196,49 +197,21 @@ class PagedCache(Cache):
         return self._contents.recording
 
     # ------------------------------------------------------- state layers
-    # transformers' contract of linear-attention cache layers (cache_utils.LinearAttentionLayer), on slots of the
-    # pool's state store: the model is handed [B, ...] tensors it may change in place. When the rows' slots are
-    # consecutive (the usual batch) that is a view of the store; otherwise a gathered copy, written back to the live
-    # rows' slots once the forward has run (_sync_states), released rows' left out.
+    # transformers' linear-attention cache contract, on the rows' slots of the pool's state store: one StateView per
+    # forward (states.py), made at its first state access, synced once it has ran (forward_ran).
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        self._check_state_layer(layer_idx)
-        if (layer_idx, state_idx) not in self._contents.states_written:
-            return None
-        return self._handout("conv", layer_idx, state_idx)
+        return self._state_view(layer_idx).get_conv_state(layer_idx, state_idx)
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        self._check_state_layer(layer_idx)
-        if (layer_idx, state_idx) not in self._contents.states_written:
-            return None
-        return self._handout("recurrent", layer_idx, state_idx)
+        return self._state_view(layer_idx).get_recurrent_state(layer_idx, state_idx)
 
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                           conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
-        """Keep the last ``kernel`` columns of ``[B, C, S]`` (after the held state on later forwards); returns the
-        columns the causal convolution reads: the new ones, left-padded to the kernel on a first write, else the
-        held state followed by the new ones."""
-        self._check_state_layer(layer_idx)
-        key = (layer_idx, state_idx)
-        kernel = conv_kernel_size if conv_kernel_size is not None else conv_states.shape[-1]
-        self._state_tensor("conv", layer_idx, state_idx, (*conv_states.shape[1:-1], kernel), conv_states)
-        held = self._handout("conv", layer_idx, state_idx)
-        if key not in self._contents.states_written:
-            full = conv_states
-            if full.shape[-1] < kernel:
-                full = torch.nn.functional.pad(full, (kernel - full.shape[-1], 0), value=0)
-            self._contents.states_written.add(key)
-        else:
-            full = torch.cat([held, conv_states], dim=-1)
-        held.copy_(full[..., -held.shape[-1]:])
-        return full
+        return self._state_view(layer_idx).update_conv_state(conv_states, layer_idx, state_idx, conv_kernel_size)
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                                **kwargs) -> torch.Tensor:
-        self._check_state_layer(layer_idx)
-        self._state_tensor("recurrent", layer_idx, state_idx, tuple(recurrent_states.shape[1:]), recurrent_states)
-        held = self._handout("recurrent", layer_idx, state_idx)
-        held.copy_(recurrent_states)
-        return held
+        return self._state_view(layer_idx).update_recurrent_state(recurrent_states, layer_idx, state_idx)
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         if layer_idx is not None and layer_idx >= (self.num_layers or 0):
@@ -258,45 +231,18 @@ class PagedCache(Cache):
             raise ValueError("a state layer ran before this PagedCache planned its forward: models with state layers "
                              "need the paged path. Fix: call hf_paged.enable_paged_attention(model) before generate().")
 
-    def _state_tensor(self, kind: str, layer_idx: int, state_idx: int, shape, like: torch.Tensor) -> torch.Tensor:
-        store = self.pool.states
-        existing = store.get(kind, layer_idx, state_idx)
-        if existing is not None and tuple(existing.shape[1:]) == tuple(shape):
-            return existing
-        with self.pool.lock:
-            t = store.ensure(kind, layer_idx, state_idx, tuple(shape), like.dtype, like.device)
-            self.pool.fit_blocks_to_states()
-        return t
-
-    def _handout(self, kind: str, layer_idx: int, state_idx: int) -> torch.Tensor:
-        key = (kind, layer_idx, state_idx)
-        held = self._handouts.get(key)
-        if held is not None:
-            return held[0]
-        t = self.pool.states.get(kind, layer_idx, state_idx)
-        slots = self.rows.state_slots()
-        first = slots[0] if slots else None
-        if first is not None and slots == list(range(first, first + len(slots))):
-            out, live = t[first: first + len(slots)], None  # a view: the model's in-place changes land in the store
-        else:
-            live = [i for i, s in enumerate(slots) if s is not None]
-            out = t.new_zeros((len(slots), *t.shape[1:]))
-            if live:
-                out[live] = t[[slots[i] for i in live]]
-        self._handouts[key] = (out, live)
-        return out
+    def _state_view(self, layer_idx: int) -> StateView:
+        self._check_state_layer(layer_idx)
+        if self._states is None:
+            self._states = StateView(self.pool, self.rows.state_slots(), self._contents.states_written,
+                                     self.state_layers)
+        return self._states
 
     def _sync_states(self) -> None:
-        """Write back the gathered states the last forward was handed (to its live rows' slots) and forget them."""
-        handouts, self._handouts = self._handouts, {}
-        slots = self.rows.state_slots()
-        for (kind, layer_idx, state_idx), (out, live) in handouts.items():
-            if live is None:
-                continue
-            keep = [i for i in live if i < len(slots) and slots[i] is not None]
-            if keep:
-                t = self.pool.states.get(kind, layer_idx, state_idx)
-                t[[slots[i] for i in keep]] = out[keep]
+        """Write back the gathered states the last forward was handed (to its rows still holding slots)."""
+        view, self._states = self._states, None
+        if view is not None:
+            view.sync(self.rows.state_slots())
 
     # ------------------------------------------------------------- the step
     @property
@@ -414,7 +360,7 @@ class PagedCache(Cache):
 
     def _drop_first_rows(self) -> None:
         """A failed first forward: give its rows back, the cache is empty again (what it was asked stays)."""
-        self._handouts = {}
+        self._states = None
         self._contents.states_written = set()
         self.rows.clear()
         self._contents.columns, self._contents.mode = 0, None
@@ -470,7 +416,7 @@ class PagedCache(Cache):
         """The planned forward has run: count its columns, once (the only place the count grows); the next forward
         needs a new plan. Called by the decoder's post-hook after an eager forward, by ``generate()``'s input
         preparation (a compiled forward runs no hooks), and by this cache before it changes or reports its rows."""
-        if self._handouts:
+        if self._states is not None:
             self._sync_states()
         forward = self._forward
         if forward is not None and not forward.counted:
@@ -501,7 +447,7 @@ class PagedCache(Cache):
 
     def reset(self) -> None:
         """Give every block (and state slot) back to the pool; the cache can then start a new generation."""
-        self._handouts = {}
+        self._states = None
         self.rows.clear()
         self._contents = Contents()
         self._forward = None
@@ -560,7 +506,7 @@ class PagedCache(Cache):
         child._buffers = self.pool.lend_step_buffers(child)
         child._contents = dataclasses.replace(self._contents, columns=self._contents.columns + self._pending_columns(),
                                               states_written=set(self._contents.states_written))
-        child._call, child._forward, child._handouts = None, None, {}
+        child._call, child._forward, child._states = None, None, None
         child.rows = self.rows.select(indices)
         compat.init_cache_base(child)
         return child

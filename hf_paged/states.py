@@ -141,3 +141,106 @@ def _free_run(free: list[int], count: int) -> list[int] | None:
                 return free[start: start + count]
             start = i
     return None
+
+
+class StateView:
+    """transformers' linear-attention cache contract (``cache_utils.LinearAttentionLayer``: ``get_conv_state``,
+    ``update_conv_state``, ``get_recurrent_state``, ``update_recurrent_state``, ``has_previous_state``) for the rows
+    of one forward, on their slots of a pool's store.
+
+    The model is handed ``[B, ...]`` tensors it may change in place (``causal_conv1d_update`` and Mamba2's
+    ``selective_state_update`` do). When the rows' slots are consecutive and ascending that is a view of the store
+    (the model's changes land in the slots); otherwise a gathered copy, written back to the rows' slots by
+    :meth:`sync` once the forward has run. ``None`` in ``slots``: a row that holds no slot (released; its states
+    read as zeros and are dropped).
+
+    Args:
+        pool: the :class:`~hf_paged.BlockPool` whose ``states`` store holds the slots.
+        slots: per row of the forward, its slot.
+        written: ``(layer, state_idx)`` whose states the rows hold from earlier forwards (what
+            ``has_previous_state`` reports); updated in place by the first conv write of a state.
+        state_layers: the model's state layers (``has_previous_state()`` without a layer reads the last).
+    """
+
+    def __init__(self, pool, slots: list[int | None], written: set, state_layers):
+        self.pool, self.slots, self.written, self.state_layers = pool, list(slots), written, state_layers
+        self._handouts: dict = {}  # (kind, layer, state_idx) -> (tensor handed out, rows gathered or None: a view)
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self._handout("conv", layer_idx, state_idx) if (layer_idx, state_idx) in self.written else None
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        if (layer_idx, state_idx) not in self.written:
+            return None
+        return self._handout("recurrent", layer_idx, state_idx)
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          conv_kernel_size: int | None = None) -> torch.Tensor:
+        """Keep the last ``kernel`` columns of ``[B, C, S]`` (after the held state on later forwards); returns the
+        columns the causal convolution reads: the new ones, left-padded to the kernel on a first write, else the
+        held state followed by the new ones."""
+        kernel = conv_kernel_size if conv_kernel_size is not None else conv_states.shape[-1]
+        self._tensor("conv", layer_idx, state_idx, (*conv_states.shape[1:-1], kernel), conv_states)
+        held = self._handout("conv", layer_idx, state_idx)
+        if (layer_idx, state_idx) not in self.written:
+            full = conv_states
+            if full.shape[-1] < kernel:
+                full = torch.nn.functional.pad(full, (kernel - full.shape[-1], 0), value=0)
+            self.written.add((layer_idx, state_idx))
+        else:
+            full = torch.cat([held, conv_states], dim=-1)
+        held.copy_(full[..., -held.shape[-1]:])
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int,
+                               state_idx: int = 0) -> torch.Tensor:
+        self._tensor("recurrent", layer_idx, state_idx, tuple(recurrent_states.shape[1:]), recurrent_states)
+        held = self._handout("recurrent", layer_idx, state_idx)
+        held.copy_(recurrent_states)
+        return held
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        if layer_idx is None:
+            layer_idx = max(self.state_layers)
+        return (layer_idx, state_idx or 0) in self.written
+
+    def _tensor(self, kind: str, layer_idx: int, state_idx: int, shape, like: torch.Tensor) -> torch.Tensor:
+        store = self.pool.states
+        existing = store.get(kind, layer_idx, state_idx)
+        if existing is not None and tuple(existing.shape[1:]) == tuple(shape):
+            return existing
+        with self.pool.lock:
+            t = store.ensure(kind, layer_idx, state_idx, tuple(shape), like.dtype, like.device)
+            self.pool.fit_blocks_to_states()
+        return t
+
+    def _handout(self, kind: str, layer_idx: int, state_idx: int) -> torch.Tensor:
+        key = (kind, layer_idx, state_idx)
+        held = self._handouts.get(key)
+        if held is not None:
+            return held[0]
+        t = self.pool.states.get(kind, layer_idx, state_idx)
+        slots = self.slots
+        first = slots[0] if slots else None
+        if first is not None and slots == list(range(first, first + len(slots))):
+            out, live = t[first: first + len(slots)], None
+        else:
+            live = [i for i, s in enumerate(slots) if s is not None]
+            out = t.new_zeros((len(slots), *t.shape[1:]))
+            if live:
+                out[live] = t[[slots[i] for i in live]]
+        self._handouts[key] = (out, live)
+        return out
+
+    def sync(self, slots: list[int | None] | None = None) -> None:
+        """Write the gathered states back to the rows' slots (``slots``: the rows' slots now, when some were released
+        since: those rows are left out) and forget every handout."""
+        handouts, self._handouts = self._handouts, {}
+        slots = self.slots if slots is None else slots
+        for (kind, layer_idx, state_idx), (out, live) in handouts.items():
+            if live is None:
+                continue
+            keep = [i for i in live if i < len(slots) and slots[i] is not None]
+            if keep:
+                t = self.pool.states.get(kind, layer_idx, state_idx)
+                t[[slots[i] for i in keep]] = out[keep]
