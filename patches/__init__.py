@@ -29,7 +29,7 @@ from .registry import (
 )
 from .support import (
     attention_modules, available_features, check_engine_supported, check_model, check_supported, kv_shape,
-    required_features,
+    required_features, state_mixers,
 )
 from .table import format_models_table, supported_models
 from .windows import WindowRule, layer_types_window, text_config
@@ -38,6 +38,7 @@ __all__ = [
     "GENERIC_VERIFIED",
     "STATE_VERIFIED",
     "check_engine_supported",
+    "state_mixers",
     "REFUSED",
     "ModelPatch",
     "WindowRule",

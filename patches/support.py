@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 from torch import nn
 
 from . import kinds
@@ -143,14 +145,36 @@ def check_supported(config, paged: bool = True) -> None:
         _refuse(f"the model's attention needs {', '.join(missing)}, which this hf_paged build does not implement", fix)
 
 
-def check_engine_supported(config) -> None:
-    """What the continuous-batching engine cannot run yet, beyond :func:`check_supported`: state layers (their
-    states are kept for ``generate()`` only; the engine's packed forward would mix requests inside them)."""
-    geometry = kv_geometry(text_config(config))
-    if geometry.state_layers:
-        _refuse(f"layer {geometry.state_layers[0]} keeps a recurrent / convolution state (a hybrid model) and the "
-                "continuous-batching engine does not run state layers yet", "generate() with a PagedCache "
-                "(hf_paged.enable_paged_attention(model); model.generate(..., cache=PagedCache(model.config)))")
+MIXER_PARAMS = ("hidden_states", "cache", "attention_mask")  # how transformers' state mixers are called (5.24)
+
+
+def state_mixers(model: nn.Module) -> dict[int, nn.Module]:
+    """Per state layer, the module that mixes tokens through the layer's states (``Qwen3_5GatedDeltaNet``,
+    ``NemotronHMamba2Mixer``, ``Lfm2ShortConv``, Falcon-H1's ``mamba`` beside its attention, ...): the one
+    submodule of the decoder layer whose ``forward(hidden_states, cache, attention_mask, **kwargs)`` takes the
+    cache. Layers where none or several are found are left out (:func:`check_engine_supported` names them)."""
+    layers = getattr(base_decoder(model), "layers", None)
+    found = {}
+    for idx in kv_geometry(getattr(model, "config", None)).state_layers:
+        if not isinstance(layers, nn.ModuleList) or idx >= len(layers):
+            continue
+        mixers = [m for m in layers[idx].modules() if m is not layers[idx]
+                  and tuple(inspect.signature(m.forward).parameters)[:3] == MIXER_PARAMS]
+        if len(mixers) == 1:
+            found[idx] = mixers[0]
+    return found
+
+
+def check_engine_supported(model: nn.Module) -> None:
+    """What the continuous-batching engine needs beyond :func:`check_model`: on hybrid models, the mixer of every
+    state layer (the engine runs it once per group of requests, never over the packed batch)."""
+    state_layers = kv_geometry(getattr(model, "config", None)).state_layers
+    missing = sorted(set(state_layers) - set(state_mixers(model)))
+    if missing:
+        _refuse(f"layer {missing[0]} keeps a recurrent / convolution state, but no single submodule of it takes "
+                f"the cache as forward({', '.join(MIXER_PARAMS)}, ...), which the engine runs per request",
+                "generate() with a PagedCache (hf_paged.enable_paged_attention(model); "
+                "model.generate(..., cache=PagedCache(model.config)))")
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:

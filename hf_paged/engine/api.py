@@ -615,6 +615,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     from .runner import ModelRunner
     from .sampling import Sampler
     from .scheduler import Scheduler
+    from .states import install as install_state_mixers
 
     from .. import compat
 
@@ -631,7 +632,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     if watermark is not None:
         options["watermark"] = watermark
     check_model(model)
-    check_engine_supported(model.config)
+    check_engine_supported(model)
     if not is_paged(model) or backend != "auto":  # a model paged before keeps its backend unless one is asked
         enable_paged_attention(model, backend=backend)
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
@@ -647,14 +648,21 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
                          "BlockPool itself instead.")
     _cap_pool(pool, config, model.dtype, groups)
     batch_tokens = options.pop("max_batch_tokens", None) or default_batch_tokens(device)
-    kv = RequestKV(pool, groups, batch_tokens)
+    state_layers = kv_geometry(config).state_layers
+    if state_layers:  # hybrid models: their state mixers run per group of requests (engine/states.py)
+        install_state_mixers(model)
+    kv = RequestKV(pool, groups, batch_tokens, state_layers)
     watermark = options.pop("watermark", None)
     scheduler = Scheduler(kv, batch_tokens, max_num_seqs=options.pop("max_num_seqs", None),
                           watermark=DEFAULT_WATERMARK if watermark is None else watermark)
     if cuda_graphs is not None:
         options["cuda_graphs"] = cuda_graphs
+    wanted_graphs = options.pop("cuda_graphs", None)
+    if state_layers and wanted_graphs:
+        raise ValueError("cuda_graphs=True is not supported for models with state layers (their mixers run per group "
+                         "of requests, outside a graph). Leave cuda_graphs unset.")
     runner = ModelRunner(model, kv, paged_backend(model), num_layers,
-                         _decode_graphs(options.pop("cuda_graphs", None), device, pool, scheduler.max_num_seqs))
+                         None if state_layers else _decode_graphs(wanted_graphs, device, pool, scheduler.max_num_seqs))
     limit, reason = context_limit(config)
     core = EngineCore(scheduler, runner, Sampler(device=device), max_context=limit, context_reason=reason)
     defaults = {"logprobs": options.pop("logprobs")} if "logprobs" in options else {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 from ..allocator import _ROOT_KEY, block_key
 from ..groups import LayerGroups
 from ..rows import Row, Rows
+from ..states import OutOfStateMemoryError
 
 UNBOUNDED = 1 << 40  # free blocks of a pool that grows on demand
 
@@ -24,11 +25,12 @@ class RequestKV:
         max_batch_tokens: the per-step token budget (sizes a sliding group's worst case).
     """
 
-    def __init__(self, pool, groups: LayerGroups, max_batch_tokens: int):
+    def __init__(self, pool, groups: LayerGroups, max_batch_tokens: int, state_layers=()):
         self.pool = pool
         self.allocator = pool.allocator
         self.groups = groups
-        self.rows = Rows(pool, groups)
+        self.state_layers = tuple(state_layers)  # hybrid models: each row also holds a state slot
+        self.rows = Rows(pool, groups, bool(self.state_layers))
         self.block_size = self.allocator.block_size
         self.max_batch_tokens = max_batch_tokens
         # Prefix caching needs one block table per request: mixed-window models run without it.
@@ -97,9 +99,13 @@ class RequestKV:
             self.allocator.note_prefix_lookup(query_tokens, hit_tokens)
 
     # ------------------------------------------------------------------- rows
-    def open(self, prefix_blocks: list[int] = (), tokens: list[int] = ()) -> Row:
-        """A new row starting from ``prefix_blocks`` (from :meth:`match`), which hold the first tokens of ``tokens``."""
-        return self.rows.new(list(prefix_blocks), list(tokens[: len(prefix_blocks) * self.block_size]))
+    def open(self, prefix_blocks: list[int] = (), tokens: list[int] = ()) -> Row | None:
+        """A new row starting from ``prefix_blocks`` (from :meth:`match`), which hold the first tokens of ``tokens``;
+        None when a capped pool has no room for its state slot (hybrid models)."""
+        try:
+            return self.rows.new(list(prefix_blocks), list(tokens[: len(prefix_blocks) * self.block_size]))
+        except OutOfStateMemoryError:
+            return None
 
     def fork(self, row: Row) -> Row:
         """A new row sharing every block of ``row`` (copy-on-write when either writes a shared last block)."""

@@ -167,6 +167,9 @@ class Scheduler:
                 held.append(req)
                 continue
             row = self.kv.open(prefix, req.tokens)
+            if row is None:  # no room for its state slot (hybrid models under a byte cap)
+                self.waiting.appendleft(req)
+                break
             cached = len(prefix) * self.kv.block_size
             n = min(len(req.tokens) - cached, budget)
             need = self.kv.blocks_needed(row, n)
