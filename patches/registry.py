@@ -30,7 +30,7 @@ GENERIC_VERIFIED = ("olmo3", "glm4", "glm4_moe", "seed_oss", "apertus", "ernie4_
                     "llama4_text", "gemma4_text", "gemma3n_text")
 
 # Hybrid families (state layers beside attention) taken generically, their states in the pool's state store: the
-# suite runs generate() token for token against DynamicCache (tests/test_hybrid_states.py); the engine refuses them.
+# suite runs generate() and the engine token for token against DynamicCache (tests/test_hybrid_states.py).
 STATE_VERIFIED = {
     "qwen3_next": "linear attention", "qwen3_5_text": "linear attention", "olmo_hybrid": "linear attention",
     "nemotron_h": "Mamba2", "granitemoehybrid": "Mamba2", "falcon_h1": "Mamba2 beside attention",
@@ -55,8 +55,9 @@ def supported_model_types() -> list[str]:
 
 
 def verified_model_types() -> list[str]:
-    """Model types the suite runs token for token against DynamicCache: the patched ones and :data:`GENERIC_VERIFIED`."""
-    return sorted({*_REGISTRY, *GENERIC_VERIFIED})
+    """Model types the suite runs token for token against DynamicCache: the patched ones, :data:`GENERIC_VERIFIED` and
+    the hybrid :data:`STATE_VERIFIED`."""
+    return sorted({*_REGISTRY, *GENERIC_VERIFIED, *STATE_VERIFIED})
 
 
 def _modeling_file(module: str) -> Path | None:

@@ -22,7 +22,7 @@ def supported_models() -> list[dict]:
         status = "verified" if generic_patch(model_type) is not None else "not in this transformers"
         rows.append({"model_type": model_type, "features": (), "path": "generic", "status": status})
     for model_type, mixer in STATE_VERIFIED.items():
-        status = (f"verified in generate() (state layers: {mixer}); engine: refused"
+        status = (f"verified (state layers: {mixer})"
                   if generic_patch(model_type) is not None else "not in this transformers")
         rows.append({"model_type": model_type, "features": ("state_layers",), "path": "generic", "status": status})
     for model_type, why in REFUSED.items():
