@@ -336,3 +336,26 @@ def test_engine_requests_equal_generate_alone(model_type):
     assert pool.allocator.blocks_in_use == 0 and pool.states.in_use == 0
     assert core.scheduler.counters.prefix_hit_tokens == 0  # hybrid rows never start from cached blocks
     print(f"\n{model_type}: ties accepted so far {len(TIES.ties)} of {TIES.requests} requests")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h"])
+def test_engine_forks_copy_the_states_of_one_prefill(model_type):
+    """num_return_sequences=3 with a seed: one prefill, whose states each fork copies into its own slot; each fork's
+    tokens equal a request run alone with that fork's seed (the sampler derives fork k's seed from the request's)."""
+    from hf_paged.engine.sampling import _fork_seed
+
+    model = hybrid_model(model_type, seed=4)
+    prompt = random_prompts(1, VOCAB, (13, 13), seed=23)[0]
+    sampling = dict(do_sample=True, temperature=0.9, max_new_tokens=6)
+    pool = BlockPool(block_size=BLOCK, num_blocks=64)
+    with init_continuous_batching(model, pool=pool) as manager:
+        rid = manager.add_request(prompt, seed=77, num_return_sequences=3, **sampling)
+        forks = [manager.get_result(i, timeout=60) for i in (rid, f"{rid}__child#0", f"{rid}__child#1")]
+        computed = manager.stats().prompt_tokens_computed
+        alone = [manager.get_result(manager.add_request(prompt, seed=_fork_seed(77, k), **sampling), timeout=60)
+                 for k in range(3)]
+    assert computed == len(prompt)  # one prefill for the three
+    assert all(f.status == RequestStatus.FINISHED for f in forks)
+    assert [f.generated_tokens for f in forks] == [a.generated_tokens for a in alone]
+    assert len({tuple(f.generated_tokens) for f in forks}) > 1
+    assert pool.allocator.blocks_in_use == 0 and pool.states.in_use == 0
