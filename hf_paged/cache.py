@@ -520,8 +520,6 @@ class PagedCache(Cache):
         """
         from .persist import save_cache
 
-        if self.state_layers:
-            raise ValueError(_NO_STATE_FILES)
         self.forward_ran()
         save_cache(self, path)
 
@@ -537,9 +535,6 @@ class PagedCache(Cache):
         """
         from .persist import load_cache
 
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        if text is not None and kv_geometry(text).state_layers:
-            raise ValueError(_NO_STATE_FILES)
         return load_cache(cls, path, config, pool, trusted=trusted, **kwargs)
 
     @property
@@ -547,12 +542,19 @@ class PagedCache(Cache):
         """Padded input columns the forwards so far consumed (what ``get_seq_length()`` reports)."""
         return self._contents.columns
 
-    def restore(self, rows: Rows, columns: int, release_finished: bool) -> None:
-        """Take ``rows`` (imported from a file, on this cache's pool) as this cache's rows (``load``)."""
+    def restore(self, rows: Rows, columns: int, release_finished: bool, states_written=()) -> None:
+        """Take ``rows`` (imported from a file, on this cache's pool) as this cache's rows (``load``);
+        ``states_written``: the ``(layer, state_idx)`` whose states they hold (models with state layers)."""
         if len(self.rows):
             raise ValueError("restore() needs an empty cache.")
         self.rows, self.release_finished = rows, release_finished
         self._contents.columns, self._contents.mode = columns, "paged" if len(rows) else None
+        self._contents.states_written = set(states_written)
+
+    @property
+    def states_written(self) -> frozenset:
+        """``(layer, state_idx)`` whose states the rows hold (what ``has_previous_state`` reports)."""
+        return frozenset(self._contents.states_written)
 
     # ------------------------------------------------------ finished rows
     def release_rows(self, rows) -> None:
@@ -769,9 +771,6 @@ class PagedCache(Cache):
 
 
 _WARNED: set[str] = set()
-_NO_STATE_FILES = ("save() / load() of a PagedCache of a model with state layers (linear attention, Mamba, short "
-                   "convolutions) is not supported yet: the cache file format holds K/V only, not the rows' states. "
-                   "Fix: keep the cache in memory (copy.deepcopy(cache) to branch it), or re-run the prompt.")
 
 
 def _warn_once(message: str) -> None:

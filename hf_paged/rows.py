@@ -287,6 +287,9 @@ class Rows:
             rows = [Row([a.new_sequence(group=g) for g in range(self.groups.num_groups)],
                         None if t is None else list(t), False) for t in tokens]
             live = [(row, n) for row, n, gone in zip(rows, lengths, released) if not gone]
+            if self.stateful:  # the caller writes their states into these slots
+                for (row, _), slot in zip(live, self._take_slots(len(live))):
+                    row.state = slot
             requests = [(row.seqs[g], n) for row, n in live for g in range(self.groups.num_groups)]
             request_tokens = [row.tokens if keyed[g] else None for row, _ in live for g in range(self.groups.num_groups)]
             try:
@@ -295,6 +298,7 @@ class Rows:
                 for row in rows:
                     for seq in row.seqs:
                         a.free(seq)
+                self.pool.give_back_state_slots([row.state for row in rows if row.state is not None])
                 raise
             for row, gone in zip(rows, released):
                 if gone:

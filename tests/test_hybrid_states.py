@@ -240,10 +240,9 @@ def test_states_and_blocks_share_a_max_memory_cap():
     assert_released(small)
 
 
-def test_rollbacks_files_and_the_engine_are_refused_by_name(tmp_path):
+def test_rollbacks_are_refused_by_name():
     """A recurrent state cannot be cropped: assisted decoding (transformers refuses it for stateful models first;
-    the cache's past recording, which it needs, is refused by name too) and crop() are refused; cache files (K/V
-    only) do not hold states yet."""
+    the cache's past recording, which it needs, is refused by name too) and crop() are refused."""
     model = hybrid_model("qwen3_next")
     enable_paged_attention(model, backend="torch")
     inputs = left_padded([6], seed=8)
@@ -256,11 +255,6 @@ def test_rollbacks_files_and_the_engine_are_refused_by_name(tmp_path):
     run(model, inputs, cache, max_new_tokens=2)
     with pytest.raises(ValueError, match="cannot crop"):
         cache.crop(-1)
-    with pytest.raises(ValueError, match="save.*state layers"):
-        cache.save(tmp_path / "cache.safetensors")
-    with pytest.raises(ValueError, match="save.*state layers"):
-        PagedCache.load(tmp_path / "cache.safetensors", model.config)
-    assert not (tmp_path / "cache.safetensors").exists()
     assert_released(cache)
 
 
@@ -275,6 +269,70 @@ def test_store_slots_are_consecutive_where_free_and_never_given_twice():
         store.give_back([0, 0])
     store.give_back([0, 1, 2, 3, 4])
     assert store.in_use == 0
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "falcon_h1", "lfm2"])
+def test_save_and_load_continue_the_states(model_type, tmp_path):
+    """A saved cache of a hybrid model holds its rows' states (format 4): loaded into another pool, a second turn
+    gives DynamicCache's tokens; the loaded slots are counted and given back."""
+    model = hybrid_model(model_type)
+    inputs = left_padded([4, 7], seed=9)
+    reference = DynamicCache(config=model.config)
+    first = run(model, inputs, reference, max_new_tokens=3)
+    follow = {"input_ids": torch.cat([first, torch.full((2, 2), 21)], 1),
+              "attention_mask": torch.cat([inputs["attention_mask"], torch.ones(2, 5, dtype=torch.long)], 1)}
+    expected = run(model, follow, reference, max_new_tokens=4)
+    enable_paged_attention(model, backend="torch")
+    cache = PagedCache(model.config, block_size=BLOCK)
+    run(model, inputs, cache, max_new_tokens=3)
+    path = tmp_path / "cache.safetensors"
+    cache.save(path)
+    saved = {key: t[[row.state for row in cache.rows]].clone() for key, t in cache.pool.states.tensors.items()}
+    written = cache.states_written
+    assert written == {(layer, 0) for layer in cache.state_layers}
+    assert_released(cache)
+    loaded = PagedCache.load(path, model.config, block_size=BLOCK)
+    assert loaded.pool.states.in_use == 2 and loaded.memory_stats().state_slots_in_use == 2
+    assert loaded.states_written == written
+    for key, t in loaded.pool.states.tensors.items():
+        assert torch.equal(t[[row.state for row in loaded.rows]], saved[key]), key
+    assert torch.equal(run(model, follow, loaded, max_new_tokens=4), expected)
+    assert_released(loaded)
+
+
+def test_state_files_are_checked_before_the_pool_is_touched(tmp_path):
+    """A state tensor of the wrong shape, or a NaN in a state, is refused naming the field; a file without states
+    does not load into a model with state layers."""
+    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+
+    from hf_paged import CacheFileError
+
+    model = hybrid_model("qwen3_5_text")
+    enable_paged_attention(model, backend="torch")
+    cache = PagedCache(model.config, block_size=BLOCK)
+    run(model, left_padded([5], seed=10), cache, max_new_tokens=2)
+    path = tmp_path / "good.safetensors"
+    cache.save(path)
+    with safe_open(path, framework="pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(path)
+    name = "state.recurrent.0.0"
+    bad = dict(tensors, **{name: tensors[name][..., :-1].contiguous()})
+    save_file(bad, tmp_path / "shape.safetensors", metadata=metadata)
+    with pytest.raises(CacheFileError, match=name.replace(".", r"\.")):
+        PagedCache.load(tmp_path / "shape.safetensors", model.config)
+    nan = dict(tensors, **{name: torch.full_like(tensors[name], float("nan"))})
+    save_file(nan, tmp_path / "nan.safetensors", metadata=metadata)
+    with pytest.raises(CacheFileError, match="NaN"):
+        PagedCache.load(tmp_path / "nan.safetensors", model.config)
+    no_states = {k: v for k, v in tensors.items() if not k.startswith("state.")}
+    plain = {k: v for k, v in metadata.items() if k not in ("states", "states_written", "digest")}
+    plain["format"] = "hf_paged.cache/1"  # no digest to recompute
+    save_file(no_states, tmp_path / "plain.safetensors", metadata=plain)
+    with pytest.raises(CacheFileError, match="holds no states"):
+        PagedCache.load(tmp_path / "plain.safetensors", model.config)
+    assert_released(cache)
 
 
 # ---------------------------------------------------------------------------------------------------- the engine
