@@ -128,7 +128,8 @@ def check_supported(config, paged: bool = True) -> None:
 
     ``paged=True`` checks the paged path (``enable_paged_attention``): also a known family and the attention
     features this build implements. ``paged=False`` checks only what a ``PagedCache`` in gathered mode cannot hold
-    either: linear-attention / state-space / chunked layers, KV sharing, different key and value head sizes.
+    either: KV sharing without a paged source, models without attention, different key and value head sizes.
+    (Linear-attention / state-space layers keep their states in the pool's state store: ``hf_paged/states.py``.)
     Runs on the config alone, so it can be called before any forward.
     """
     config = text_config(config)
