@@ -417,3 +417,31 @@ def test_engine_forks_copy_the_states_of_one_prefill(model_type):
     assert [f.generated_tokens for f in forks] == [a.generated_tokens for a in alone]
     assert len({tuple(f.generated_tokens) for f in forks}) > 1
     assert pool.allocator.blocks_in_use == 0 and pool.states.in_use == 0
+
+
+def test_engine_under_a_byte_cap_counts_the_states():
+    """A pool capped by bytes: the engine's state slots take their bytes off the block cap (admission then sees fewer
+    blocks), every request finishes with generate()'s tokens, states plus blocks stay within the cap, and a request
+    whose slot would not fit is not opened (it waits): the store holds 4 slots of 18 KiB, 8 would pass the cap."""
+    model = hybrid_model("qwen3_5_text", seed=3)
+    model.generation_config.eos_token_id = EOS
+    prompts = random_prompts(8, VOCAB, (6, 20), seed=12)
+    specs = [(f"c{i}", p, 3 + i % 4) for i, p in enumerate(prompts)]
+    expected = {rid: reference(model, prompt, new) for rid, prompt, new in specs}
+    cap = 100 * 1024
+    pool = BlockPool(block_size=BLOCK, max_memory=cap)
+    manager = init_continuous_batching(model, pool=pool, max_batch_tokens=32)
+    reqs = drive(manager._core, specs, [])
+    for rid, _, _ in specs:
+        assert reqs[rid].status == RequestStatus.FINISHED, (rid, reqs[rid].error)
+        check_tokens(rid, reqs[rid].generated, expected[rid], TIES)
+    states = pool.states.bytes_reserved()
+    assert pool.states.capacity == 4 and states == 4 * pool.states.bytes_per_slot()
+    assert pool.allocator.max_blocks == (cap - states) // pool.bytes_per_block_id() - 1
+    assert pool.allocator.blocks_in_use == 0 and pool.states.in_use == 0
+    kv = manager._core.runner.kv
+    opened = [kv.open() for _ in range(4)]
+    assert all(row is not None for row in opened) and kv.open() is None
+    for row in opened:
+        kv.free(row)
+    assert pool.states.in_use == 0 and pool.states.capacity == 4
