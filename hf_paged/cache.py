@@ -740,6 +740,9 @@ class PagedCache(Cache):
         bs = self.pool.block_size
         if not self.pool.prefix_caching or len(self.rows) or self._contents.columns:
             return 0
+        if self.state_layers:  # no state checkpoints in generate(): the rows' states at a prefix's end are not kept
+            _log.debug("prefix cache lookup skipped: the model has state layers")
+            return 0
         if self._call is None:
             raise RuntimeError("start_from_prefix() starts the rows of a generate() call: call it after "
                                "begin_call(), before the call's first forward.")

@@ -85,13 +85,11 @@ class Rows:
     # -------------------------------------------------------------- creation
     def new(self, prefix_blocks: list[int] = (), prefix_tokens: list[int] = (), state: int | None = None) -> Row:
         """A new row (appended to ``rows``), starting from ``prefix_blocks`` — full cached blocks holding
-        ``prefix_tokens`` (from :meth:`match_prefix`; single-group models only). ``state``: a slot taken for it by
-        the caller (:meth:`extend` takes a batch's slots at once), else one is taken here on stateful models."""
+        ``prefix_tokens`` (from :meth:`match_prefix`; single-group models only; on stateful models the caller restores
+        the states at the prefix's end). ``state``: a slot taken for it by the caller (:meth:`extend` takes a batch's
+        slots at once), else one is taken here on stateful models."""
         if prefix_blocks and self.groups.num_groups != 1:
             raise ValueError("a row can start from cached prefix blocks only on models with one layer group.")
-        if prefix_blocks and self.stateful:
-            raise ValueError("a row of a model with state layers cannot start from cached prefix blocks: its states "
-                             "at the end of the prefix are not cached.")
         a = self.pool.allocator
         with self.pool.lock:
             if state is None and self.stateful:
@@ -126,10 +124,9 @@ class Rows:
 
     @property
     def prefix_caching(self) -> bool:
-        """Whether rows can start from cached prefix blocks here (mixed-window models cannot, nor models with state
-        layers: their states at the prefix's end are not kept)."""
-        return (self.pool.prefix_caching and self.groups.num_groups == 1 and not self.groups.limited(0)
-                and not self.stateful)
+        """Whether rows can start from cached prefix blocks here (mixed-window models cannot; on models with state
+        layers only where the states at the prefix's end are kept: the engine's checkpoints)."""
+        return self.pool.prefix_caching and self.groups.num_groups == 1 and not self.groups.limited(0)
 
     # ------------------------------------------------------------ operations
     def fork(self, row: Row, join: bool = False, state: int | None = None) -> Row:

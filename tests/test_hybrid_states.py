@@ -342,7 +342,7 @@ TIES = TieCount()
 def drive(core, specs, chunks: list) -> dict:
     """Add every request (``(rid, prompt, max_new)``) two steps apart, run to the end; ``chunks`` collects
     ``(rid, start, num_tokens, prompt_len)`` of every chunk run. Checks after every step that each running request
-    holds one state slot and nobody else does."""
+    holds one state slot and nobody else does but the prefix-caching checkpoints."""
     run = core.runner.run
 
     def recording(batch):
@@ -350,13 +350,14 @@ def drive(core, specs, chunks: list) -> dict:
         return run(batch)
 
     core.runner.run = recording
-    store = core.runner.kv.pool.states
+    kv = core.runner.kv
     reqs = {}
 
     def step():
         core.step()
         running = core.scheduler.running
-        assert store.in_use == len(running) == len({r.row.state for r in running})
+        assert len(running) == len({r.row.state for r in running})
+        assert kv.pool.states.in_use == len(running) + len(kv.checkpoints or ())
 
     with torch.no_grad():
         for rid, prompt, new in specs:
@@ -391,8 +392,7 @@ def test_engine_requests_equal_generate_alone(model_type):
     assert core.scheduler.counters.preemptions > 0
     assert any(0 < start < prompt_len for _, start, n, prompt_len in chunks)  # a prefill chunk after the first
     assert any(0 < start and start + n < prompt_len for _, start, n, prompt_len in chunks)  # ... and a middle one
-    assert pool.allocator.blocks_in_use == 0 and pool.states.in_use == 0
-    assert core.scheduler.counters.prefix_hit_tokens == 0  # hybrid rows never start from cached blocks
+    assert pool.allocator.blocks_in_use == 0 and pool.states.in_use == len(core.runner.kv.checkpoints)
     print(f"\n{model_type}: ties accepted so far {len(TIES.ties)} of {TIES.requests} requests")
 
 
@@ -445,3 +445,39 @@ def test_engine_under_a_byte_cap_counts_the_states():
     for row in opened:
         kv.free(row)
     assert pool.states.in_use == 0 and pool.states.capacity == 4
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h", "falcon_h1"])
+def test_engine_prefix_hits_restore_state_checkpoints(model_type):
+    """Sixteen requests submitted at once whose prompts start with one 42-token system prompt: the first computes it
+    whole; the next, finding its K/V blocks but no states, stops its prefill at the last block boundary of the cached
+    blocks (token 40) once, where its states are checkpointed; the others restore that checkpoint with the blocks and
+    compute only the rest. Each request's tokens equal it alone through generate(); at most a quarter of the
+    sixteen copies of the system prompt is computed."""
+    model = hybrid_model(model_type, seed=5)
+    model.generation_config.eos_token_id = EOS
+    system = random_prompts(1, VOCAB, (42, 42), seed=30)[0]
+    questions = random_prompts(16, VOCAB, (3, 8), seed=31)
+    specs = [(f"p{i}", system + q, 3 + i % 3) for i, q in enumerate(questions)]
+    expected = {rid: reference(model, prompt, new) for rid, prompt, new in specs}
+    pool = BlockPool(block_size=BLOCK, num_blocks=256, prefix_caching=True)
+    manager = init_continuous_batching(model, pool=pool, max_batch_tokens=64)
+    core = manager._core
+    reqs = {}
+    with torch.no_grad():
+        for rid, prompt, new in specs:
+            reqs[rid] = req = core.new_request(rid, prompt, SamplingParams(max_new_tokens=new, eos_token_ids=(EOS,)))
+            core.add(req)
+        while core.has_work:
+            core.step()
+    for rid, _, _ in specs:
+        assert reqs[rid].status == RequestStatus.FINISHED, (rid, reqs[rid].error)
+        check_tokens(rid, reqs[rid].generated, expected[rid], TIES)
+    c = core.scheduler.counters
+    shared_computed = c.prompt_tokens_computed - sum(len(q) for q in questions)
+    assert c.prefix_hit_tokens >= 14 * 40
+    assert shared_computed <= 0.25 * 16 * len(system), shared_computed
+    kv = core.runner.kv
+    assert pool.allocator.blocks_in_use == 0 and pool.states.in_use == len(kv.checkpoints) > 0
+    kv.checkpoints.clear()
+    assert pool.states.in_use == 0

@@ -16,13 +16,14 @@ preemption, which recomputes) starts from none.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from ..patches import state_mixers
 from ..rows import Row
-from ..states import StateView
+from ..states import OutOfStateMemoryError, StateView
 
 _WRAPPED = "_hf_paged_state_mixer"
 
@@ -105,3 +106,47 @@ def run_groups(forward, hidden_states: torch.Tensor, packed: PackedStates) -> to
         for i, s in enumerate(segs):
             out[0, s.offset: s.offset + n] = y[i]
     return out
+
+
+class StateCheckpoints:
+    """Prefix caching for hybrid models: the states of a token prefix ending at a block boundary, kept in slots of
+    the store and keyed by that prefix's last block key (the allocator's chained hash of every token before it).
+
+    A state is a function of the prefix's tokens alone, so a checkpoint never goes stale: a request whose prompt starts
+    with cached K/V blocks restores the checkpoint of the longest of those prefixes that has one and computes only the
+    rest. At most ``max_entries`` are kept (least recently used first out); their slots count in the store's figures.
+    """
+
+    def __init__(self, pool, max_entries: int):
+        self.pool, self.max_entries = pool, max_entries
+        self.slots: OrderedDict[bytes, int] = OrderedDict()
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.slots
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def save(self, key: bytes, slot: int) -> None:
+        """Keep a copy of ``slot``'s states as the checkpoint of ``key`` (no-op if kept already or no room)."""
+        if key in self.slots:
+            self.slots.move_to_end(key)
+            return
+        try:
+            (held,) = self.pool.take_state_slots(1)
+        except OutOfStateMemoryError:
+            return
+        self.pool.states.copy([held], [slot])
+        self.slots[key] = held
+        while len(self.slots) > self.max_entries:
+            _, old = self.slots.popitem(last=False)
+            self.pool.give_back_state_slots([old])
+
+    def restore(self, key: bytes, slot: int) -> None:
+        """``slot`` takes the states of the checkpoint ``key``."""
+        self.slots.move_to_end(key)
+        self.pool.states.copy([slot], [self.slots[key]])
+
+    def clear(self) -> None:
+        slots, self.slots = list(self.slots.values()), OrderedDict()
+        self.pool.give_back_state_slots(slots)
