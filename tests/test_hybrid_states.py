@@ -481,3 +481,23 @@ def test_engine_prefix_hits_restore_state_checkpoints(model_type):
     assert pool.allocator.blocks_in_use == 0 and pool.states.in_use == len(kv.checkpoints) > 0
     kv.checkpoints.clear()
     assert pool.states.in_use == 0
+
+
+def test_checkpoints_give_way_to_requests_under_a_byte_cap():
+    """A request that finds no room for its slot takes a checkpoint's (the least recently used), never the other way
+    round; the checkpoint about to be restored is kept."""
+    model = hybrid_model("qwen3_5_text", seed=5)
+    pool = BlockPool(block_size=BLOCK, max_memory=100 * 1024, prefix_caching=True)
+    manager = init_continuous_batching(model, pool=pool, max_batch_tokens=16)
+    core, kv = manager._core, manager._core.runner.kv
+    with torch.no_grad():  # one request, to learn the states' size (4 slots of 18 KiB: 8 would pass the cap)
+        core.add(core.new_request("a", list(range(3, 20)), SamplingParams(max_new_tokens=2)))
+        while core.has_work:
+            core.step()
+    assert pool.states.capacity == 4 and pool.states.in_use == len(kv.checkpoints) > 0
+    rows = [kv.open() for _ in range(4)]
+    assert all(row is not None for row in rows) and len(kv.checkpoints) == 0
+    assert kv.open() is None
+    for row in rows:
+        kv.free(row)
+    assert pool.states.in_use == 0

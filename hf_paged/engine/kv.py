@@ -15,7 +15,8 @@ from ..states import OutOfStateMemoryError
 from .states import StateCheckpoints
 
 UNBOUNDED = 1 << 40  # free blocks of a pool that grows on demand
-CHECKPOINTS = 64  # state checkpoints a hybrid model's engine keeps for prefix caching (least recently used out)
+CHECKPOINTS = 16  # state checkpoints a hybrid model's engine keeps for prefix caching (least recently used out;
+# also given up, oldest first, when a request needs their room)
 
 
 class RequestKV:
@@ -115,10 +116,18 @@ class RequestKV:
     def open(self, prefix_blocks: list[int] = (), tokens: list[int] = ()) -> Row | None:
         """A new row starting from ``prefix_blocks`` (from :meth:`match`), which hold the first tokens of ``tokens``;
         None when a capped pool has no room for its state slot (hybrid models)."""
-        try:
-            row = self.rows.new(list(prefix_blocks), list(tokens[: len(prefix_blocks) * self.block_size]))
-        except OutOfStateMemoryError:
-            return None
+        while True:
+            try:
+                row = self.rows.new(list(prefix_blocks), list(tokens[: len(prefix_blocks) * self.block_size]))
+                break
+            except OutOfStateMemoryError:
+                if not self.checkpoints:  # a request's slot before a checkpoint's
+                    return None
+                try:
+                    self.checkpoints.evict(keep=self.prefix_keys(tokens, len(prefix_blocks))[-1] if prefix_blocks
+                                           else None)
+                except OutOfStateMemoryError:
+                    return None
         matched = self._matched.pop(id(tokens), 0)
         if self.checkpoints is not None and prefix_blocks:
             self.checkpoints.restore(self.prefix_keys(tokens, len(prefix_blocks))[-1], row.state)

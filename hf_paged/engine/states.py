@@ -147,6 +147,14 @@ class StateCheckpoints:
         self.slots.move_to_end(key)
         self.pool.states.copy([slot], [self.slots[key]])
 
+    def evict(self, keep: bytes | None = None) -> None:
+        """Give back the least recently used checkpoint (not ``keep``, the one about to be restored)."""
+        for key in self.slots:
+            if key != keep:
+                self.pool.give_back_state_slots([self.slots.pop(key)])
+                return
+        raise OutOfStateMemoryError("no state checkpoint to give up")
+
     def clear(self) -> None:
         slots, self.slots = list(self.slots.values()), OrderedDict()
         self.pool.give_back_state_slots(slots)
