@@ -804,7 +804,8 @@ class StepCache(Cache):
     # The decoder's hooks make this the running forward's cache (compat.running_cache): a KV-shared layer, which
     # writes nothing, finds its source layer's step here. Its forward still builds the model's masks (unread).
     reads_pool = False
-    packed_states = None  # hybrid models: the requests' segments, which the state mixers run per group (engine/states.py)
+    packed_states = None  # hybrid models: the requests' segments, which the state mixers run per group
+    # (engine/states.py)
 
     def layer_step(self, layer_idx: int, query_len: int | None = None) -> LayerStep | None:
         """What layer ``layer_idx``'s attention reads (see :meth:`PagedCache.layer_step`)."""

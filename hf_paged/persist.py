@@ -4,10 +4,11 @@ The file holds, per layer, the K/V of every row's tokens back to back (``k.{laye
 ``[total_tokens, num_kv_heads, head_dim]`` in the pool's storage dtype, plus, for fp8 pools, each token's scales
 ``k_scale.{layer}``/``v_scale.{layer}`` ``[total_tokens, num_kv_heads]`` bfloat16), the rows' token ids and lengths,
 and metadata describing the model it fits (model type, layer count, each layer's KV heads, head size and dtype) and,
-from format 2 on, a digest of all of it. Format 4 (caches of hybrid models) adds each live row's states
-(``state.{kind}.{layer}.{state_idx}`` ``[num_live, *shape]``, ``kind`` conv or recurrent, in the dtype the model wrote),
-their shapes (metadata ``states``) and the states the rows hold (``states_written``). Formats 1 and 2 held one float32 scale per layer and KV head
-(``[num_kv_heads]``); they still load, that scale (rounded to bfloat16) going to every token's slot.
+from format 2 on, a digest of all of it. Formats 1 and 2 held one float32 scale per layer and KV head
+(``[num_kv_heads]``); they still load, that scale (rounded to bfloat16) going to every token's slot. Format 4 (caches
+of hybrid models) adds each live row's states (``state.{kind}.{layer}.{state_idx}`` ``[num_live, *shape]``, ``kind``
+conv or recurrent, in the dtype the model wrote), their shapes (metadata ``states``) and the states the rows hold
+(``states_written``).
 
 A cache file is untrusted input: loading runs in two parts.
 
@@ -505,7 +506,8 @@ def _check_states(cf: CacheFile, cache) -> None:
     for kind, layer, idx in cf.states:
         if layer not in state_layers:
             raise CacheFileError(path, "states", f"a {kind} state of layer {layer}, which keeps no state in this "
-                                 f"model (its state layers: {sorted(state_layers)})", "Load it with that model's config.")
+                                 f"model (its state layers: {sorted(state_layers)})",
+                                 "Load it with that model's config.")
         known = cache.pool.states.get(kind, layer, idx)
         shape, dtype = cf.states[(kind, layer, idx)]
         if known is not None and (list(known.shape[1:]), known.dtype) != (shape, dtype):

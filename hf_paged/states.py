@@ -21,9 +21,6 @@ import threading
 
 import torch
 
-STATE_KINDS = ("conv", "recurrent")
-
-
 class OutOfStateMemoryError(RuntimeError):
     """The state store would grow past the bytes a capped pool leaves beside its blocks."""
 
@@ -115,8 +112,11 @@ class StateStore:
         return t
 
     def _grow(self, count: int) -> None:
-        new_capacity = max(self.capacity * 2, self.capacity + count, 4)
+        """Room for ``count`` more slots: double (at least 4), or under a byte cap just enough when doubling is not."""
         per_slot = self.bytes_per_slot()
+        new_capacity = max(self.capacity * 2, self.capacity + count, 4)
+        if self.limit_bytes is not None and per_slot * new_capacity > self.limit_bytes():
+            new_capacity = self.capacity + count
         self._check_budget(per_slot * new_capacity, f"{new_capacity} state slots")
         for key, t in self.tensors.items():
             grown = torch.zeros((new_capacity, *t.shape[1:]), dtype=t.dtype, device=t.device)
@@ -127,9 +127,10 @@ class StateStore:
 
     def _check_budget(self, total: int, what: str) -> None:
         if self.limit_bytes is not None and total > self.limit_bytes():
-            raise OutOfStateMemoryError(f"the state store cannot hold {what}: states would take {total:,} bytes, over what the "
-                              f"pool's max_memory leaves beside its blocks ({self.limit_bytes():,}). Raise max_memory "
-                              "or run fewer rows at once.")
+            raise OutOfStateMemoryError(
+                f"the state store cannot hold {what}: states would take {total:,} bytes, over what the pool's "
+                f"max_memory leaves beside its blocks ({self.limit_bytes():,}). Raise max_memory or run fewer rows "
+                "at once.")
 
 
 def _free_run(free: list[int], count: int) -> list[int] | None:

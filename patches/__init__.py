@@ -24,8 +24,8 @@ from __future__ import annotations
 from .kinds import head_sizes, kv_geometry
 from .model_patch import ModelPatch, base_decoder
 from .registry import (
-    GENERIC_VERIFIED, REFUSED, STATE_VERIFIED, _registry, find_patch, find_patch_for_config, generic_patch, layer_windows,
-    supported_model_types, verified_model_types,
+    GENERIC_VERIFIED, REFUSED, STATE_VERIFIED, _registry, find_patch, find_patch_for_config, generic_patch,
+    layer_windows, supported_model_types, verified_model_types,
 )
 from .support import (
     attention_modules, available_features, check_engine_supported, check_model, check_supported, kv_shape,

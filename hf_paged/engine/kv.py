@@ -40,7 +40,7 @@ class RequestKV:
         # the states at the prefix's end too: checkpoints at block boundaries (engine/states.py).
         self.prefix_caching = self.rows.prefix_caching
         self.checkpoints = StateCheckpoints(pool, CHECKPOINTS) if self.prefix_caching and self.state_layers else None
-        self._matched: dict[int, int] = {}  # id(tokens) -> its cached K/V blocks, for the open() that follows match()
+        self._matched: dict[int, int] = {}  # id(tokens) -> its cached K/V blocks, for the open() following match()
         self._targets: dict[int, int] = {}  # id(row) -> a block boundary its prefill stops at, to checkpoint there
 
     # ------------------------------------------------------------------ sizes
@@ -104,7 +104,7 @@ class RequestKV:
             return blocks
         keys = self.prefix_keys(tokens, len(blocks))
         usable = next((i for i in range(len(blocks), 0, -1) if keys[i - 1] in self.checkpoints), 0)
-        self._matched[id(tokens)] = len(blocks)
+        self._matched = {id(tokens): len(blocks)}  # the latest lookup only: open() follows it
         return blocks[:usable]
 
     def note_lookup(self, query_tokens: int, hit_tokens: int) -> None:
