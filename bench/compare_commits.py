@@ -52,6 +52,9 @@ FIGURES = {"eager": ("PagedCache eager", "DynamicCache"),
 def worker(root: str, args) -> None:
     """Serve figure requests on stdin/stdout (one JSON line each) for the hf_paged at ``root``."""
     sys.path.insert(0, root)
+    # An editable install maps hf_paged.patches to its own checkout's patches/: drop its finder, so the commit's own
+    # patches/ is imported (as hf_paged/patches, or found beside the package by older commits).
+    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
     import torch
 
     if args.threads:

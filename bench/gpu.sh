@@ -21,6 +21,9 @@
 #                  cuda_graphs=False) vs transformers' generate_batch manager (its defaults) on 256 requests of
 #                  bench/serve.py's mix at Llama-3.2-1B's shape: tokens/s, TTFT, graphs captured / replayed
 #                  (engine.jsonl); DRY: tiny shapes, 8 requests, graphs emulated on CPU
+#   engine-tp   bench/tp_engine.py: the engine under torchrun over N = all visible GPUs (tp_plan="auto", rank 0
+#                  driving) vs one process, Llama-3.2-1B's shape, 64 requests: tokens/s, ratio to N = 1, KV bytes per
+#                  block, requests with N = 1's tokens (engine-tp.jsonl); skipped below 2 GPUs; DRY: 2 gloo ranks, tiny
 #   kernels-1b  bench/kernels.py at Llama-3.2-1B's shape (d 64)
 #   mla         bench/mla.py --kernel: one layer's MLA decode attention at DeepSeek-V3's shape (128 heads, rank 512,
 #                  rope 64, bf16) over batch 1/32 x context 1k/8k: the Triton MLA kernel and the absorbed torch path
@@ -70,6 +73,7 @@ SUMMARY="$OUT/summary.txt"
 printf '%-26s %4s %7s\n' stage rc seconds >"$SUMMARY"
 : >"$OUT/e2e.jsonl"
 : >"$OUT/engine.jsonl"
+: >"$OUT/engine-tp.jsonl"
 FAILED=()
 E2E=$(mktemp /tmp/hf_paged_e2e.XXXXXX.py)
 DRY_KERNELS=$(mktemp /tmp/hf_paged_dry_kernels.XXXXXX.py)
@@ -303,6 +307,15 @@ if [ "${CALLS:-0}" = 1 ] && [ "$DRY" != 1 ]; then  # opt-in: the explicit reduce
 fi
 
 stage engine-1b "$(cap 120 150)" "$PY" bench/gpu_engine.py
+
+# the engine over N = all visible GPUs (tensor parallel under torchrun) vs N = 1; skipped (rc 0) below 2 GPUs.
+# DRY: 2 gloo ranks on CPU, tiny shape (the control path runs; its tokens/s say nothing about GPUs)
+if [ "$DRY" = 1 ]; then
+    stage engine-tp "$(cap 90 150)" "$PY" bench/tp_engine.py --ranks 2 --shape tiny --requests 8 --prompt 16 \
+        --new-tokens 8 --batch-tokens 128 --blocks 128 --json "$OUT/engine-tp.jsonl"
+else
+    stage engine-tp "$(cap 90 150)" "$PY" bench/tp_engine.py --json "$OUT/engine-tp.jsonl"
+fi
 
 if [ "$DRY" != 1 ]; then  # (DRY: the kernels-8b stage already drove the same functions at tiny shapes)
     # shellcheck disable=SC2086

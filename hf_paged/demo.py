@@ -40,7 +40,7 @@ KV_DTYPES = {"model": None, "fp8": torch.float8_e4m3fn}
 
 
 def run(model_path=None, batch_size: int = 8, max_new_tokens: int = 64, block_size: int = 16,
-        backend: str = "auto", kv_dtype: str = "model", serve_requests: int = 16, pairs: int = 3) -> dict:
+        backend: str = "auto", kv_dtype: str = "model", serve_requests: int = 16, pairs: int = 2) -> dict:
     print(f"loading {'the embedded SmolLM2-135M-Instruct' if model_path is None else model_path} ...", flush=True)
     model, tokenizer = embedded.load(model_path)
     inputs = embedded.chat_batch(tokenizer, batch_size)
@@ -110,7 +110,7 @@ def run(model_path=None, batch_size: int = 8, max_new_tokens: int = 64, block_si
     texts = tokenizer.batch_decode(out_paged[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     for text in texts[:2]:
         print(f"  > {text.strip()[:100]!r}")
-    served = serve_many(model, tokenizer, model_path, serve_requests, batch_size=batch_size,
+    served = serve_many(model, tokenizer, serve_requests, batch_size=batch_size,
                         block_size=block_size) if serve_requests else None
     return {
         "serve": served,
@@ -155,12 +155,12 @@ def _until_eos(row: list[int], eos: set[int]) -> list[int]:
     return row
 
 
-def _transformers_generate_batch(model_path, prompts, max_new_tokens: int, num_blocks: int, block_size: int):
-    """transformers' own continuous batching on a second copy of the model (sdpa, pages of ``block_size``,
-    ``num_blocks`` of them): (tokens per request, seconds, KV reserved bytes)."""
+def _transformers_generate_batch(model, prompts, max_new_tokens: int, num_blocks: int, block_size: int):
+    """transformers' own continuous batching on a copy of ``model`` (not on the paged path; sdpa, pages of
+    ``block_size``, ``num_blocks`` of them): (tokens per request, seconds, KV reserved bytes)."""
     from transformers.generation import ContinuousBatchingConfig
 
-    model, _ = embedded.load(model_path)
+    model = copy.deepcopy(model)  # generate_batch switches the copy's attention to its own paged one
     config = ContinuousBatchingConfig(page_size=block_size, num_blocks=num_blocks, max_batch_tokens=512,
                                       auto_switch_to_flash=False)
     generation_config = copy.deepcopy(model.generation_config)
@@ -173,7 +173,7 @@ def _transformers_generate_batch(model_path, prompts, max_new_tokens: int, num_b
     return [list(out.generated_tokens) for out in outputs.values()], seconds, reserved
 
 
-def serve_many(model, tokenizer, model_path=None, num_requests: int = 16, max_new_tokens: int = 32,
+def serve_many(model, tokenizer, num_requests: int = 16, max_new_tokens: int = 32,
                batch_size: int = 8, block_size: int = 16) -> dict:
     """``num_requests`` chat requests, all at once: padded generate(), the engine, transformers' generate_batch."""
     chats = embedded.CHAT_PROMPTS
@@ -208,7 +208,7 @@ def serve_many(model, tokenizer, model_path=None, num_requests: int = 16, max_ne
     engine_peak = pool.memory_stats().peak_bytes_in_use
 
     try:
-        cb_tokens, t_cb, cb_reserved = _transformers_generate_batch(model_path, prompts, max_new_tokens, num_blocks,
+        cb_tokens, t_cb, cb_reserved = _transformers_generate_batch(model, prompts, max_new_tokens, num_blocks,
                                                                     block_size)
     except Exception as err:  # report it, show the rest
         print(f"transformers' generate_batch failed: {type(err).__name__}: {err}")
@@ -251,7 +251,7 @@ def main(argv=None) -> int:
                         help="PagedCache block dtype: the model's, or fp8 (e4m3, a scale per token and KV head)")
     parser.add_argument("--serve-requests", type=int, default=16,
                         help="requests served at once after the main job (0: skip that part)")
-    parser.add_argument("--pairs", type=int, default=3,
+    parser.add_argument("--pairs", type=int, default=2,
                         help="timed DynamicCache / PagedCache pairs, alternated (the speed ratio is of the medians)")
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON")
     args = parser.parse_args(argv)

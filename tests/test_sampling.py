@@ -221,7 +221,7 @@ def test_settings_follow_generate_defaults_and_overrides():
     (dict(force_words_ids=[[3]]), "force_words_ids"),
     (dict(penalty_alpha=0.6), "penalty_alpha"),
     (dict(no_repeat_ngram_size=3), "no_repeat_ngram_size=3"),
-    (dict(min_new_tokens=5), "min_new_tokens=5"),
+    (dict(min_new_tokens=20, max_new_tokens=8), "min_tokens=20"),  # honoured as min_tokens, checked
     (dict(bad_words_ids=[[4]]), "bad_words_ids"),
     (dict(guidance_scale=2.0), "guidance_scale=2.0"),
     (dict(do_sample=True, typical_p=0.5), "typical_p=0.5"),

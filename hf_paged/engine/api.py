@@ -18,7 +18,9 @@ from typing import Iterator
 
 import torch
 
+from ..distributed import sum_over_ranks
 from .core import EngineCore
+from .distributed import AgreeingRunner, agree_on_pool, check_broadcastable, make_sync, tp_engine_loop
 from .outputs import EngineStats, GenerationOutput, QueueFullError, RequestStatus
 from .request import Request
 
@@ -28,7 +30,8 @@ DEFAULT_MAX_UNREAD = 100_000  # finished results kept until read; the oldest unr
 IDLE_WAIT = 0.005  # seconds the engine thread waits after a step that could run nothing
 _FORGOTTEN = 10_000  # ids of results read or dropped, remembered to say so (not "unknown")
 _SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
-                  "eos_token_id", "stop_token_ids", "logprobs", "num_return_sequences")
+                  "eos_token_id", "stop_token_ids", "logprobs", "num_return_sequences", "ignore_eos", "min_tokens",
+                  "prompt_logprobs", "grammar")
 
 
 class _Delivery:
@@ -58,7 +61,7 @@ class ContinuousBatchingManager:
 
     def __init__(self, core: EngineCore, generation_config=None, *, vocab_size: int | None = None,
                  max_queue_size: int | None = None, max_unread_results: int = DEFAULT_MAX_UNREAD,
-                 default_options: dict | None = None):
+                 default_options: dict | None = None, sync=None):
         if max_queue_size is not None and (not isinstance(max_queue_size, int) or max_queue_size < 1):
             raise ValueError(f"max_queue_size must be a positive int or None (unlimited), got {max_queue_size!r}.")
         self._core = core
@@ -84,6 +87,8 @@ class ContinuousBatchingManager:
         self._ended = {RequestStatus.FINISHED: 0, RequestStatus.CANCELLED: 0, RequestStatus.FAILED: 0}
         self._dropped_warned = False
         self._signals = _Signals()  # what the engine thread reads: it holds these, never the manager itself
+        self._sync = sync  # tensor parallelism: the ranks' control channel (engine/distributed.py), else None
+        self._pending_new: list[Request] = []  # (tensor parallel, rank 0) broadcast, not yet in the engine
         # A manager dropped without stop(): its thread ends (cancelling what is left), then the pool is freed.
         self._finalizer = weakref.finalize(self, _shutdown, self._lock, self._cond, self._signals)
 
@@ -95,8 +100,9 @@ class ContinuousBatchingManager:
                 raise RuntimeError("this manager was stopped; create a new one with init_continuous_batching().")
             if self._thread is not None:
                 return
-            self._thread = threading.Thread(target=_engine_loop, args=(weakref.ref(self), self._core, self._lock,
-                                                                       self._cond, self._signals),
+            loop, extra = (_engine_loop, ()) if self._sync is None else (tp_engine_loop, (self._sync, _call_back))
+            self._thread = threading.Thread(target=loop, args=(weakref.ref(self), self._core, self._lock,
+                                                               self._cond, self._signals, *extra),
                                             name="hf_paged-engine", daemon=True)
             self._thread.start()
 
@@ -136,6 +142,20 @@ class ContinuousBatchingManager:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
     @property
+    def error(self) -> str | None:
+        """Why the engine stopped, if it stopped on an error (a lost tensor-parallel rank, an engine bug)."""
+        return self._error
+
+    def memory_stats(self, all_ranks: bool = False):
+        """The pool's :class:`~hf_paged.MemoryStats`. Under tensor parallelism each rank's pool holds its own KV
+        heads; ``all_ranks=True`` sums the byte figures over the ranks (a collective: call it on every rank at a
+        moment their pools agree, e.g. after ``stop()``; ``ValueError`` if their block counts differ)."""
+        stats = self.pool.memory_stats()
+        if all_ranks and self._sync is not None:
+            return sum_over_ranks(stats, group=self._sync.stats_group)
+        return stats
+
+    @property
     def max_context(self) -> int | None:
         """The most tokens (prompt + generated) one request may hold (the model's ``max_position_embeddings``, or
         lower where its rotary embedding needs it)."""
@@ -150,7 +170,8 @@ class ContinuousBatchingManager:
                     streaming: bool = False, *, generation_config=None, do_sample=None, temperature=None,
                     top_p=None, top_k=None, min_p=None, repetition_penalty=None, seed: int | None = None,
                     eos_token_id=None, stop_token_ids: list[int] | None = None, logprobs: int | None = None,
-                    num_return_sequences: int | None = None, callback=None,
+                    num_return_sequences: int | None = None, ignore_eos: bool | None = None,
+                    min_tokens: int | None = None, prompt_logprobs: int | None = None, grammar=None, callback=None,
                     record_timestamps: bool | None = None) -> str:
         """Queue one request; returns its id.
 
@@ -161,7 +182,15 @@ class ContinuousBatchingManager:
             streaming: read its tokens step by step with :meth:`request_id_iter`.
             generation_config: settings for this request instead of the manager's; the keywords after it override
                 single settings (``seed`` makes a sampled request reproducible whatever shares its steps;
-                ``stop_token_ids`` end it like EOS; ``logprobs``: None, 0 (the sampled token's) or k (plus the top k)).
+                ``stop_token_ids`` end it like EOS; ``ignore_eos``: EOS does not end it (stop token ids still do);
+                ``min_tokens``: EOS / stop ids are masked until that many tokens were generated; ``logprobs``: None,
+                0 (the sampled token's) or k (plus the top k); ``prompt_logprobs``: None, or k: every prompt
+                token's log-probability, rank and the top k at its position, in ``GenerationOutput.prompt_logprobs``
+                / ``prompt_ranks`` / ``prompt_top_logprobs``. Such a request computes logits at every prompt
+                position through its prefill chunks; it takes from the prefix cache only the positions whose logits
+                it already has (after a preemption), so a cache hit never loses them. ``grammar``: a
+                :class:`~hf_paged.engine.structured.CompiledGrammar` the output must match (structured output: a
+                token bitmask each step; the request ends "stop" when the grammar's text is complete).
             callback: called from the engine thread with each step's :class:`GenerationOutput` delta (keep it short).
             record_timestamps: accepted for transformers' signature; timestamps are always recorded.
 
@@ -175,7 +204,8 @@ class ContinuousBatchingManager:
                          dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                               repetition_penalty=repetition_penalty, seed=seed, eos_token_id=eos_token_id,
                               stop_token_ids=stop_token_ids, logprobs=logprobs,
-                              num_return_sequences=num_return_sequences))[0]
+                              num_return_sequences=num_return_sequences, ignore_eos=ignore_eos,
+                              min_tokens=min_tokens, prompt_logprobs=prompt_logprobs, grammar=grammar))[0]
 
     def add_requests(self, inputs, max_new_tokens: int | None = None, streaming: bool = False, **options) -> list[str]:
         """Queue several prompts with the same settings (all or none: every one is checked before any is queued).
@@ -201,6 +231,8 @@ class ContinuousBatchingManager:
             params = SamplingParams.from_generation_config(config, prompt_length=len(prompt),
                                                            max_new_tokens=max_new_tokens, **overrides)
             self._core.check_fits(len(prompt), params.max_new_tokens)
+            if self._sync is not None:
+                check_broadcastable(params)
             prepared.append((prompt, params, request_id))
         with self._lock:
             self._check_accepting_locked()
@@ -259,7 +291,13 @@ class ContinuousBatchingManager:
         self._forgotten.pop(rid, None)
         return rid
 
+    def _check_driver(self) -> None:
+        if self._sync is not None and not self._sync.is_driver:
+            raise ValueError(f"this is tensor-parallel rank {self._sync.rank}: requests are added and cancelled on "
+                             "rank 0 only (the other ranks follow its steps).")
+
     def _check_accepting_locked(self) -> None:
+        self._check_driver()
         if self._error is not None:
             raise RuntimeError(f"the engine stopped on an error and takes no more requests: {self._error}")
         if self._stopping or self._stopped:
@@ -272,6 +310,7 @@ class ContinuousBatchingManager:
     def cancel_request(self, request_id: str) -> None:
         """Cancel a request: its blocks go back at the next step, its result has status ``CANCELLED`` (with the
         tokens generated so far). No-op for a request that already ended; ``KeyError`` for an unknown id."""
+        self._check_driver()
         with self._lock:
             req = self._live.get(request_id)
             if req is None:
@@ -566,7 +605,8 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
                              max_queue_size: int | None = None, continuous_batching_config=None,
                              max_num_seqs: int | None = None, max_unread_results: int = DEFAULT_MAX_UNREAD,
                              watermark: float | None = None, backend: str = "auto",
-                             cuda_graphs: bool | None = None) -> ContinuousBatchingManager:
+                             cuda_graphs: bool | None = None, tensor_parallel: bool | None = None,
+                             tp_timeout_s: float = 60.0, tp_heartbeat_s: float = 1.0) -> ContinuousBatchingManager:
     """A continuous-batching manager serving ``model`` from a shared block pool (start it, or use ``with``).
 
     Args:
@@ -593,6 +633,11 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
             block-table width; steps with prefill chunks run eagerly. ``None`` (default): on where it applies (a CUDA
             model and a pool with a cap, which is then preallocated); ``True``: required (``ValueError`` where it
             cannot apply); ``False``: off.
+        tensor_parallel: run as one rank of a tensor-parallel engine (see ``hf_paged/engine/distributed.py``):
+            requests are added on rank 0, every rank runs the same steps. ``None`` (default): when the model was
+            loaded with ``tp_plan`` under torchrun (``model.tp_size > 1``). Call this on every rank.
+        tp_timeout_s: (tensor parallel) seconds a rank waits for the others before the engine stops with an error.
+        tp_heartbeat_s: (tensor parallel) how often an idle rank 0 tells the others it is alive.
 
     Requires transformers >= 5.24 (the attention plumbing the packed forward needs); ``generate()`` with a
     ``PagedCache`` works from 4.56.
@@ -647,6 +692,9 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
         raise ValueError(f"continuous_batching_config sets {sorted(pool_options)} but pool= was given: size the "
                          "BlockPool itself instead.")
     _cap_pool(pool, config, model.dtype, groups)
+    sync = make_sync(model, tensor_parallel, tp_timeout_s, tp_heartbeat_s)
+    if sync is not None:
+        agree_on_pool(pool, sync)
     batch_tokens = options.pop("max_batch_tokens", None) or default_batch_tokens(device)
     state_layers = kv_geometry(config).state_layers
     if state_layers:  # hybrid models: their state mixers run per group of requests (engine/states.py)
@@ -663,13 +711,15 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
                          "of requests, outside a graph). Leave cuda_graphs unset.")
     runner = ModelRunner(model, kv, paged_backend(model), num_layers,
                          None if state_layers else _decode_graphs(wanted_graphs, device, pool, scheduler.max_num_seqs))
+    if sync is not None:
+        runner = AgreeingRunner(runner, sync)
     limit, reason = context_limit(config)
     core = EngineCore(scheduler, runner, Sampler(device=device), max_context=limit, context_reason=reason)
     defaults = {"logprobs": options.pop("logprobs")} if "logprobs" in options else {}
     return ContinuousBatchingManager(core, generation_config if generation_config is not None
                                      else model.generation_config, vocab_size=config.vocab_size,
                                      max_queue_size=options.pop("max_queue_size", None),
-                                     max_unread_results=max_unread_results, default_options=defaults)
+                                     max_unread_results=max_unread_results, default_options=defaults, sync=sync)
 
 
 def _graph_stats(graphs) -> dict:
@@ -722,7 +772,8 @@ def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool 
     ``options``: those of :func:`init_continuous_batching` (``pool``, ``max_batch_tokens``, ``cuda_graphs``,
     ``continuous_batching_config``, ...) and per-request settings for every prompt (``do_sample``, ``temperature``,
     ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``, ``eos_token_id``, ``stop_token_ids``,
-    ``logprobs``, ``num_return_sequences``).
+    ``logprobs``, ``num_return_sequences``, ``ignore_eos``, ``min_tokens``, ``prompt_logprobs``, ``grammar``; see
+    :meth:`ContinuousBatchingManager.add_request`).
 
     Example::
 
@@ -735,6 +786,9 @@ def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool 
     request_options = {k: options.pop(k) for k in _SAMPLING_KEYS if k in options}
     for name in ("persistent_manager", "warmup", "record_timestamps"):  # transformers' options with no meaning here
         options.pop(name, None)
+    # Every rank of a tensor-parallel model calls generate_batch with the same prompts: each runs its own engine
+    # (same events at the same steps, by construction), so no rank 0 driver is needed unless asked.
+    options.setdefault("tensor_parallel", False)
     if not inputs:
         return {}
     manager = init_continuous_batching(model, generation_config, **options)

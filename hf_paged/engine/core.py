@@ -17,7 +17,7 @@ import torch
 from ..errors import OutOfBlocksError
 from .outputs import RequestStatus, RequestTooLargeError
 from .request import Request
-from .sampling import Sampler
+from .sampling import Sampler, prompt_logprobs
 from .scheduler import Batch, Chunk, Scheduler
 
 RECENT = 2048  # recent TTFT / inter-token figures kept for stats()
@@ -105,6 +105,10 @@ class EngineCore:
                 generator=self.sampler.new_generator(params, index), streaming=streaming, callback=callback,
                 logprobs=[] if params.logprobs is not None else None,
                 top_logprobs=[] if params.logprobs else None,
+                prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                prompt_ranks=[None] if params.prompt_logprobs is not None else None,
+                prompt_top_logprobs=[None] if params.prompt_logprobs is not None else None,
+                matcher=params.grammar.matcher() if params.grammar is not None else None,
             )
 
         request = make(request_id, 0)
@@ -158,10 +162,17 @@ class EngineCore:
             return self._fail_batch(batch, err)
         self._add_runner_times()
         self.steps += 1
-        self.scheduler.advance(batch)
+        num_sampled = sum(1 for c in batch.chunks if c.sample)
         t2 = time.perf_counter()
         try:
-            touched = self._sample(batch, logits)
+            self._record_prompt_logprobs(batch, logits[num_sampled:])
+        except Exception as err:
+            self.scheduler.advance(batch)
+            self.times.sample += time.perf_counter() - t2
+            return self._fail_batch(batch, err, computed=True)
+        self.scheduler.advance(batch)
+        try:
+            touched = self._sample(batch, logits[:num_sampled])
         except Exception as err:
             touched = self._fail_batch(batch, err, computed=True)
         self.times.sample += time.perf_counter() - t2
@@ -170,6 +181,21 @@ class EngineCore:
     def _add_runner_times(self) -> None:
         self.times.plan += getattr(self.runner, "plan_time", 0.0)
         self.times.forward += getattr(self.runner, "forward_time", 0.0)
+
+    def _record_prompt_logprobs(self, batch: Batch, logits) -> None:
+        """``logits`` ``[m, vocab]``: the rows of the batch's ``prompt_positions``, chunk by chunk (see ``pack``)."""
+        wanting = [(c, c.prompt_positions) for c in batch.chunks if c.prompt_positions]
+        if not wanting:
+            return
+        targets = [c.request.tokens[p + 1] for c, positions in wanting for p in positions]
+        k = max(c.request.params.prompt_logprobs for c, _ in wanting)
+        values, ranks, tops = prompt_logprobs(logits, torch.tensor(targets, device=logits.device), k)
+        at = 0
+        for chunk, positions in wanting:
+            n, own_k = len(positions), chunk.request.params.prompt_logprobs
+            chunk.request.add_prompt_logprobs(values[at:at + n], ranks[at:at + n],
+                                              [top[:own_k] for top in tops[at:at + n]])
+            at += n
 
     def _sample(self, batch: Batch, logits) -> list[Request]:
         chunks = [c for c in batch.chunks if c.sample]
@@ -189,8 +215,9 @@ class EngineCore:
                         rows.append(i)
         if len(rows) != len(chunks):
             logits = logits[torch.tensor(rows, device=logits.device)]  # [k + forks, vocab]
+        bitmask, constrained = self._bitmask(reqs, logits.shape[-1])
         result = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs],
-                              [r.tokens for r in reqs])
+                              [r.tokens for r in reqs], [r.num_generated for r in reqs], bitmask, constrained)
         now = time.perf_counter()
         lps = result.logprobs or [None] * len(reqs)
         tops = result.top_logprobs or [None] * len(reqs)
@@ -201,9 +228,27 @@ class EngineCore:
                 self.ttft.append(now - req.created_time)
             req.append(token, now, lp, top)
             self.generated_tokens += 1
+            if req.matcher is not None and req.finish_reason is None:
+                if not req.matcher.accept(token):
+                    req.error = f"the sampled token {token} does not continue the request's grammar"
+                    self._end(req, RequestStatus.FAILED)
+                    continue
+                if req.matcher.is_terminated:  # the grammar's text is complete: nothing more may follow
+                    req.finish_reason = "stop"
             if req.finish_reason is not None:
                 self._end(req, RequestStatus.FINISHED)
         return reqs
+
+    @staticmethod
+    def _bitmask(reqs: list[Request], vocab: int):
+        """``(int32 [r, words] allowed tokens, rows)`` of the requests with a grammar; ``(None, None)`` if none."""
+        constrained = [i for i, r in enumerate(reqs) if r.matcher is not None]
+        if not constrained:
+            return None, None
+        bitmask = torch.full((len(constrained), (vocab + 31) // 32), -1, dtype=torch.int32)  # [r, words]
+        for j, i in enumerate(constrained):
+            reqs[i].matcher.fill(bitmask, j)
+        return bitmask, constrained
 
     def _fail_batch(self, batch: Batch, err: Exception, computed: bool = False) -> list[Request]:
         self.failed_steps += 1

@@ -22,10 +22,11 @@ class GenerationOutput:
 
     The fields of transformers' per-request output (``request_id``, ``prompt_ids``, ``generated_tokens``,
     ``logprobs``, ``error``, ``status``, ``created_time``, ``timestamps``, ``lifespan``), plus ``finish_reason``,
-    ``top_logprobs``, ``first_token_time`` and ``end_time``. Times are ``time.perf_counter()`` values.
+    ``top_logprobs``, ``prompt_logprobs``, ``prompt_ranks``, ``prompt_top_logprobs``, ``first_token_time`` and
+    ``end_time``. Times are ``time.perf_counter()`` values.
 
     A streamed delta carries only the tokens (and their logprobs and timestamps) generated since the previous
-    delta; the last delta of a request has its final status.
+    delta; the last delta of a request has its final status. Prompt logprobs come whole, in the first delta.
 
     Example::
 
@@ -39,6 +40,11 @@ class GenerationOutput:
     generated_tokens: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None  # per generated token, when asked (logprobs=0 or k)
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per generated token, k alternatives (logprobs=k)
+    # prompt_logprobs=k: per prompt token (the first None) its log-probability under the model's own distribution,
+    # its rank (1 = most likely) and the k most likely (token, log-probability) pairs at its position
+    prompt_logprobs: list[float | None] | None = None
+    prompt_ranks: list[int | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     status: RequestStatus = RequestStatus.PENDING
     finish_reason: str | None = None  # "stop" (EOS / stop token), "length" (max_new_tokens or context), else None
     error: str | None = None

@@ -39,6 +39,12 @@ class Request:
     error: str | None = None
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # prompt logprobs (params.prompt_logprobs set): one entry per prompt token, the first None (nothing predicts it);
+    # filled as the prompt's chunks run, position p's logits giving token p + 1's entry
+    prompt_logprobs: list[float | None] | None = None
+    prompt_ranks: list[int | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    matcher: object = None  # structured output: its GrammarMatcher (advanced by each sampled token)
     created_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     end_time: float | None = None
@@ -59,6 +65,27 @@ class Request:
     def remaining(self) -> int:
         """Tokens to run before the next token can be sampled."""
         return len(self.tokens) - self.num_computed
+
+    @property
+    def prompt_logits_done(self) -> int:
+        """Prompt positions whose logits were taken for prompt logprobs (positions ``0 .. num_prompt - 2`` need
+        them); ``num_prompt - 1`` when the request asks for none."""
+        if self.prompt_logprobs is None:
+            return self.num_prompt - 1
+        return len(self.prompt_logprobs) - 1
+
+    @property
+    def cache_limit(self) -> int:
+        """Tokens this request may take from the prefix cache at admission: all but the last known one (whose
+        logits give the next token), and none past the prompt positions whose logits it still needs for prompt
+        logprobs (a cached position runs no forward, so it would give no logits)."""
+        return min(len(self.tokens) - 1, self.prompt_logits_done)
+
+    def add_prompt_logprobs(self, logprobs: list[float], ranks: list[int], top: list[list[tuple[int, float]]]) -> None:
+        """The entries of the next prompt tokens, in order."""
+        self.prompt_logprobs.extend(logprobs)
+        self.prompt_ranks.extend(ranks)
+        self.prompt_top_logprobs.extend(top)
 
     @property
     def is_finished(self) -> bool:
@@ -91,6 +118,9 @@ class Request:
             generated_tokens=self.tokens[self.num_prompt + start:],
             logprobs=None if self.logprobs is None else self.logprobs[start:],
             top_logprobs=None if self.top_logprobs is None else self.top_logprobs[start:],
+            prompt_logprobs=None if self.prompt_logprobs is None or start else list(self.prompt_logprobs),
+            prompt_ranks=None if self.prompt_ranks is None or start else list(self.prompt_ranks),
+            prompt_top_logprobs=None if self.prompt_top_logprobs is None or start else list(self.prompt_top_logprobs),
             status=self.status,
             finish_reason=self.finish_reason if self.is_finished else None,
             error=self.error,

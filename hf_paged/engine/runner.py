@@ -4,7 +4,8 @@ The batch's chunks become one row of ``T`` tokens (each request's new tokens bac
 per-token positions. The planner (``hf_paged.step.plan``, the same one ``PagedCache`` uses) takes each request's
 slots and builds the varlen step tensors; ``StepCache`` writes every layer's K/V through the slot mapping and hands
 the layer its step, so every query attends through the block tables (history, earlier chunks and prefix hits all
-read the pool). Logits are computed only at each sampling chunk's last token (``logits_to_keep``).
+read the pool). Logits are computed only at each sampling chunk's last token (``logits_to_keep``), plus, for a
+request that asked for prompt logprobs, at the prompt positions of its chunks (``Chunk.prompt_positions``).
 """
 
 from __future__ import annotations
@@ -39,28 +40,36 @@ def cpu_rows(n: int, smallest: int) -> int:
 class PackedInputs:
     input_ids: torch.Tensor  # [T + P] int64: the chunks' tokens, back to back, then P padding tokens
     position_ids: torch.Tensor  # [T + P] int64: each token's position in its request (padding: 0..P-1)
-    logits_index: torch.Tensor  # [k'] int64: the last token of each sampling chunk, in batch order (then repeats)
-    num_sampled: int  # k: the real rows of the logits
+    # [k + m (+ repeats)] int64: the last token of each sampling chunk in batch order, then the m prompt positions
+    # whose logits prompt logprobs need, chunk by chunk
+    logits_index: torch.Tensor
+    num_sampled: int  # k: the sampling rows of the logits
     padding: int  # P
+    num_prompt_rows: int = 0  # m
 
     def moved(self, put) -> "PackedInputs":
         """The same inputs with each tensor replaced by ``put(name, tensor)`` (moved to a device, or staged)."""
         return PackedInputs(put("input_ids", self.input_ids), put("position_ids", self.position_ids),
-                            put("logits_index", self.logits_index), self.num_sampled, self.padding)
+                            put("logits_index", self.logits_index), self.num_sampled, self.padding,
+                            self.num_prompt_rows)
 
 
 def pack(batch: Batch, device: torch.device, rows: int | None = None) -> PackedInputs:
     """The packed inputs of ``batch`` as host tensors (built from host lists once), padded to GEMM-friendly sizes on
     CPU; ``rows``: a decode-only batch padded to that many one-token rows (a graph's bucket), every row's logits
     kept."""
-    ids, positions, keep = [], [], []
+    ids, positions, keep, prompt_keep = [], [], [], []
     for chunk in batch.chunks:
+        base = len(ids) - chunk.start
         ids.extend(chunk.tokens)
         positions.extend(range(chunk.start, chunk.start + chunk.num_tokens))
+        prompt_keep.extend(base + p for p in chunk.prompt_positions)
         if chunk.sample:
             keep.append(len(ids) - 1)
-    num_sampled, padding = len(keep), 0
+    num_sampled, num_prompt_rows, padding = len(keep), len(prompt_keep), 0
+    keep += prompt_keep
     if rows is not None:
+        assert not num_prompt_rows, "a graphed decode-only step has no prompt positions"
         padding = rows - len(ids)
         keep = list(range(rows))
     elif device.type == "cpu":
@@ -70,13 +79,14 @@ def pack(batch: Batch, device: torch.device, rows: int | None = None) -> PackedI
     ids.extend([0] * padding)
     positions.extend(range(padding) if rows is None else [0] * padding)
     return PackedInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                        torch.tensor(keep, dtype=torch.long), num_sampled, padding)
+                        torch.tensor(keep, dtype=torch.long), num_sampled, padding, num_prompt_rows)
 
 
 class ModelRunner:
     """Runs a :class:`~hf_paged.engine.scheduler.Batch` through ``model`` on the engine's rows.
 
-    ``run(batch) -> logits [k, vocab]`` (float, the model's dtype) for the batch's k sampling chunks. ``plan_time`` /
+    ``run(batch) -> logits [k + m, vocab]`` (float, the model's dtype): the batch's k sampling chunks' rows, then
+    the m rows of its chunks' ``prompt_positions``. ``plan_time`` /
     ``forward_time``: seconds of the last call's host preparation and of its forward. ``graphs``: a
     :class:`~hf_paged.engine.graphs.DecodeGraphs` replaying decode-only steps (None: every step eager).
     """
@@ -97,6 +107,7 @@ class ModelRunner:
         params = inspect.signature(model.forward).parameters
         self.keeps_logits = "logits_to_keep" in params
         self.plan_time = self.forward_time = 0.0
+        self.before_forward = None  # called once the step is planned, before the forward (tensor parallelism)
         self._packed_states = None  # hybrid models: the running step's segments for the state mixers
 
     def run(self, batch: Batch) -> torch.Tensor:
@@ -116,11 +127,13 @@ class ModelRunner:
             step = self._plan(self.kv.rows, rows, backend=self.backend, num_layers=self.num_layers)
         t1 = time.perf_counter()
         self.plan_time = t1 - t0
+        if self.before_forward is not None:
+            self.before_forward()
         if bucket is not None:
             logits = self.graphs.run(step, inputs, self._buffers, self._forward)
         else:
             logits = self._forward(step, inputs.moved(lambda name, t: t.to(self.device, non_blocking=True)))
-        logits = logits[: inputs.num_sampled]  # [k, vocab]
+        logits = logits[: inputs.num_sampled + inputs.num_prompt_rows]  # [k + m, vocab]
         if logits.device.type == "cuda":  # the time is the forward's, not the sampler's first sync
             torch.cuda.synchronize(logits.device)
         self.forward_time = time.perf_counter() - t1

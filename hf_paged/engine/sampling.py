@@ -10,7 +10,8 @@ the same tokens whatever else shares its steps (and, alone, the tokens ``generat
 
 Served: greedy and multinomial sampling, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
 EOS and stop token ids, ``max_new_tokens`` (or ``max_length`` less the prompt), ``num_return_sequences`` (the engine
-forks the request; each fork gets its own generator), per-request ``seed``, ``logprobs``.
+forks the request; each fork gets its own generator), per-request ``seed``, ``logprobs``, ``ignore_eos``,
+``min_tokens`` (or ``min_new_tokens``: EOS / stop ids masked until then), ``prompt_logprobs`` (computed by the engine).
 Refused with a ValueError naming the setting (see ``REFUSED``): beam search and its variants, constraints,
 contrastive search, DoLa, guidance, assisted / prompt-lookup decoding, the processors that depend on the position
 or the history beyond a repetition penalty (n-gram blocking, bad words, sequence bias, min length, forced tokens,
@@ -40,7 +41,7 @@ from .. import compat
 # GenerationConfig fields read into SamplingParams.
 MAPPED = frozenset({
     "do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens", "max_length",
-    "eos_token_id", "num_return_sequences",
+    "eos_token_id", "num_return_sequences", "min_new_tokens",
 })
 # Fields that never change the tokens a request gets (ids of special tokens, caching and compile choices, beam-only
 # settings without beams, assistant settings without an assistant, the layout of generate()'s return value).
@@ -64,7 +65,7 @@ REFUSED = {
     "dola_layers": "DoLa decoding is not served by the engine",
     "guidance_scale": "classifier-free guidance needs a second, unconditional forward per request",
     "no_repeat_ngram_size": _POSITIONAL, "bad_words_ids": _POSITIONAL, "sequence_bias": _POSITIONAL,
-    "min_length": _POSITIONAL, "min_new_tokens": _POSITIONAL, "forced_bos_token_id": _POSITIONAL,
+    "min_length": _POSITIONAL, "forced_bos_token_id": _POSITIONAL,
     "forced_eos_token_id": _POSITIONAL, "begin_suppress_tokens": _POSITIONAL, "suppress_tokens": _POSITIONAL,
     "exponential_decay_length_penalty": _POSITIONAL,
     "encoder_no_repeat_ngram_size": "applies to encoder-decoder models only",
@@ -87,7 +88,8 @@ REFUSED = {
 # Values of refusable settings that do nothing, where generate()'s default is None.
 NEUTRAL = {"min_new_tokens": 0, "guidance_scale": 1.0, "diversity_penalty": 0.0, "num_beam_groups": 1}
 # Options of the engine's add_request that are not GenerationConfig fields.
-ENGINE_OPTIONS = frozenset({"seed", "logprobs", "stop_token_ids"})
+ENGINE_OPTIONS = frozenset({"seed", "logprobs", "stop_token_ids", "ignore_eos", "min_tokens", "prompt_logprobs",
+                            "grammar"})
 # Per-call callables generate() accepts; refused because they may keep state across steps and see padded batches.
 CALLABLES = frozenset({"logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn"})
 
@@ -108,6 +110,11 @@ class SamplingParams:
     ``top_k=None`` / ``top_p=None`` / ``min_p=None`` / ``repetition_penalty=None`` mean off. Generation ends at any
     of ``eos_token_ids`` (finish reason "stop", the token is kept) or after ``max_new_tokens`` ("length").
     ``logprobs``: None for none, 0 for the sampled token's log-probability, k > 0 for the k most likely tokens' too.
+    ``prompt_logprobs``: None for none, else every prompt token's log-probability under the model (the first has
+    none) with the k most likely tokens at each position (k = 0: the token's own only).
+    ``min_tokens``: EOS and stop token ids are masked out until that many tokens were generated.
+    ``grammar``: a :class:`~hf_paged.engine.structured.CompiledGrammar` the output must match (structured output),
+    applied as a token bitmask before the other processors.
     ``num_return_sequences`` > 1 (sampling only) asks the engine for that many forks of the request.
 
     Example::
@@ -126,6 +133,9 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     num_return_sequences: int = 1
+    min_tokens: int = 0
+    prompt_logprobs: int | None = None
+    grammar: object = None
 
     def __post_init__(self):
         if not isinstance(self.do_sample, bool):
@@ -150,6 +160,17 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0 (top alternatives), got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs must be None or an integer >= 0 (top alternatives), got "
+                             f"{self.prompt_logprobs!r}")
+        if self.grammar is not None and not callable(getattr(self.grammar, "matcher", None)):
+            raise ValueError(f"grammar must be a CompiledGrammar (GrammarCompiler(tokenizer).compile(spec)), got "
+                             f"{type(self.grammar).__name__}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} is more than max_new_tokens={self.max_new_tokens}; "
+                             "lower min_tokens or raise max_new_tokens")
         if not _is_int(self.num_return_sequences) or self.num_return_sequences < 1:
             raise ValueError(f"num_return_sequences must be an integer >= 1, got {self.num_return_sequences!r}")
         if self.num_return_sequences > 1 and not self.do_sample:
@@ -164,7 +185,9 @@ class SamplingParams:
 
         Unset values take ``generate()``'s defaults (so sampling without ``top_k`` keeps the 50 most likely tokens,
         as ``generate()`` does). ``overrides`` are GenerationConfig field names plus the engine's ``seed``,
-        ``logprobs`` and ``stop_token_ids`` (added to the config's EOS ids); None means "not given".
+        ``logprobs``, ``prompt_logprobs``, ``stop_token_ids`` (added to the config's EOS ids), ``ignore_eos`` (drop
+        the config's EOS ids: only ``max_new_tokens`` and ``stop_token_ids`` end the request) and ``min_tokens``
+        (also read from ``min_new_tokens``); None means "not given".
         ``max_new_tokens`` falls back to the config's ``max_length`` less ``prompt_length`` (when both are known),
         then to 16. Raises ValueError naming any setting the engine cannot apply (``REFUSED``, custom processors,
         unknown names) or a value out of range.
@@ -231,13 +254,17 @@ class SamplingParams:
             else:
                 max_new_tokens = cls.max_new_tokens
 
+        eos = () if settings.get("ignore_eos") else _token_ids(settings.get("eos_token_id"), "eos_token_id")
+        min_tokens = settings.get("min_tokens")
+        if min_tokens is None:
+            min_tokens = settings.get("min_new_tokens") or 0
         return cls(
             do_sample=do_sample, temperature=float(temperature) if _is_number(temperature) else temperature,
             top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=penalty, max_new_tokens=max_new_tokens,
-            eos_token_ids=_token_ids(settings.get("eos_token_id"), "eos_token_id")
-            + _token_ids(settings.get("stop_token_ids"), "stop_token_ids"),
+            eos_token_ids=eos + _token_ids(settings.get("stop_token_ids"), "stop_token_ids"),
             seed=settings.get("seed"), logprobs=settings.get("logprobs"),
             num_return_sequences=settings.get("num_return_sequences") or 1,
+            min_tokens=min_tokens, prompt_logprobs=settings.get("prompt_logprobs"), grammar=settings.get("grammar"),
         )
 
     def finish_reason(self, token: int, num_generated: int) -> str | None:
@@ -328,17 +355,24 @@ class Sampler:
         return generator
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None], histories: list[list[int]]) -> SampleResult:
+                 generators: list[torch.Generator | None], histories: list[list[int]],
+                 num_generated: list[int] | None = None, bitmask: torch.Tensor | None = None,
+                 bitmask_rows: list[int] | None = None) -> SampleResult:
         """Tokens for ``logits`` ``[n, vocab]`` (the last-token logits of n rows).
 
         ``generators[i]`` is row i's ``new_generator`` (None: the global RNG); ``histories[i]`` its prompt +
-        generated ids, read only when ``params[i].uses_history`` (others may pass ``[]``).
+        generated ids, read only when ``params[i].uses_history`` (others may pass ``[]``); ``num_generated[i]``: the
+        tokens row i has generated so far (read for ``min_tokens``; default 0 for every row). ``bitmask``
+        ``int32 [r, ceil(vocab / 32)]``: the allowed tokens of rows ``bitmask_rows`` (structured output; bit j of
+        word w set = token 32 w + j allowed); None when no row is constrained.
         """
         n, vocab = logits.shape
         if not len(params) == len(generators) == len(histories) == n:
             raise ValueError(f"logits have {n} rows but {len(params)} params, {len(generators)} generators and "
                              f"{len(histories)} histories were given; pass one of each per row")
-        scores = logits.float()  # [n, vocab]
+        scores = _mask_min_tokens(logits.float(), params, num_generated)  # [n, vocab]
+        if bitmask is not None:
+            scores = apply_bitmask(scores, bitmask, bitmask_rows)
         groups: dict[tuple, list[int]] = {}
         for row, p in enumerate(params):
             groups.setdefault(_chain_key(p), []).append(row)
@@ -419,6 +453,50 @@ class Sampler:
             if row_probs.device != generator.device:
                 row_probs = row_probs.to(generator.device)
             tokens[row] = torch.multinomial(row_probs, num_samples=1, generator=generator).item()
+
+
+def _mask_min_tokens(scores: torch.Tensor, params, num_generated) -> torch.Tensor:
+    """``scores`` with the EOS / stop ids of rows still under their ``min_tokens`` set to -inf (a copy if any)."""
+    rows, cols = [], []
+    for row, p in enumerate(params):
+        if p.min_tokens and p.eos_token_ids and (num_generated[row] if num_generated else 0) < p.min_tokens:
+            rows.extend([row] * len(p.eos_token_ids))
+            cols.extend(p.eos_token_ids)
+    if not rows:
+        return scores
+    scores = scores.clone()
+    scores[torch.tensor(rows, device=scores.device), torch.tensor(cols, device=scores.device)] = float("-inf")
+    return scores
+
+
+def apply_bitmask(scores: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """A copy of ``scores`` ``[n, vocab]`` with the tokens ``bitmask`` ``int32 [r, words]`` disallows in ``rows``
+    set to -inf."""
+    n, vocab = scores.shape
+    bits = torch.arange(32, dtype=torch.int32, device=scores.device)  # [32]
+    words = bitmask.to(scores.device)  # [r, words]
+    allowed = ((words[:, :, None] >> bits) & 1).bool().reshape(len(rows), -1)[:, :vocab]  # [r, vocab]
+    scores = scores.clone()
+    index = torch.tensor(rows, device=scores.device)  # [r]
+    scores[index] = scores[index].masked_fill(~allowed, float("-inf"))
+    return scores
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int):
+    """Log-probabilities of ``targets`` under ``logits`` (the model's raw distribution, in float32).
+
+    ``logits`` ``[m, vocab]`` at m positions, ``targets`` ``[m]`` the token that follows each. Returns
+    ``(logprobs [m], ranks [m], top)``: each target's log-probability, its rank (1 = the most likely; ties rank
+    the target first), and the k most likely ``(token, log-probability)`` pairs per row (``[]`` for k = 0).
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [m, vocab]
+    chosen = logp.gather(1, targets[:, None])  # [m, 1]
+    ranks = (logp > chosen).sum(dim=-1) + 1  # [m]
+    top: list[list[tuple[int, float]]] = [[] for _ in range(logits.shape[0])]
+    if k > 0:
+        values, indices = logp.topk(min(k, logp.shape[-1]), dim=-1)  # [m, k]
+        top = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+    return chosen.squeeze(1).tolist(), ranks.tolist(), top
 
 
 def _chain_key(p: SamplingParams) -> tuple:

@@ -42,6 +42,15 @@ class Chunk:
     def tokens(self) -> list[int]:
         return self.request.tokens[self.start: self.start + self.num_tokens]
 
+    @property
+    def prompt_positions(self) -> range:
+        """The positions of this chunk whose logits the request still needs for its prompt logprobs (empty unless
+        it asked for them)."""
+        req = self.request
+        if req.prompt_logprobs is None:
+            return range(0)
+        return range(max(self.start, req.prompt_logits_done), min(self.start + self.num_tokens, req.num_prompt - 1))
+
 
 @dataclass
 class Batch:
@@ -163,7 +172,7 @@ class Scheduler:
             if self.running and len(self.running) + width > self.max_num_seqs:
                 break
             self.waiting.popleft()
-            limit = len(req.tokens) - 1  # the last known token always runs: its logits give the next token
+            limit = req.cache_limit  # the last known token always runs: its logits give the next token
             prefix = self.kv.match(req.tokens, limit)
             if self._waits_for_prefix(req, len(prefix), limit):
                 held.append(req)
@@ -234,6 +243,10 @@ class Scheduler:
         """Run ``child`` from now on, sharing ``parent``'s blocks (``num_return_sequences``): its tokens are the
         parent's, computed as far as the parent's."""
         child.tokens = list(parent.tokens)
+        if parent.prompt_logprobs is not None:
+            child.prompt_logprobs = list(parent.prompt_logprobs)
+            child.prompt_ranks = list(parent.prompt_ranks)
+            child.prompt_top_logprobs = list(parent.prompt_top_logprobs)
         child.row = self.kv.fork(parent.row)
         child.num_computed = parent.num_computed
         child.status = RequestStatus.RUNNING

@@ -1,10 +1,11 @@
-"""The FastAPI app: OpenAI's ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``, plus ``/health`` and
-``/metrics``, over one continuous-batching manager."""
+"""The FastAPI app: OpenAI's ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``, vLLM's ``/tokenize``,
+``/detokenize`` and ``/tokenizer_info``, plus ``/health`` and ``/metrics``, over one continuous-batching manager."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -16,8 +17,11 @@ from .engine_client import AsyncEngine, Generation
 from .errors import APIError, error_body
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .middleware import DEFAULT_MAX_BODY_BYTES, ServeMiddleware
-from .protocol import parse_chat, parse_completion, parse_json
-from .responses import DONE, Shape, sse
+from .protocol import SamplingParams, parse_chat, parse_messages, parse_completion, parse_json
+from .responses import DONE, Shape, echo_logprobs, sse, usage, vllm_prompt_logprobs
+from .tools import MISTRAL, NAMED, REQUIRED, ToolCallParser, template_reads_tools, tool_format
+
+ARGUMENT_FRAGMENT = 24  # characters of a tool call's arguments per streamed delta
 
 log = logging.getLogger("hf_paged.serve")
 
@@ -89,7 +93,8 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
     @app.get("/health")
     async def health():
         if not manager.is_running():
-            return JSONResponse(error_body(503, "the engine thread is not running; restart the server."),
+            why = f" ({manager.error})" if getattr(manager, "error", None) else ""
+            return JSONResponse(error_body(503, f"the engine thread is not running{why}; restart the server."),
                                 status_code=503)
         return {"status": "ok"}
 
@@ -100,7 +105,46 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "hf_paged", "max_model_len": engine.max_context}]}
+                                            "owned_by": "hf_paged", "root": name, "parent": None,
+                                            "max_model_len": engine.max_context, "permission": []}]}
+
+    # -- vLLM's tokenizer endpoints (lm-eval's and benchmark tools' tokenizer detection) ------------------------------
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await engine.run(parse_json, await request.body())
+        check_model(body.get("model"))
+        special = body.get("add_special_tokens")
+        if "messages" in body:
+            messages = await engine.run(parse_messages, body["messages"])
+            ids = await engine.chat_prompt(messages, add_generation_prompt=body.get("add_generation_prompt", True))
+        elif isinstance(body.get("prompt"), str):
+            ids = await engine.encode(body["prompt"], add_special_tokens=special is not False)
+        else:
+            raise APIError(400, "'/tokenize' needs 'prompt' (a string) or 'messages'.", param="prompt")
+        out = {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids, "token_strs": None}
+        if body.get("return_token_strs"):
+            out["token_strs"] = await engine.run(tokenizer.convert_ids_to_tokens, ids)
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await engine.run(parse_json, await request.body())
+        check_model(body.get("model"))
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < engine.vocab_size for t in ids):
+            raise APIError(400, f"'tokens' must be a list of token ids in [0, {engine.vocab_size}).", param="tokens")
+        return {"prompt": await engine.decode(ids)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        info = {"tokenizer_class": type(tokenizer).__name__, "model_max_length": engine.max_context,
+                "chat_template": getattr(tokenizer, "chat_template", None), "vocab_size": engine.vocab_size}
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            value = getattr(tokenizer, key, None)
+            info[key] = value if isinstance(value, str) or value is None else str(value)
+        info["eos_token_id"] = getattr(tokenizer, "eos_token_id", None)
+        info["add_bos_token"] = getattr(tokenizer, "add_bos_token", None)
+        return info
 
     def check_model(model: str | None) -> None:
         if model is not None and model != name:
@@ -149,6 +193,8 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
         check_model(req.model)
         prompts = [p if isinstance(p, list) else await engine.encode(p) for p in req.prompts]
         limits = await engine.run(budgets, prompts, req.params.max_tokens)
+        if req.params.grammar_spec is not None:
+            req.params.grammar = await engine.compile_grammar(req.params.grammar_spec)
         gen = engine.generate(prompts, req.params, req.n, limits, record.start)
         record.generation = gen
         echoes = None
@@ -156,22 +202,40 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
             echoes = [p if isinstance(p, str) else await engine.decode(p) for p in req.prompts]
         shape = Shape("completion", f"cmpl-{record.id}", int(time.time()), name, req.include_usage)
         if req.stream:
-            return _stream(gen, shape, record, req.n, echoes)
-        return await _collect(gen, shape, request, record, req.n, echoes)
+            return _stream(gen, shape, record, req.n, echoes, req.params, req.continuous_usage)
+        return await _collect(gen, shape, request, record, req.n, echoes, req.params)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         record = request.state.record
         req = await engine.run(lambda raw: parse_chat(parse_json(raw)), await request.body())
         check_model(req.model)
-        prompt = await engine.chat_prompt(req.messages)
+        prompt = await engine.chat_prompt(req.messages, tools=req.tools)
         limits = await engine.run(budgets, [prompt], req.params.max_tokens)
+        parser = tool_parser(req.tools, req.params)
+        if req.params.grammar_spec is not None:
+            req.params.grammar = await engine.compile_grammar(req.params.grammar_spec)
         gen = engine.generate([prompt], req.params, req.n, limits, record.start)
         record.generation = gen
         shape = Shape("chat", f"chatcmpl-{record.id}", int(time.time()), name, req.include_usage)
         if req.stream:
-            return _stream(gen, shape, record, req.n, None)
-        return await _collect(gen, shape, request, record, req.n, None)
+            return _stream(gen, shape, record, req.n, None, req.params, req.continuous_usage, parser)
+        return await _collect(gen, shape, request, record, req.n, None, req.params, parser)
+
+    def tool_parser(tools, params: SamplingParams):
+        """A factory of per-choice tool-call parsers (None: the output is all content)."""
+        if tools is None or tools.choice == "none":
+            return None
+        if tools.choice in (REQUIRED, NAMED):
+            mode = tools.choice
+        else:
+            template = str(getattr(tokenizer, "chat_template", "") or "")
+            mode = tool_format(template) if template_reads_tools(template) else tool_format(None)
+        drop = None
+        if mode == MISTRAL:  # [TOOL_CALLS] is a special token: keep special tokens, drop the EOS text
+            params.skip_special_tokens = False
+            drop = tokenizer.eos_token
+        return lambda: ToolCallParser(mode, tools.name, drop)
 
     app.add_middleware(ServeMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        on_done=lambda r: metrics.count_request(r.path, r.status or 499))
@@ -195,8 +259,23 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-async def _collect(gen: Generation, shape: Shape, request: Request, record, n: int, echoes):
-    """A whole (non-streamed) response; a client that goes away meanwhile cancels its choices."""
+def _prompt_views(entries, params: SamplingParams) -> tuple[dict | None, list | None]:
+    """The prompt logprobs a request asked for: completions' echoed logprobs (legacy shape) and vLLM's list."""
+    if entries is None:
+        return None, None
+    echo = echo_logprobs(entries, params.echo_logprobs) if params.echo_logprobs is not None else None
+    vllm = None
+    if params.prompt_logprobs is not None:
+        k = params.prompt_logprobs
+        vllm = vllm_prompt_logprobs([dataclasses.replace(e, top=e.top[:k]) for e in entries])
+    return echo, vllm
+
+
+async def _collect(gen: Generation, shape: Shape, request: Request, record, n: int, echoes, params: SamplingParams,
+                   parser=None):
+    """A whole (non-streamed) response; a client that goes away meanwhile cancels its choices. ``parser``: a
+    factory of :class:`ToolCallParser` (chat with tools)."""
+    prompts: dict[int, list | None] = {c.index: None for c in gen.choices}
     texts: dict[int, list[str]] = {c.index: [] for c in gen.choices}
     logprobs: dict[int, list | None] = {c.index: None for c in gen.choices}
     finish: dict[int, str] = {}
@@ -206,6 +285,8 @@ async def _collect(gen: Generation, shape: Shape, request: Request, record, n: i
             if piece.error is not None:
                 raise APIError(500, f"generation failed: {piece.error}")
             texts[piece.index].append(piece.text)
+            if piece.prompt_logprobs is not None:
+                prompts[piece.index] = piece.prompt_logprobs
             if piece.logprobs:
                 logprobs[piece.index] = (logprobs[piece.index] or []) + piece.logprobs
             if piece.finish_reason is not None:
@@ -228,33 +309,77 @@ async def _collect(gen: Generation, shape: Shape, request: Request, record, n: i
     for c in gen.choices:
         prefix = echoes[c.index // n] if echoes else ""
         want = c.want_logprobs
-        choices.append({"index": c.index, "text": prefix + "".join(texts[c.index]),
-                        "finish_reason": finish.get(c.index, "stop"),
-                        "logprobs": (logprobs[c.index] or []) if want else None, "offset": len(prefix)})
+        echo_lp, vllm_lp = _prompt_views(prompts[c.index], params)
+        text, reason, calls = prefix + "".join(texts[c.index]), finish.get(c.index, "stop"), None
+        if parser is not None:
+            tools = parser()
+            text = tools.feed(text)
+            rest, found = tools.finish()
+            text += rest
+            if found:
+                calls, reason = [call.openai() for call in found], "tool_calls"
+        choices.append({"index": c.index, "text": text, "finish_reason": reason,
+                        "logprobs": (logprobs[c.index] or []) if want else None, "offset": len(prefix),
+                        "echo_logprobs": echo_lp, "prompt_logprobs": vllm_lp, "tool_calls": calls})
     return JSONResponse(shape.full(choices, gen.prompt_tokens, gen.completion_tokens))
 
 
-def _stream(gen: Generation, shape: Shape, record, n: int, echoes) -> StreamingResponse:
+def _stream(gen: Generation, shape: Shape, record, n: int, echoes, params: SamplingParams,
+            continuous_usage: bool = False, parser=None) -> StreamingResponse:
+    """Server-sent chunks. The echoed prompt goes first, or, when its logprobs are asked, with the first piece
+    (which carries them); ``continuous_usage``: every chunk carries the usage so far. With tools (``parser``), text
+    that may open a tool call is held back; the calls go out at the choice's end as OpenAI streams them (a delta
+    with index, id and name, then fragments of the arguments), with ``finish_reason: "tool_calls"``."""
+    late_echo = echoes is not None and params.echo_logprobs is not None
+
     async def events():
         offsets = {c.index: 0 for c in gen.choices}
+        tools = {c.index: parser() for c in gen.choices} if parser is not None else {}
+
+        def now():
+            return usage(gen.prompt_tokens, gen.completion_tokens) if continuous_usage else None
+
         try:
             for c in gen.choices:
                 if shape.kind == "chat":
-                    yield shape.chunk(c.index, "", role=True)
-                elif echoes:
+                    yield shape.chunk(c.index, "", role=True, usage_now=now())
+                elif echoes and not late_echo:
                     offsets[c.index] = len(echoes[c.index // n])
-                    yield shape.chunk(c.index, echoes[c.index // n])
+                    yield shape.chunk(c.index, echoes[c.index // n], usage_now=now())
             async for piece in gen.pieces():
                 if piece.error is not None:
                     record.outcome = "error"
                     yield sse(error_body(500, f"generation failed: {piece.error}"))
                     yield DONE
                     return
-                if piece.text or piece.logprobs:
-                    yield shape.chunk(piece.index, piece.text, logprobs=piece.logprobs, offset=offsets[piece.index])
-                    offsets[piece.index] += len(piece.text)
-                if piece.finish_reason is not None:
-                    yield shape.chunk(piece.index, None if shape.kind == "chat" else "", piece.finish_reason)
+                echo_lp, vllm_lp = _prompt_views(piece.prompt_logprobs, params)
+                if echo_lp is not None or vllm_lp is not None:
+                    text = echoes[piece.index // n] if late_echo else ("" if shape.kind == "completion" else None)
+                    yield shape.chunk(piece.index, text, echo_lp=echo_lp, prompt_logprobs=vllm_lp, usage_now=now())
+                    if late_echo:
+                        offsets[piece.index] = len(text)
+                text, reason = piece.text, piece.finish_reason
+                if tools:
+                    text = tools[piece.index].feed(text)
+                if text or piece.logprobs:
+                    yield shape.chunk(piece.index, text, logprobs=piece.logprobs, offset=offsets[piece.index],
+                                      usage_now=now())
+                    offsets[piece.index] += len(text)
+                if reason is not None and tools:
+                    rest, calls = tools[piece.index].finish()
+                    if rest:
+                        yield shape.chunk(piece.index, rest, usage_now=now())
+                    for i, call in enumerate(calls):
+                        yield shape.chunk(piece.index, None, usage_now=now(), tool_calls=[{
+                            "index": i, "id": call.id, "type": "function",
+                            "function": {"name": call.name, "arguments": ""}}])
+                        for at in range(0, len(call.arguments), ARGUMENT_FRAGMENT):
+                            yield shape.chunk(piece.index, None, usage_now=now(), tool_calls=[{
+                                "index": i, "function": {"arguments": call.arguments[at:at + ARGUMENT_FRAGMENT]}}])
+                    if calls:
+                        reason = "tool_calls"
+                if reason is not None:
+                    yield shape.chunk(piece.index, None if shape.kind == "chat" else "", reason, usage_now=now())
             if shape.include_usage:
                 yield shape.usage_chunk(gen.prompt_tokens, gen.completion_tokens)
             yield DONE

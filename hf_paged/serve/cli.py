@@ -51,6 +51,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cors-origin", action="append", default=[], help="allow browser calls from this origin "
                    "(repeatable; '*' for any)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--tp-plan", default=None, choices=["auto"],
+                   help="tensor parallelism under torchrun: torchrun --nproc-per-node N -m hf_paged serve --tp-plan "
+                        "auto ... (rank 0 serves HTTP, the other ranks follow its steps)")
+    p.add_argument("--tp-timeout", type=float, default=60.0,
+                   help="seconds a rank waits for the others before stopping with an error (a lost rank)")
     return p
 
 
@@ -62,8 +67,9 @@ def _device(name: str):
     return torch.device(name)
 
 
-def build(args):
-    """``(app, description)`` for parsed ``args``: loads the model, sizes the pool, starts nothing yet."""
+def build(args, load=None):
+    """``(app, description)`` for parsed ``args``: loads the model, sizes the pool, starts nothing yet. ``load(path,
+    dtype) -> (model, tokenizer)`` replaces the loader (tensor parallelism: ``serve/distributed.py``)."""
     import torch
 
     from .. import BlockPool, embedded, enable_paged_attention, init_continuous_batching
@@ -77,15 +83,18 @@ def build(args):
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     name = args.served_model_name or (Path(args.model).resolve().name if args.model else EMBEDDED_NAME)
     print(f"loading {args.model or 'the embedded ' + EMBEDDED_NAME} ({dtype}, {device}) ...", flush=True)
-    model, tokenizer = embedded.load(args.model, dtype=dtype)
-    model.to(device)
+    model, tokenizer = (load or embedded.load)(args.model, dtype=dtype)
+    if load is None:
+        model.to(device)
+    device = model.device
     enable_paged_attention(model, backend=args.backend)
     pool = BlockPool(block_size=args.block_size, max_memory=args.max_memory,
                      prefix_caching=not args.no_prefix_caching,
                      kv_dtype=torch.float8_e4m3fn if args.kv_dtype == "fp8" else None)
     manager = init_continuous_batching(model, pool=pool, max_batch_tokens=args.max_batch_tokens,
                                        max_queue_size=args.max_queue,
-                                       cuda_graphs=False if args.no_cuda_graphs else None)
+                                       cuda_graphs=False if args.no_cuda_graphs else None,
+                                       tp_timeout_s=getattr(args, "tp_timeout", 60.0))
     settings = ServeSettings(model_name=name, api_key=args.api_key,
                              max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
                              drain_timeout=args.drain_timeout, cors_origins=tuple(args.cors_origin))
@@ -105,6 +114,10 @@ def main(argv=None) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logging.getLogger("hf_paged.serve").warning("binding to %s without --api-key: anyone who can reach this "
                                                     "port can use the model", args.host)
+    if args.tp_plan:
+        from .distributed import serve
+
+        return serve(args, build)
     app, what = build(args)
     print(f"serving {what} at http://{args.host}:{args.port}/v1 (SIGTERM or Ctrl-C drains and stops)", flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,

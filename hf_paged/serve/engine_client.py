@@ -16,10 +16,12 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..engine.structured import GrammarCompiler, GrammarSpec
 from .detokenizer import IncrementalDetokenizer
 from .errors import APIError
 from .protocol import SamplingParams
 from .stops import StopChecker
+from .tools import ToolRequest, template_messages, template_reads_tools
 
 log = logging.getLogger("hf_paged.serve")
 
@@ -35,6 +37,17 @@ class TokenLogprob:
 
 
 @dataclass
+class PromptLogprob:
+    """One prompt token's entry (the first token's ``logprob`` / ``rank`` are None: nothing predicts it)."""
+
+    token_id: int
+    token: str
+    logprob: float | None
+    rank: int | None
+    top: list[tuple[int, str, float]]  # the k most likely (id, text, logprob) at its position
+
+
+@dataclass
 class Piece:
     """What one engine delta adds to a choice: text safe to send, how many tokens it covers, and the end."""
 
@@ -44,6 +57,7 @@ class Piece:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # set on a choice's last piece: "stop" / "length"
     error: str | None = None  # set when the engine failed the request
+    prompt_logprobs: list[PromptLogprob] | None = None  # on the choice's first piece, when asked
 
 
 @dataclass
@@ -56,6 +70,8 @@ class _Choice:
     stops: StopChecker
     want_logprobs: bool
     sink: "Generation"
+    want_prompt_logprobs: bool = False
+    generate: bool = True  # False: max_tokens 0 (the one token the engine runs is not returned)
     num_tokens: int = 0
     done: bool = False
     last_token_time: float | None = None
@@ -122,6 +138,8 @@ class AsyncEngine:
         self.metrics = metrics
         self._tokenize_pool = ThreadPoolExecutor(tokenize_workers, thread_name_prefix="hf_paged-tokenize")
         self._detok_pool = ThreadPoolExecutor(1, thread_name_prefix="hf_paged-detok")
+        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="hf_paged-grammar")
+        self._grammars: GrammarCompiler | None = None  # built at the first structured request
         self._serial = itertools.count()
         self._token_text: dict[int, str] = {}
         self._live: dict[str, _Choice] = {}  # submitted, not ended (added on the loop, removed by the detok thread)
@@ -132,6 +150,7 @@ class AsyncEngine:
 
     def close(self) -> None:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         self._detok_pool.shutdown(wait=True, cancel_futures=False)
 
     # -- tokenization (thread pool) --------------------------------------------------------------------------------
@@ -142,21 +161,51 @@ class AsyncEngine:
         """``fn(*args)`` on the tokenizer threads (request parsing, anything that may take a while)."""
         return await self._offload(fn, *args)
 
-    async def encode(self, text: str) -> list[int]:
-        return await self._offload(lambda: self.tokenizer(text, add_special_tokens=True)["input_ids"])
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._offload(lambda: self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     async def decode(self, ids: list[int]) -> str:
         return await self._offload(lambda: self.tokenizer.decode(ids, skip_special_tokens=True))
 
-    async def chat_prompt(self, messages: list[dict]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
+    async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                          tools: ToolRequest | None = None) -> list[int]:
+        """The prompt's ids: ``messages`` through the chat template, with ``tools`` (see ``tools.py``)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions with a prompt.")
+        reads_tools = template_reads_tools(template if isinstance(template, str) else str(template))
+        messages = template_messages(messages, tools, reads_tools)
+        extra = {"tools": tools.tools} if tools is not None and tools.choice != "none" and reads_tools else {}
 
         def render():
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **extra)
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
         return await self._offload(render)
+
+    def stop_token_ids(self) -> list[int]:
+        """The ids that end a request by default (the generation config's EOS and the tokenizer's)."""
+        eos = getattr(getattr(self.manager, "generation_config", None), "eos_token_id", None)
+        ids = [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
+            ids.append(self.tokenizer.eos_token_id)
+        return ids
+
+    async def compile_grammar(self, spec: GrammarSpec):
+        """The compiled grammar for ``spec`` (cached by spec), compiled on the grammar thread, never the engine's."""
+
+        def compile_():
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_token_ids())
+            return self._grammars.compile(spec)
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._grammar_pool, compile_)
+        except ImportError as exc:
+            raise APIError(400, f"this server cannot constrain output: {exc}.") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="response_format") from None
 
     # -- generation ------------------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int, max_new_tokens: list[int],
@@ -173,8 +222,10 @@ class AsyncEngine:
                 for i in range(n):
                     index = p * n + i
                     choice = _Choice(index, f"srv-{serial}-{index}-{uuid.uuid4().hex[:8]}",
-                                     IncrementalDetokenizer(self.tokenizer), StopChecker(params.stop),
-                                     params.logprobs is not None, gen)
+                                     IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+                                     StopChecker(params.stop, params.include_stop),
+                                     params.logprobs is not None and params.generate, gen,
+                                     params.engine_prompt_logprobs is not None, params.generate)
                     gen.choices.append(choice)
                     gen.pending += 1
                     self._live[choice.request_id] = choice
@@ -272,7 +323,10 @@ class AsyncEngine:
             pass
 
     def _piece(self, choice: _Choice, output, now: float) -> Piece | None:
-        new = list(output.generated_tokens or [])
+        prompt = None
+        if choice.want_prompt_logprobs and output.prompt_logprobs is not None:
+            prompt = self._prompt_logprobs(output)
+        new = list(output.generated_tokens or []) if choice.generate else []
         status = getattr(output.status, "name", str(output.status)).upper()
         if new and self.metrics is not None:
             if choice.last_token_time is None:
@@ -287,7 +341,7 @@ class AsyncEngine:
         if stopped:
             choice.done = True
             self._cancel_now(choice)
-            return Piece(choice.index, text, len(new), logprobs, finish_reason="stop")
+            return Piece(choice.index, text, len(new), logprobs, finish_reason="stop", prompt_logprobs=prompt)
         if status in _FINAL:
             choice.done = True
             tail, stopped = choice.stops.add(choice.detok.finish())
@@ -296,10 +350,18 @@ class AsyncEngine:
             if status == "FAILED":
                 return Piece(choice.index, text, len(new), logprobs, error=output.error or "the engine failed")
             reason = "stop" if stopped else (output.finish_reason or ("length" if status == "FINISHED" else "stop"))
-            return Piece(choice.index, text, len(new), logprobs, finish_reason=reason)
-        if not new:
+            if not choice.generate:
+                reason = "length"
+            return Piece(choice.index, text, len(new), logprobs, finish_reason=reason, prompt_logprobs=prompt)
+        if not new and prompt is None:
             return None
-        return Piece(choice.index, text, len(new), logprobs)
+        return Piece(choice.index, text, len(new), logprobs, prompt_logprobs=prompt)
+
+    def _prompt_logprobs(self, output) -> list[PromptLogprob]:
+        ids = output.prompt_ids
+        return [PromptLogprob(t, self._token_str(t), lp, rank, [(a, self._token_str(a), float(b)) for a, b in top or ()])
+                for t, lp, rank, top in zip(ids, output.prompt_logprobs, output.prompt_ranks,
+                                            output.prompt_top_logprobs)]
 
 
     def _logprobs(self, output, new: list[int]) -> list[TokenLogprob] | None:

@@ -1,19 +1,30 @@
-"""Request parsing for ``/v1/completions`` and ``/v1/chat/completions``: OpenAI's fields, checked.
+"""Request parsing for ``/v1/completions`` and ``/v1/chat/completions``: OpenAI's fields and the vLLM extensions that
+benchmark and evaluation tools send, checked.
 
-Unknown fields are ignored; a known field of the wrong type or out of range is a 400 naming it; a feature the engine
-does not have (tools, ``response_format``, ``logit_bias``, presence / frequency penalties, ``suffix``, ``best_of`` above
-``n``, non-text content parts) is a 400 naming it rather than silently dropped.
+Honoured beyond OpenAI's own: ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
+``skip_special_tokens``, ``stream_options.continuous_usage_stats``, ``prompt_logprobs``, ``top_k``, ``min_p``,
+``repetition_penalty``; completions' ``echo`` with ``logprobs`` (prompt logprobs) and ``max_tokens: 0`` with ``echo``.
+A field this server does not know is ignored and logged once per name (``UNKNOWN_LOGGED``); a known field of the
+wrong type or out of range is a 400 naming it; a feature the engine does not have (``REFUSED_FIELDS``:
+``logit_bias``, presence / frequency penalties, ``suffix``, beam search, allowed / bad words, ...) is a 400 naming it
+rather than silently dropped.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..engine.structured import GrammarSpec
 from .errors import APIError
+from .tools import NAMED, REQUIRED, ToolRequest, named_schema, parse_tools, required_schema
+
+log = logging.getLogger("hf_paged.serve")
 
 MAX_N = 16
 MAX_STOP = 16
@@ -26,6 +37,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class _Common(_Strict):
@@ -45,9 +57,16 @@ class _Common(_Strict):
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool | None = False
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class CompletionFields(_Common):
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: the prompt's logprobs, nothing generated
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = Field(None, ge=1, le=MAX_N)
@@ -74,9 +93,34 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and k alternatives
+    ignore_eos: bool = False
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop: bool = False  # include_stop_str_in_output
+    skip_special_tokens: bool = True
+    echo_logprobs: int | None = None  # completions' echo + logprobs: the prompt tokens' logprobs, k alternatives
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field
+    grammar_spec: GrammarSpec | None = None  # structured output asked for (compiled by the app)
+    grammar: object = None  # its CompiledGrammar
+    generate: bool = True  # False: max_tokens 0 with echo (one token runs, none is returned)
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        asked = [k for k in (self.echo_logprobs, self.prompt_logprobs) if k is not None]
+        return max(asked) if asked else None
 
     def engine_kwargs(self, index: int) -> dict:
         kwargs: dict[str, Any] = {}
+        if self.ignore_eos:
+            kwargs["ignore_eos"] = True
+        if self.min_tokens:
+            kwargs["min_tokens"] = self.min_tokens
+        if self.stop_token_ids:
+            kwargs["stop_token_ids"] = list(self.stop_token_ids)
+        if self.engine_prompt_logprobs is not None:
+            kwargs["prompt_logprobs"] = self.engine_prompt_logprobs
+        if self.grammar is not None:
+            kwargs["grammar"] = self.grammar
         if self.temperature is not None:
             kwargs["do_sample"] = self.temperature > 0
             if self.temperature > 0:
@@ -98,6 +142,7 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     echo: bool
+    continuous_usage: bool = False
 
 
 @dataclass
@@ -108,6 +153,8 @@ class ChatRequest:
     n: int
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False
+    tools: ToolRequest | None = None
 
 
 def parse_json(raw: bytes) -> dict:
@@ -133,6 +180,41 @@ def _validate(model_cls, body: dict):
         raise APIError(400, f"invalid value for '{'.'.join(loc)}': {err['msg']} (got {shown}).", param=param) from None
 
 
+# Fields read straight from the body (not model fields), per endpoint.
+_STRUCTURED = {"structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+               "guided_decoding_backend", "response_format"}
+_BODY_FIELDS = {"completion": {"prompt", "stop", *_STRUCTURED}, "chat": {"messages", "stop", "tools", "tool_choice",
+                                                                        "parallel_tool_calls",
+                                                                        *_STRUCTURED}}
+# vLLM / OpenAI fields that change what is generated and that the engine cannot do: a 400 when set (truthy).
+REFUSED_FIELDS = {
+    "use_beam_search": "beam search", "allowed_token_ids": "allowed token ids", "bad_words": "bad words",
+    "logits_processors": "custom logits processors", "truncate_prompt_tokens": "prompt truncation",
+    "length_penalty": "beam search",
+    "functions": "function calling", "audio": "audio output", "prediction": "predicted outputs",
+    "modalities": "output modalities", "web_search_options": "web search", "continue_final_message":
+    "continuing the final message",
+}
+# Known fields that change nothing this server computes (accepted silently).
+NO_EFFECT_FIELDS = {"user", "metadata", "store", "service_tier", "request_id", "priority",
+                    "add_generation_prompt", "add_special_tokens", "documents", "chat_template_kwargs",
+                    "spaces_between_special_tokens", "return_tokens_as_token_ids", "reasoning_effort"}
+UNKNOWN_LOGGED: set[str] = set()
+_unknown_lock = threading.Lock()
+
+
+def _log_unknown(body: dict, model_cls, kind: str) -> None:
+    """Log each field no part of this server reads, once per name for the process (it changes nothing here, so a
+    benchmark relying on it should know)."""
+    known = set(model_cls.model_fields) | _BODY_FIELDS[kind] | set(REFUSED_FIELDS) | NO_EFFECT_FIELDS
+    for name in body.keys() - known:
+        with _unknown_lock:
+            if name in UNKNOWN_LOGGED:
+                continue
+            UNKNOWN_LOGGED.add(name)
+        log.warning("request field %r is not known to this server and is ignored (logged once per name)", name)
+
+
 def _unsupported(body: dict, fields: _Common) -> None:
     named = []
     if fields.logit_bias:
@@ -140,11 +222,9 @@ def _unsupported(body: dict, fields: _Common) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(fields, name):
             named.append(name)
-    for name in ("tools", "functions", "audio", "prediction"):
+    for name in REFUSED_FIELDS:
         if body.get(name):
             named.append(name)
-    if body.get("tool_choice") not in (None, "none"):
-        named.append("tool_choice")
     if body.get("function_call") not in (None, "none"):
         named.append("function_call")
     if named:
@@ -168,13 +248,89 @@ def _common(body: dict, fields: _Common, max_tokens: int | None, logprobs: int |
     _unsupported(body, fields)
     if fields.stream_options is not None and not fields.stream:
         raise APIError(400, "'stream_options' is only allowed with 'stream': true.", param="stream_options")
+    if fields.min_tokens and max_tokens is not None and fields.min_tokens > max_tokens:
+        raise APIError(400, f"'min_tokens' ({fields.min_tokens}) is more than max_tokens ({max_tokens}).",
+                       param="min_tokens")
+    if fields.stop_token_ids and not all(t >= 0 for t in fields.stop_token_ids):
+        raise APIError(400, "'stop_token_ids' must hold token ids >= 0.", param="stop_token_ids")
     return SamplingParams(max_tokens=max_tokens, temperature=fields.temperature, top_p=fields.top_p,
                           top_k=fields.top_k, min_p=fields.min_p, repetition_penalty=fields.repetition_penalty,
-                          seed=fields.seed, stop=_stop(body.get("stop")), logprobs=logprobs)
+                          seed=fields.seed, stop=_stop(body.get("stop")), logprobs=logprobs,
+                          ignore_eos=bool(fields.ignore_eos), min_tokens=fields.min_tokens,
+                          stop_token_ids=fields.stop_token_ids, include_stop=bool(fields.include_stop_str_in_output),
+                          skip_special_tokens=fields.skip_special_tokens is not False,
+                          prompt_logprobs=fields.prompt_logprobs)
+
+
+def _schema_text(value, where: str) -> str:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise APIError(400, f"'{where}' is not valid JSON: {exc}.", param=where.split(".")[0]) from None
+    if not isinstance(value, dict):
+        raise APIError(400, f"'{where}' must be a JSON schema (an object), got {type(value).__name__}.",
+                       param=where.split(".")[0])
+    return json.dumps(value)  # property order kept: the model writes them in this order
+
+
+def grammar_spec(body: dict) -> GrammarSpec | None:
+    """The structured output a request asks for: OpenAI's ``response_format`` (``json_object``, ``json_schema``),
+    vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) or its older
+    ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``; None for none. At most one."""
+    asked: list[tuple[str, GrammarSpec]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type", "text") not in ("text", "json_object", "json_schema"):
+            raise APIError(400, "'response_format' must be {\"type\": \"text\" | \"json_object\" | "
+                                "\"json_schema\"}.", param="response_format")
+        if fmt.get("type") == "json_object":
+            asked.append(("response_format", GrammarSpec("json_object")))
+        elif fmt.get("type") == "json_schema":
+            inner = fmt.get("json_schema")
+            if not isinstance(inner, dict) or "schema" not in inner:
+                raise APIError(400, "'response_format' of type json_schema needs 'json_schema': {\"name\", "
+                                    "\"schema\"}.", param="response_format")
+            asked.append(("response_format", GrammarSpec("json_schema",
+                                                         _schema_text(inner["schema"], "response_format.schema"))))
+    so = body.get("structured_outputs")
+    guided = {key[len("guided_"):]: body[key] for key in ("guided_json", "guided_regex", "guided_choice",
+                                                           "guided_grammar") if body.get(key) is not None}
+    for where, options in (("structured_outputs", so), ("guided_*", guided or None)):
+        if options is None:
+            continue
+        if not isinstance(options, dict):
+            raise APIError(400, f"'{where}' must be an object.", param=where)
+        for key, value in options.items():
+            if value is None or value is False or key in ("disable_fallback", "disable_any_whitespace",
+                                                          "disable_additional_properties", "whitespace_pattern"):
+                continue
+            if key == "json":
+                asked.append((where, GrammarSpec("json_schema", _schema_text(value, f"{where}.json"))))
+            elif key == "json_object":
+                asked.append((where, GrammarSpec("json_object")))
+            elif key in ("regex", "grammar") and isinstance(value, str):
+                asked.append((where, GrammarSpec(key, value)))
+            elif key == "choice" and isinstance(value, list) and value and all(isinstance(c, str) for c in value):
+                asked.append((where, GrammarSpec("choice", json.dumps(value))))
+            elif key in ("regex", "grammar", "choice"):
+                raise APIError(400, f"'{where}.{key}' must be "
+                                    f"{'a list of strings' if key == 'choice' else 'a string'}.", param=where)
+            else:
+                raise APIError(400, f"'{where}.{key}' is not supported; use json, regex, choice, grammar or "
+                                    "json_object.", param=where)
+    if len(asked) > 1:
+        raise APIError(400, f"the request asks for {len(asked)} output constraints ({', '.join(w for w, _ in asked)}); "
+                            "send one.", param=asked[0][0])
+    return asked[0][1] if asked else None
 
 
 def _include_usage(fields: _Common) -> bool:
     return bool(fields.stream_options and fields.stream_options.include_usage)
+
+
+def _continuous_usage(fields: _Common) -> bool:
+    return bool(fields.stream_options and fields.stream_options.continuous_usage_stats)
 
 
 def _is_ids(value) -> bool:
@@ -198,21 +354,29 @@ def _prompts(value) -> list[str | list[int]]:
 
 def parse_completion(body: dict) -> CompletionRequest:
     fields = _validate(CompletionFields, body)
+    _log_unknown(body, CompletionFields, "completion")
+    if body.get("tools") or body.get("tool_choice") not in (None, "none"):
+        raise APIError(400, "tools are served on /v1/chat/completions, not /v1/completions.", param="tools")
     if fields.suffix:
         raise APIError(400, "this server's engine does not support 'suffix' (insertion); remove it.", param="suffix")
     n = fields.n or 1
     if fields.best_of is not None and fields.best_of != n:
         raise APIError(400, f"'best_of' ({fields.best_of}) other than 'n' ({n}) is not supported: the engine does "
                             "not rank samples; use 'n'.", param="best_of")
-    if fields.echo and fields.logprobs is not None:
-        raise APIError(400, "'echo' with 'logprobs' asks for prompt logprobs, which the engine does not give; drop "
-                            "one of them.", param="echo")
+    if fields.max_tokens == 0 and not fields.echo:
+        raise APIError(400, "'max_tokens': 0 generates nothing; it is accepted only with 'echo': true (to score the "
+                            "prompt with 'logprobs').", param="max_tokens")
     params = _common(body, fields, fields.max_tokens, fields.logprobs)
+    if fields.echo and fields.logprobs is not None:
+        params.echo_logprobs = fields.logprobs
+    if fields.max_tokens == 0:
+        params.max_tokens, params.generate = 1, False
+    params.grammar_spec = grammar_spec(body)
     return CompletionRequest(fields.model, _prompts(body.get("prompt")), params, n, bool(fields.stream),
-                             _include_usage(fields), bool(fields.echo))
+                             _include_usage(fields), bool(fields.echo), _continuous_usage(fields))
 
 
-_ROLES = ("system", "developer", "user", "assistant")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _content(value, where: str) -> str:
@@ -234,7 +398,7 @@ def _content(value, where: str) -> str:
                    param="messages")
 
 
-def _messages(value) -> list[dict]:
+def parse_messages(value) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise APIError(400, "'messages' must be a non-empty list of {\"role\", \"content\"} objects.",
                        param="messages")
@@ -244,25 +408,40 @@ def _messages(value) -> list[dict]:
         if not isinstance(msg, dict):
             raise APIError(400, f"{where} must be an object, got {type(msg).__name__}.", param="messages")
         role = msg.get("role")
-        if role == "tool" or msg.get("tool_calls"):
-            raise APIError(400, f"{where}: tool messages and tool calls are not supported by this server's engine.",
-                           param="messages")
         if role not in _ROLES:
             raise APIError(400, f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}.", param="messages")
-        out.append({"role": "system" if role == "developer" else role, "content": _content(msg.get("content"), where)})
+        item = {"role": "system" if role == "developer" else role, "content": _content(msg.get("content"), where)}
+        if role == "tool":
+            if msg.get("tool_call_id") is not None:
+                item["tool_call_id"] = str(msg["tool_call_id"])
+        calls = msg.get("tool_calls")
+        if calls:
+            if role != "assistant" or not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    and isinstance(c["function"].get("name"), str) for c in calls):
+                raise APIError(400, f"{where}.tool_calls must be a list of {{\"id\", \"type\": \"function\", "
+                                    "\"function\": {\"name\", \"arguments\"}} on an assistant message.",
+                               param="messages")
+            item["tool_calls"] = calls
+        out.append(item)
     return out
 
 
 def parse_chat(body: dict) -> ChatRequest:
     fields = _validate(ChatFields, body)
-    fmt = fields.response_format
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise APIError(400, f"this server's engine does not support response_format {fmt.get('type')!r} "
-                            "(structured output); remove it.", param="response_format")
+    _log_unknown(body, ChatFields, "chat")
     if fields.top_logprobs is not None and not fields.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
     logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
     max_tokens = fields.max_completion_tokens if fields.max_completion_tokens is not None else fields.max_tokens
     params = _common(body, fields, max_tokens, logprobs)
-    return ChatRequest(fields.model, _messages(body.get("messages")), params, fields.n or 1, bool(fields.stream),
-                       _include_usage(fields))
+    params.grammar_spec = grammar_spec(body)
+    tools = parse_tools(body)
+    if tools is not None and tools.choice in (REQUIRED, NAMED):
+        if params.grammar_spec is not None:
+            raise APIError(400, f"tool_choice {tools.choice!r} constrains the output itself; drop the other output "
+                                "constraint (response_format / structured_outputs).", param="tool_choice")
+        schema = required_schema(tools) if tools.choice == REQUIRED else named_schema(tools)
+        params.grammar_spec = GrammarSpec("json_schema", json.dumps(schema))
+    return ChatRequest(fields.model, parse_messages(body.get("messages")), params, fields.n or 1, bool(fields.stream),
+                       _include_usage(fields), _continuous_usage(fields), tools)

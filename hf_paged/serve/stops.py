@@ -19,8 +19,9 @@ class StopChecker:
         stops.flush()            # -> ("", True): nothing is held once stopped
     """
 
-    def __init__(self, stop: list[str] | None):
+    def __init__(self, stop: list[str] | None, include: bool = False):
         self.stop = [s for s in (stop or []) if s]
+        self.include = include  # vLLM's include_stop_str_in_output: the stop string ends the text
         self.held = ""
         self.stopped = False
 
@@ -36,13 +37,19 @@ class StopChecker:
         keep_from = len(text) - self._partial_suffix(text)
         if hit is not None and hit <= keep_from:
             self.stopped, self.held = True, ""
-            return text[:hit], True
+            return text[:self._end(text, hit)], True
         self.held = text[keep_from:]
         return text[:keep_from], False
 
     def _first_hit(self, text: str) -> int | None:
         hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
         return min(hits) if hits else None
+
+    def _end(self, text: str, hit: int) -> int:
+        """Where the text ends for a stop string found at ``hit``: before it, or after it with ``include``."""
+        if not self.include:
+            return hit
+        return hit + max(len(s) for s in self.stop if text.startswith(s, hit))
 
     def _partial_suffix(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
@@ -61,5 +68,5 @@ class StopChecker:
         hit = self._first_hit(text) if self.stop else None
         if hit is not None:
             self.stopped = True
-            return text[:hit], True
+            return text[:self._end(text, hit)], True
         return text, self.stopped

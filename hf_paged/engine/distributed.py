@@ -1,0 +1,339 @@
+"""The engine under tensor parallelism: rank 0 drives, every other rank follows the same steps.
+
+Under ``torchrun`` with a model loaded with ``tp_plan="auto"``, every rank holds a share of each layer's heads and
+every forward is a collective: all ranks must run the same step (the same chunks of the same requests) at the same
+time, or they hang in the model's first all-reduce. Requests arrive on rank 0 only (a server, a user's threads), at
+moments no other rank sees.
+
+Design: each rank runs its own :class:`~hf_paged.engine.core.EngineCore` (scheduler, pool of its local KV heads,
+sampler) and is fed the same *events* at the same step, as transformers' continuous batching does. Once per loop
+iteration rank 0 takes what its manager queued (new requests with their prompts and settings, cancellations, a stop),
+and broadcasts it as one :class:`Events` packet over a gloo (CPU) group; every rank, rank 0 included, applies exactly
+that packet, then runs one step. The scheduler is deterministic (FCFS, host integers only) and its prefix-cache keys
+are blake2b digests of the token ids (no salted ``hash``), so the same events give the same batches on every rank.
+Only events cross the wire (a few hundred bytes a step), never block tables or tensors; the alternative — rank 0
+schedules and broadcasts the plan — would need the followers' allocators driven from outside, a second code path
+through the scheduler. Sampling is the same on every rank because greedy rows take the argmax of logits that are
+identical after the tensor-parallel gather, and sampled rows draw from a per-request ``torch.Generator``: an
+unseeded sampled request gets a seed drawn on rank 0, carried in its event.
+
+Two checks per step keep the ranks honest (both over the gloo group, with its timeout):
+
+- before the forward, every rank's batch digest (request ids, chunk starts and sizes, each chunk's last token) is
+  gathered: ranks that would run different steps stop the engine with an error instead of hanging;
+- after planning and before the forward (the runner's ``before_forward`` hook), and again after the forward, every
+  rank's outcome is gathered: planning or a forward that raised on any rank fails that step's requests on every
+  rank, and the engine goes on. (A rank raising *inside* the forward, between two of the model's collectives, leaves
+  the others in that collective until the process group's timeout.)
+
+A rank that dies or stops answering makes the next broadcast or gather raise (the connection closes, or the group's
+``timeout_s`` passes), which stops the engine on every surviving rank with an error. An idle rank 0 sends an empty
+packet every ``heartbeat_s`` so that followers waiting in the broadcast do not time out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import pickle
+import secrets
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .outputs import RequestStatus
+
+DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_HEARTBEAT_S = 1.0
+IDLE_WAIT = 0.005  # seconds every rank waits after a step that could run nothing
+
+
+@dataclass
+class NewRequest:
+    """What a follower needs to make a request rank 0 queued: its id, prompt and settings (seed filled in)."""
+
+    request_id: str
+    prompt: list[int]
+    params: object  # SamplingParams
+
+
+@dataclass
+class Events:
+    """One loop iteration's events, broadcast by rank 0 and applied by every rank in this order."""
+
+    new: list[NewRequest] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+    cancel_all: bool = False  # stop(drain=False): everything running and waiting is cancelled
+    stop: bool = False  # stop once nothing is left to run
+
+
+class RankFailure(RuntimeError):
+    """The step failed on another rank (its requests fail here too)."""
+
+
+class TensorParallelSync:
+    """The control channel of a tensor-parallel engine: a gloo group over the default group's ranks.
+
+    Made by :func:`~hf_paged.init_continuous_batching` on every rank (creating the group is a collective).
+
+    Args:
+        timeout_s: how long a broadcast or gather waits for the other ranks before the engine stops with an error
+            (a lost rank). It bounds how long rank 0 may take between two loop iterations: keep it well above the
+            slowest step (a long prefill on a big model).
+        heartbeat_s: how often an idle rank 0 tells the followers it is alive (must be below ``timeout_s``).
+    """
+
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, heartbeat_s: float = DEFAULT_HEARTBEAT_S):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("tensor-parallel serving needs an initialized torch.distributed process group (run "
+                             "under torchrun and load the model with tp_plan='auto').")
+        if not 0 < heartbeat_s < timeout_s:
+            raise ValueError(f"heartbeat_s ({heartbeat_s}) must be > 0 and below timeout_s ({timeout_s}).")
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.timeout_s = timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        # memory_stats(all_ranks=True) from users' threads: its own group, never interleaved with the engine's
+        self.stats_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def broadcast(self, events: Events | None) -> Events:
+        box = [events if self.is_driver else None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def gather(self, value: int) -> list[int]:
+        """Every rank's int64 ``value``, in rank order."""
+        mine = torch.tensor([value], dtype=torch.int64)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine, group=self.group)
+        return [int(t.item()) for t in out]
+
+
+def check_broadcastable(params) -> None:
+    """``ValueError`` now (in the caller's thread) for settings the other ranks could not receive: structured output
+    (its compiled grammar lives on rank 0, beside the tokenizer), or anything else that does not pickle."""
+    if getattr(params, "grammar", None) is not None:
+        raise ValueError("structured output (a grammar, response_format or tool_choice) is not supported under "
+                         "tensor parallelism: the other ranks have no tokenizer to compile it with. Serve it from a "
+                         "single-process engine.")
+    try:
+        pickle.dumps(params)
+    except Exception as err:
+        raise ValueError(f"these request settings cannot be sent to the other tensor-parallel ranks "
+                         f"({type(err).__name__}: {err}); use plain values.") from None
+
+
+def batch_digest(batch) -> int:
+    """A signed 64-bit digest of what a step runs: each chunk's request id, start, size and last token."""
+    h = hashlib.blake2b(digest_size=8)
+    for c in batch.chunks:
+        req = c.request
+        h.update(f"{req.request_id}:{c.start}:{c.num_tokens}:{req.tokens[c.start + c.num_tokens - 1]};".encode())
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+class AgreeingRunner:
+    """Wraps the engine's runner: the ranks agree on the batch before planning, on the planning's outcome before the
+    forward (the runner's ``before_forward`` hook), and on the forward's outcome after it. A failure on any rank
+    raises :class:`RankFailure` on every rank, so the engine fails the step's requests everywhere alike."""
+
+    def __init__(self, inner, sync: TensorParallelSync):
+        self.inner = inner
+        self.sync = sync
+        self.fatal: str | None = None  # set when the ranks diverged: the engine must stop
+        self._planned = False  # this step's planning outcome was agreed on
+        inner.before_forward = self._agree_planned
+
+    def __getattr__(self, name):  # plan_time, forward_time, graphs, ...: the inner runner's
+        return getattr(self.inner, name)
+
+    def _agree_planned(self, ok: bool = True) -> None:
+        planned = self.sync.gather(1 if ok else 0)
+        self._planned = True
+        failed = [r for r, good in enumerate(planned) if not good]
+        if failed and ok:  # another rank could not plan: nobody starts the forward's collectives
+            raise RankFailure(f"planning the step failed on rank(s) {failed}")
+
+    def run(self, batch):
+        digests = self.sync.gather(batch_digest(batch))
+        if len(set(digests)) > 1:
+            self.fatal = (f"the tensor-parallel ranks scheduled different steps (batch digests per rank {digests}); "
+                          "their states diverged and the engine stops.")
+            raise RankFailure(self.fatal)
+        self._planned = False
+        error = logits = None
+        try:
+            logits = self.inner.run(batch)
+        except Exception as err:
+            error = err
+            if not self._planned:  # it failed before the forward: join the planning agreement as failed
+                self._agree_planned(ok=False)
+        own = error is not None and not isinstance(error, RankFailure)
+        outcomes = self.sync.gather(1 if own else 0)
+        failed = [r for r, bad in enumerate(outcomes) if bad]
+        if failed or error is not None:
+            detail = f": {type(error).__name__}: {error}" if own else ""
+            raise RankFailure(f"the step failed on rank(s) {failed}{detail}") from error
+        return logits
+
+
+def _fresh_seed() -> int:
+    return secrets.randbits(63)
+
+
+def _events_locked(manager, core, signals) -> tuple[Events, list]:
+    """Rank 0: take the manager's queued requests and cancellations into a packet (under the manager's lock);
+    returns it with the requests it announces (added to this rank's engine once the packet is out)."""
+    ev, reqs = Events(), []
+    while manager._incoming:
+        req = manager._incoming.popleft()
+        params = req.params
+        if params.do_sample and params.seed is None:  # every rank must draw the same tokens: seed it here
+            params = dataclasses.replace(params, seed=_fresh_seed())
+            for i, r in enumerate((req, *req.children)):
+                r.params, r.generator = params, core.sampler.new_generator(params, i)
+        ev.new.append(NewRequest(req.request_id, list(req.tokens[: req.num_prompt]), params))
+        reqs.append(req)
+    manager._pending_new = reqs  # (failed by the engine thread if the broadcast fails)
+    ev.cancels = [req.request_id for req in manager._cancels]
+    manager._cancels.clear()
+    ev.cancel_all = signals.stop and not signals.drain
+    ev.stop = signals.stop
+    return ev, reqs
+
+
+def tp_engine_loop(manager_ref, core, lock, cond, signals, sync: TensorParallelSync, call_back) -> None:
+    """The engine thread of a tensor-parallel manager, on every rank (see the module's docstring). ``call_back``
+    hands a list of deliveries to the requests' callbacks (outside the lock)."""
+    known: dict[str, object] = {}  # requests this rank's engine holds, by id (followers look cancels up here)
+    try:
+        with torch.no_grad():
+            while True:
+                ev, reqs = None, []
+                with lock:
+                    manager = manager_ref()
+                    if sync.is_driver:
+                        if manager is None:
+                            signals.stop, signals.drain = True, False
+                            ev = Events(cancel_all=True, stop=True)
+                        else:
+                            if not core.has_work and not manager._incoming and not manager._cancels \
+                                    and not signals.stop:
+                                cond.wait(sync.heartbeat_s)
+                            ev, reqs = _events_locked(manager, core, signals)
+                    del manager
+                ev = sync.broadcast(ev)
+                deliveries = []
+                with lock:
+                    manager = manager_ref()
+                    if not sync.is_driver:
+                        reqs = [core.new_request(n.request_id, n.prompt, n.params) for n in ev.new]
+                        if manager is not None:
+                            for req in reqs:
+                                for r in (req, *req.children):
+                                    manager._live[r.request_id] = r
+                    for req in reqs:
+                        core.add(req)
+                        known[req.request_id] = req
+                        for child in req.children:
+                            known[child.request_id] = child
+                    if manager is not None:
+                        manager._pending_new = []
+                    ended = []
+                    for rid in ev.cancels:
+                        req = known.get(rid)
+                        if req is not None:
+                            ended += core.cancel(req)
+                    if ev.cancel_all:
+                        for req in [*core.scheduler.running, *core.scheduler.waiting]:
+                            ended += core.cancel(req)
+                    if manager is not None:
+                        deliveries = [manager._finish_locked(r) for r in ended]
+                        manager._waiting = len(core.scheduler.waiting)
+                    for r in ended:
+                        known.pop(r.request_id, None)
+                    if ev.stop and not core.has_work:
+                        if manager is not None:
+                            manager._stopped = True
+                            manager._waiting = 0
+                        cond.notify_all()
+                        del manager
+                        break
+                    del manager
+                call_back(deliveries)
+                if not core.has_work:
+                    continue
+                touched = core.step()
+                for r in touched:
+                    if r.is_finished:
+                        known.pop(r.request_id, None)
+                t0 = time.perf_counter()
+                with lock:
+                    manager = manager_ref()
+                    deliveries = manager._deliver_locked(touched) if manager is not None else []
+                    del manager
+                call_back(deliveries)
+                core.times.output += time.perf_counter() - t0
+                if core.runner.fatal is not None:  # (after handing out the step's failed requests)
+                    raise RuntimeError(core.runner.fatal)
+                if not core.last_batch_tokens and not touched:
+                    time.sleep(IDLE_WAIT)  # nothing could run (a shared pool held by others): every rank waits alike
+    except BaseException as err:  # a lost rank, diverged ranks, an engine bug: fail everything, keep the message
+        error = f"{type(err).__name__}: {err}"
+        with lock:
+            manager = manager_ref()
+            failed = core.fail_all(f"the engine stopped: {error}")
+            if manager is not None:
+                manager._error = error
+                manager._stopped = True
+                for req in failed:
+                    manager._finish_locked(req)
+                for req in [*manager._incoming, *manager._pending_new]:
+                    if req.is_finished:
+                        continue
+                    req.error = f"the engine stopped: {error}"
+                    for r in core._end(req, RequestStatus.FAILED):
+                        manager._finish_locked(r)
+                manager._incoming.clear()
+                manager._pending_new = []
+            cond.notify_all()
+        if not isinstance(err, Exception):
+            raise
+
+
+def agree_on_pool(pool, sync: TensorParallelSync) -> None:
+    """Give every rank's pool the same block cap (the smallest): the schedulers count blocks, and a rank with more
+    room than another would admit or preempt differently. A cap from free memory differs from rank to rank."""
+    mine = pool.allocator.max_blocks
+    caps = sync.gather(-1 if mine is None else mine)
+    if len(set(caps)) == 1:
+        return
+    if -1 in caps:
+        raise ValueError(f"the ranks' KV pools disagree on having a cap (blocks per rank {caps}, -1: none): give "
+                         "every rank the same pool settings (BlockPool(num_blocks=...) or max_memory=...).")
+    pool.allocator.set_limit(min(caps))
+
+
+def make_sync(model, tensor_parallel: bool | None, timeout_s: float, heartbeat_s: float) -> TensorParallelSync | None:
+    """The control channel when ``model`` is tensor-parallel (``tensor_parallel=None``: when ``model.tp_size > 1``
+    in an initialized process group), else None."""
+    on = tensor_parallel
+    if on is None:
+        on = (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+              and (getattr(model, "tp_size", None) or 1) > 1)
+    if not on:
+        return None
+    return TensorParallelSync(timeout_s=timeout_s, heartbeat_s=heartbeat_s)
+
+
+__all__ = ["AgreeingRunner", "Events", "NewRequest", "RankFailure", "TensorParallelSync", "agree_on_pool",
+           "batch_digest", "check_broadcastable", "make_sync", "tp_engine_loop"]
+
