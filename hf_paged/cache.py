@@ -21,6 +21,7 @@ from .groups import LayerGroups
 from .errors import OutOfBlocksError
 from .patches import kv_geometry
 from .pool import BlockPool
+from .states import StateView
 from .stats import MemoryStats
 from .rows import Rows
 from .step import LayerStep, Step, StepBuffers, build_layer_step, next_pow2, plan_padded, reading_step, write_layer
@@ -86,8 +87,11 @@ class PagedCache(Cache):
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.config = text_config
         self.num_layers = getattr(text_config, "num_hidden_layers", None)
-        self.groups = LayerGroups.from_geometry(kv_geometry(text_config)) if text_config is not None else \
-            LayerGroups.from_windows([])
+        geometry = kv_geometry(text_config) if text_config is not None else None
+        self.groups = LayerGroups.from_geometry(geometry) if geometry is not None else LayerGroups.from_windows([])
+        # layers keeping a per-row state (linear attention, Mamba, short convolutions): slots of the pool's store
+        self.state_layers = frozenset(geometry.state_layers) if geometry is not None else frozenset()
+        self._linear = [i in self.state_layers and not geometry[i].paged for i in range(len(geometry or ()))]
         self.pool = pool if pool is not None else BlockPool(block_size, num_blocks, max_memory, prefix_caching,
                                                             kv_dtype)
         self._own_pool = pool is None  # out-of-blocks advice names the constructor that sized the pool
@@ -101,7 +105,9 @@ class PagedCache(Cache):
         self._buffers = self.pool.lend_step_buffers(self)  # a compiled decode step's tensors, at fixed addresses
         # The state, one object per lifetime (hf_paged/cache_state.py): until reset(), one generate() call, one
         # planned forward.
-        self.rows = Rows(self.pool, self.groups)  # per batch row: its sequences, tokens, released or not
+        self.rows = Rows(self.pool, self.groups, bool(self.state_layers))  # per batch row: its sequences, state
+        # slot, tokens, released or not
+        self._states: StateView | None = None  # the running forward's state handouts (models with state layers)
         self._contents = Contents()
         self._call: GenerateCall | None = None
         self._forward: Forward | None = None
@@ -136,8 +142,10 @@ class PagedCache(Cache):
     def is_compileable(self) -> bool:
         """True inside a ``generate()`` of a paged model on a fixed-size pool: its decoding forward can be compiled.
         Not for models with KV-shared (``reuse``) layers: their attention finds its source layer's step through the
-        running forward's cache (:func:`hf_paged.compat.running_cache`), which a compiled graph does not look up."""
-        return self._call is not None and self._call.compile and self.pool.fixed and not self.shares_kv
+        running forward's cache (:func:`hf_paged.compat.running_cache`), which a compiled graph does not look up; nor
+        for models with state layers (their states are handed out by Python bookkeeping at each forward)."""
+        return (self._call is not None and self._call.compile and self.pool.fixed and not self.shares_kv
+                and not self.state_layers)
 
     @property
     def shares_kv(self) -> bool:
@@ -150,7 +158,8 @@ class PagedCache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        return True
+        """False on models with state layers: a recurrent state holds every token and cannot be rolled back."""
+        return not self.state_layers
 
     @property
     def is_initialized(self) -> bool:
@@ -162,7 +171,8 @@ class PagedCache(Cache):
 
     @property
     def is_linear(self) -> list[bool]:
-        return [False] * (self.num_layers or 1)
+        """Per layer: keeps a state and no K/V (transformers' linear-attention layers; a hybrid layer is False)."""
+        return list(self._linear) or [False] * (self.num_layers or 1)
 
     @property
     def is_dummy(self) -> list[bool]:
@@ -175,10 +185,64 @@ class PagedCache(Cache):
         return f"PagedCache(rows={len(self.rows)}, columns={self._contents.columns}, block_size={self.pool.block_size})"
 
     def activate_past_recording(self):
+        if self.state_layers:
+            raise ValueError(
+                f"this model keeps recurrent / convolution states (layers {sorted(self.state_layers)}), which a "
+                "PagedCache cannot roll back: assisted decoding (assistant_model=, prompt_lookup_num_tokens=) and "
+                "other rollbacks are not supported on it. Fix: generate without assistance, or use transformers' "
+                "DynamicCache for assisted decoding.")
         self._contents.recording = True
 
     def is_recording_past(self, layer_idx: int = 0) -> bool:
         return self._contents.recording
+
+    # ------------------------------------------------------- state layers
+    # transformers' linear-attention cache contract, on the rows' slots of the pool's state store: one StateView per
+    # forward (states.py), made at its first state access, synced once it has ran (forward_ran).
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self._state_view(layer_idx).get_conv_state(layer_idx, state_idx)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self._state_view(layer_idx).get_recurrent_state(layer_idx, state_idx)
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
+        return self._state_view(layer_idx).update_conv_state(conv_states, layer_idx, state_idx, conv_kernel_size)
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs) -> torch.Tensor:
+        return self._state_view(layer_idx).update_recurrent_state(recurrent_states, layer_idx, state_idx)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        if layer_idx is not None and layer_idx >= (self.num_layers or 0):
+            return False
+        if layer_idx is None:
+            if not self.state_layers:
+                raise ValueError("has_previous_state() is for state layers, and this model has none.")
+            layer_idx = max(self.state_layers)
+        self._check_state_layer(layer_idx)
+        return (layer_idx, state_idx or 0) in self._contents.states_written
+
+    def _check_state_layer(self, layer_idx: int) -> None:
+        if layer_idx not in self.state_layers:
+            raise ValueError(f"layer {layer_idx} keeps no recurrent / convolution state (the state layers of this "
+                             f"model are {sorted(self.state_layers)}); build the cache from this model's config.")
+        if not len(self.rows):
+            raise ValueError("a state layer ran before this PagedCache planned its forward: models with state layers "
+                             "need the paged path. Fix: call hf_paged.enable_paged_attention(model) before generate().")
+
+    def _state_view(self, layer_idx: int) -> StateView:
+        self._check_state_layer(layer_idx)
+        if self._states is None:
+            self._states = StateView(self.pool, self.rows.state_slots(), self._contents.states_written,
+                                     self.state_layers)
+        return self._states
+
+    def _sync_states(self) -> None:
+        """Write back the gathered states the last forward was handed (to its rows still holding slots)."""
+        view, self._states = self._states, None
+        if view is not None:
+            view.sync(self.rows.state_slots())
 
     # ------------------------------------------------------------- the step
     @property
@@ -296,6 +360,8 @@ class PagedCache(Cache):
 
     def _drop_first_rows(self) -> None:
         """A failed first forward: give its rows back, the cache is empty again (what it was asked stays)."""
+        self._states = None
+        self._contents.states_written = set()
         self.rows.clear()
         self._contents.columns, self._contents.mode = 0, None
 
@@ -350,6 +416,8 @@ class PagedCache(Cache):
         """The planned forward has run: count its columns, once (the only place the count grows); the next forward
         needs a new plan. Called by the decoder's post-hook after an eager forward, by ``generate()``'s input
         preparation (a compiled forward runs no hooks), and by this cache before it changes or reports its rows."""
+        if self._states is not None:
+            self._sync_states()
         forward = self._forward
         if forward is not None and not forward.counted:
             self._contents.columns += forward.columns
@@ -371,24 +439,28 @@ class PagedCache(Cache):
         self._invalidate_step()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: re-point block tables; no KV is copied."""
+        """Beam search: re-point block tables; no KV is copied (states are: each row keeps its own)."""
+        self.forward_ran()
         self.rows.reorder(beam_idx.tolist())
         self._contents.beams_reordered = True
         self._invalidate_step()
 
     def reset(self) -> None:
-        """Give every block back to the pool; the cache can then start a new generation."""
+        """Give every block (and state slot) back to the pool; the cache can then start a new generation."""
+        self._states = None
         self.rows.clear()
         self._contents = Contents()
         self._forward = None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self.forward_ran()
         self.rows.keep([i for i in range(len(self.rows)) for _ in range(repeats)])
         self._invalidate_step()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.rows.released:
             raise RuntimeError("batch_select_indices on a cache with released rows; use release_finished=False.")
+        self.forward_ran()
         self.rows.keep(indices.tolist())
         self._invalidate_step()
 
@@ -428,11 +500,13 @@ class PagedCache(Cache):
                         "cache.save(path) and restore it with PagedCache.load(path, config).")
 
     def _clone(self, indices: list[int]) -> "PagedCache":
+        self.forward_ran()  # its states written back before they are copied
         child = PagedCache.__new__(PagedCache)
         child.__dict__.update(self.__dict__)  # the configuration (pool, groups, ...); the state is replaced below
         child._buffers = self.pool.lend_step_buffers(child)
-        child._contents = dataclasses.replace(self._contents, columns=self._contents.columns + self._pending_columns())
-        child._call, child._forward = None, None
+        child._contents = dataclasses.replace(self._contents, columns=self._contents.columns + self._pending_columns(),
+                                              states_written=set(self._contents.states_written))
+        child._call, child._forward, child._states = None, None, None
         child.rows = self.rows.select(indices)
         compat.init_cache_base(child)
         return child
@@ -468,16 +542,25 @@ class PagedCache(Cache):
         """Padded input columns the forwards so far consumed (what ``get_seq_length()`` reports)."""
         return self._contents.columns
 
-    def restore(self, rows: Rows, columns: int, release_finished: bool) -> None:
-        """Take ``rows`` (imported from a file, on this cache's pool) as this cache's rows (``load``)."""
+    def restore(self, rows: Rows, columns: int, release_finished: bool, states_written=()) -> None:
+        """Take ``rows`` (imported from a file, on this cache's pool) as this cache's rows (``load``);
+        ``states_written``: the ``(layer, state_idx)`` whose states they hold (models with state layers)."""
         if len(self.rows):
             raise ValueError("restore() needs an empty cache.")
         self.rows, self.release_finished = rows, release_finished
         self._contents.columns, self._contents.mode = columns, "paged" if len(rows) else None
+        self._contents.states_written = set(states_written)
+
+    @property
+    def states_written(self) -> frozenset:
+        """``(layer, state_idx)`` whose states the rows hold (what ``has_previous_state`` reports)."""
+        return frozenset(self._contents.states_written)
 
     # ------------------------------------------------------ finished rows
     def release_rows(self, rows) -> None:
-        """Give back the blocks of finished ``rows``; they will take no KV and may not be continued."""
+        """Give back the blocks (and state slots) of finished ``rows``; they will take no KV and may not be
+        continued."""
+        self.forward_ran()
         for index in rows:
             self.rows.release(self.rows[index])
         self._invalidate_step()
@@ -520,6 +603,8 @@ class PagedCache(Cache):
             return sum_over_ranks(self.memory_stats())
         with self.pool.lock:
             stats = MemoryStats.for_rows(self.pool, [row.seqs for row in self.rows.live], self.groups.windows)
+            if self.state_layers:
+                stats = stats.with_states(self.pool.states, sum(row.state is not None for row in self.rows))
         return dataclasses.replace(stats, cache_prefix_query_tokens=self.prefix_queries,
                                    cache_prefix_hit_tokens=self.prefix_hits)
 
@@ -655,6 +740,9 @@ class PagedCache(Cache):
         bs = self.pool.block_size
         if not self.pool.prefix_caching or len(self.rows) or self._contents.columns:
             return 0
+        if self.state_layers:  # no state checkpoints in generate(): the rows' states at a prefix's end are not kept
+            _log.debug("prefix cache lookup skipped: the model has state layers")
+            return 0
         if self._call is None:
             raise RuntimeError("start_from_prefix() starts the rows of a generate() call: call it after "
                                "begin_call(), before the call's first forward.")
@@ -716,6 +804,8 @@ class StepCache(Cache):
     # The decoder's hooks make this the running forward's cache (compat.running_cache): a KV-shared layer, which
     # writes nothing, finds its source layer's step here. Its forward still builds the model's masks (unread).
     reads_pool = False
+    packed_states = None  # hybrid models: the requests' segments, which the state mixers run per group
+    # (engine/states.py)
 
     def layer_step(self, layer_idx: int, query_len: int | None = None) -> LayerStep | None:
         """What layer ``layer_idx``'s attention reads (see :meth:`PagedCache.layer_step`)."""

@@ -12,7 +12,7 @@ Only ``PagedCache`` changes these objects; other modules read them through its p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -29,6 +29,8 @@ class Contents:
     recording: bool = False  # activate_past_recording(): keep blocks that leave a window, so crop() can roll back
     beams_reordered: bool = False  # reorder_cache() re-pointed the rows: a row's index no longer names its sequence
     # in the stopping criteria's view, so finished rows are kept
+    states_written: set = field(default_factory=set)  # (layer, state_idx) whose conv state was written: what
+    # transformers' has_previous_state reports (state layers)
 
 
 @dataclass

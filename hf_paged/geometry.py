@@ -13,8 +13,14 @@ Kinds:
 - ``chunked``: over the positions of its own chunk of ``chunk`` tokens (``floor(p / chunk) * chunk`` up to ``p``,
   Llama 4); blocks of finished chunks go back;
 - ``reuse``: reads the K/V of layer ``source`` and keeps none of its own (Gemma 4's KV-shared layers);
-- ``state``: keeps a fixed-size state instead of K/V (linear attention, state-space mixers; not paged here yet);
+- ``state``: keeps a fixed-size per-sequence state instead of K/V (linear attention, Mamba / Mamba2, short
+  convolutions): a slot of the state store (``states.py``), not blocks;
 - ``none``: keeps nothing (MLP-only layers, ``"moe"`` / ``"mlp"`` layer types).
+
+A layer of a paged kind may keep a state beside its K/V (``state=True``: transformers' ``"hybrid"`` cache layers,
+Falcon-H1's attention and Mamba2 mixers in one layer): its K/V are paged and its state takes a slot. The shapes and
+dtypes of the states (conv ``[..., kernel]``, recurrent, e.g. fp32) are learned at their first write
+(:class:`~hf_paged.states.StateStore`): the configs of the families name them in as many ways as there are families.
 
 Key and value widths are separate fields (latent attention stores one "head" whose key width differs from its
 value width); a kind that needs more fields gets them here, and its consumers read them from here.
@@ -40,6 +46,8 @@ class LayerKV:
         key_dim: width of one key head.
         value_dim: width of one value head.
         source: ``reuse``: the layer whose K/V this layer reads.
+        state: the layer keeps a fixed-size state (conv / recurrent) per sequence: always for ``state`` layers, and
+            for hybrid layers of a paged kind whose state half sits beside their K/V.
     """
 
     kind: str
@@ -49,10 +57,13 @@ class LayerKV:
     key_dim: int = 0
     value_dim: int = 0
     source: int | None = None
+    state: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"unknown layer kind {self.kind!r}; one of {KINDS}")
+        if self.kind == "state" and not self.state:
+            object.__setattr__(self, "state", True)
 
     @property
     def paged(self) -> bool:
@@ -90,6 +101,11 @@ class KVGeometry:
     @property
     def paged_layers(self) -> list[int]:
         return [i for i, layer in enumerate(self.layers) if layer.paged]
+
+    @property
+    def state_layers(self) -> list[int]:
+        """Layers keeping a fixed-size state (``state`` layers and hybrid layers' state half)."""
+        return [i for i, layer in enumerate(self.layers) if layer.state]
 
     def windows(self) -> list[int | None]:
         """Per layer, the window its attention applies (``sliding`` layers; ``None`` otherwise)."""

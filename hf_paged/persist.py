@@ -5,7 +5,10 @@ The file holds, per layer, the K/V of every row's tokens back to back (``k.{laye
 ``k_scale.{layer}``/``v_scale.{layer}`` ``[total_tokens, num_kv_heads]`` bfloat16), the rows' token ids and lengths,
 and metadata describing the model it fits (model type, layer count, each layer's KV heads, head size and dtype) and,
 from format 2 on, a digest of all of it. Formats 1 and 2 held one float32 scale per layer and KV head
-(``[num_kv_heads]``); they still load, that scale (rounded to bfloat16) going to every token's slot.
+(``[num_kv_heads]``); they still load, that scale (rounded to bfloat16) going to every token's slot. Format 4 (caches
+of hybrid models) adds each live row's states (``state.{kind}.{layer}.{state_idx}`` ``[num_live, *shape]``, ``kind``
+conv or recurrent, in the dtype the model wrote), their shapes (metadata ``states``) and the states the rows hold
+(``states_written``).
 
 A cache file is untrusted input: loading runs in two parts.
 
@@ -40,7 +43,9 @@ from .pool import LayerShape
 from .rows import Rows
 
 FORMAT = "hf_paged.cache/3"
-FORMATS = ("hf_paged.cache/1", "hf_paged.cache/2", FORMAT)  # 1: no digest; 1, 2: fp8 scales per layer and KV head
+STATE_FORMAT = "hf_paged.cache/4"  # format 3 plus the rows' states (models with state layers)
+FORMATS = ("hf_paged.cache/1", "hf_paged.cache/2", FORMAT, STATE_FORMAT)  # 1: no digest; 1, 2: fp8 scales per
+# layer and KV head
 _NO_DIGEST = "hf_paged.cache/1"
 _HEAD_SCALES = ("hf_paged.cache/1", "hf_paged.cache/2")
 MAX_HEADER_BYTES = 4 << 20  # a real header takes ~200 bytes a layer
@@ -54,6 +59,9 @@ _CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", to
 FINGERPRINT_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads",
                     "num_key_value_heads", "head_dim")
 METADATA_KEYS = {"format", "model", "layers", "kv_dtype", "columns", "rows", "release_finished"}
+STATE_KEYS = {"states", "states_written"}  # format 4's further metadata
+STATE_DTYPES = {**LAYER_DTYPES}
+MAX_STATE_DIMS = 6
 _INT = re.compile(r"0|[1-9][0-9]{0,17}")
 
 
@@ -119,8 +127,16 @@ def save_cache(cache, path) -> None:
             shapes[layer] = [s.num_kv_heads, s.head_dim, str(s.dtype).removeprefix("torch.")]
             if s.value_dim is not None:  # MLA: the value tensor (rotated key) is narrower than the key (latent)
                 shapes[layer].append(s.value_dim)
+    states = {}
+    if cache.state_layers:
+        store = pool.states
+        slots = [cache.rows[r].state for r, _ in live]
+        for (kind, layer, idx), t in sorted(store.tensors.items()):
+            name = f"state.{kind}.{layer}.{idx}"
+            tensors[name] = t.index_select(0, torch.tensor(slots, dtype=torch.long, device=t.device)).cpu().contiguous()
+            states[name] = [list(t.shape[1:]), str(t.dtype).removeprefix("torch.")]
     metadata = {
-        "format": FORMAT,
+        "format": STATE_FORMAT if cache.state_layers else FORMAT,
         "model": json.dumps(_fingerprint(cache.config)),
         "layers": json.dumps(shapes),
         "kv_dtype": str(pool.kv_dtype).removeprefix("torch.") if pool.kv_dtype is not None else "",
@@ -128,6 +144,9 @@ def save_cache(cache, path) -> None:
         "rows": str(len(exports)),
         "release_finished": str(cache.release_finished),
     }
+    if cache.state_layers:
+        metadata["states"] = json.dumps(states)
+        metadata["states_written"] = json.dumps(sorted(list(k) for k in cache.states_written))
     metadata["digest"] = _digest(metadata, sorted(tensors.items()))
     tmp = f"{os.fspath(path)}.tmp"
     save_file(tensors, tmp, metadata=metadata)
@@ -165,6 +184,12 @@ class CacheFile:
     digest: str | None
     _file: object = dataclasses.field(repr=False)
     _metadata: dict = dataclasses.field(repr=False)
+    states: dict = dataclasses.field(default_factory=dict)  # (kind, layer, state_idx) -> (shape, dtype)
+    states_written: set = dataclasses.field(default_factory=set)  # (layer, state_idx)
+
+    def state(self, key) -> torch.Tensor:
+        """The live rows' state ``key`` = ``(kind, layer, state_idx)``: ``[num_live, *shape]``."""
+        return self._file.get_tensor("state.{}.{}.{}".format(*key))
 
     @property
     def live(self) -> list[int]:
@@ -211,7 +236,7 @@ class CacheFile:
 
     def _read_checked(self, name: str) -> torch.Tensor:
         t = self._file.get_tensor(name)
-        if name.startswith(("k.", "v.")) and t.numel():
+        if name.startswith(("k.", "v.", "state.")) and t.numel():
             if self.kv_dtype is not None:
                 finite = int((t & 0x7F).max()) != 0x7F  # e4m3fn's only non-finite values: NaN, bits S.1111.111
             else:
@@ -236,7 +261,8 @@ def read_cache_file(path, opened) -> CacheFile:
     fmt = metadata.get("format")
     if fmt not in FORMATS:
         raise CacheFileError(path, "format", f"{fmt!r} is not one of {FORMATS}; write the file with cache.save(path)")
-    expected = METADATA_KEYS | ({"digest"} if fmt != _NO_DIGEST else set())
+    expected = METADATA_KEYS | ({"digest"} if fmt != _NO_DIGEST else set()) | (STATE_KEYS if fmt == STATE_FORMAT
+                                                                               else set())
     if set(metadata) != expected:
         raise CacheFileError(path, "metadata", f"fields {sorted(metadata)}, expected {sorted(expected)}")
     if fmt != _NO_DIGEST and not re.fullmatch(r"[0-9a-f]{64}", metadata["digest"]):
@@ -257,9 +283,11 @@ def read_cache_file(path, opened) -> CacheFile:
     if metadata["release_finished"] not in ("True", "False"):
         raise CacheFileError(path, "release_finished", f"{metadata['release_finished'][:80]!r} is not True or False")
 
+    states, states_written = ({}, set()) if fmt != STATE_FORMAT else _parse_states(path, metadata)
     index = {"lens", "released"}
     names = set(opened.keys())
     wanted = index | {f"{kv}.{layer}" for layer in layers for kv in ("k", "v")}
+    wanted |= {"state.{}.{}.{}".format(*key) for key in states}
     if kv_dtype is not None:
         wanted |= {f"{kv}_scale.{layer}" for layer in layers for kv in ("k", "v")}
     if names - wanted - {"tokens"} or wanted - names:
@@ -302,6 +330,8 @@ def read_cache_file(path, opened) -> CacheFile:
                                  f"hold {count}")
     if columns < max(lens, default=0):
         raise CacheFileError(path, "columns", f"{columns} columns, fewer than the longest row ({max(lens)} tokens)")
+    for key, (shape, dtype) in states.items():
+        _check_header(path, opened, "state.{}.{}.{}".format(*key), _CODES[dtype], [num_live, *shape])
     released = released_t.tolist()
     if released != sorted(set(released)) or any(not 0 <= r < rows for r in released):
         raise CacheFileError(path, "released", f"{released[:20]} are not distinct, sorted rows in [0, {rows})")
@@ -312,7 +342,39 @@ def read_cache_file(path, opened) -> CacheFile:
         if total_tokens and int(tokens.min()) < 0:
             raise CacheFileError(path, "tokens", f"token id {int(tokens.min())} is negative")
     return CacheFile(path, fmt, model, layers, kv_dtype, rows, columns, metadata["release_finished"] == "True", lens,
-                     released, tokens, metadata.get("digest"), opened, metadata)
+                     released, tokens, metadata.get("digest"), opened, metadata, states, states_written)
+
+
+def _parse_states(path: str, metadata: dict) -> tuple[dict, set]:
+    """Format 4's ``states`` (name -> [shape, dtype]) and ``states_written`` ([[layer, state_idx], ...])."""
+    raw = _json(path, metadata, "states")
+    if not isinstance(raw, dict):
+        raise CacheFileError(path, "states", "expected a mapping of state.{kind}.{layer}.{state_idx} to [shape, dtype]")
+    states = {}
+    for name, value in raw.items():
+        parts = name.split(".") if isinstance(name, str) else []
+        if not (len(parts) == 4 and parts[0] == "state" and parts[1] in ("conv", "recurrent")
+                and all(_INT.fullmatch(p) and int(p) < 1 << 20 for p in parts[2:])):
+            raise CacheFileError(path, "states", f"{str(name)[:80]!r} is not state.{{conv|recurrent}}.{{layer}}."
+                                 "{state_idx}")
+        if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], list)
+                and 0 < len(value[0]) <= MAX_STATE_DIMS
+                and all(type(d) is int and 0 < d <= MAX_HEADS_OR_DIM for d in value[0])
+                and isinstance(value[1], str) and value[1] in STATE_DTYPES):
+            raise CacheFileError(path, "states", f"{name}: {str(value)[:80]} is not [shape, dtype] with up to "
+                                 f"{MAX_STATE_DIMS} positive sizes up to {MAX_HEADS_OR_DIM} and a dtype in "
+                                 f"{list(STATE_DTYPES)}")
+        states[(parts[1], int(parts[2]), int(parts[3]))] = (value[0], STATE_DTYPES[value[1]])
+    written = _json(path, metadata, "states_written")
+    if not (isinstance(written, list) and all(isinstance(w, list) and len(w) == 2 and all(
+            type(v) is int and 0 <= v < 1 << 20 for v in w) for w in written)):
+        raise CacheFileError(path, "states_written", "expected a list of [layer, state_idx]")
+    written = {tuple(w) for w in written}
+    conv = {(layer, idx) for kind, layer, idx in states if kind == "conv"}
+    if written != conv:
+        raise CacheFileError(path, "states_written", f"{sorted(written)} but the file holds the conv states of "
+                             f"{sorted(conv)}")
+    return dict(sorted(states.items())), written
 
 
 def _json(path: str, metadata: dict, field: str):
@@ -424,6 +486,7 @@ def check_fits(cf: CacheFile, cache, device) -> None:
             if device is not None and not _same_device(torch.device(device), known.device):
                 raise CacheFileError(path, "layers", f"device={device} but the pool keeps layer {layer} on "
                                      f"{known.device}", "Leave device= out to load onto the pool's devices.")
+    _check_states(cf, cache)
     vocab = getattr(config, "vocab_size", None)
     if cf.tokens is not None and cf.total_tokens and isinstance(vocab, int) and int(cf.tokens.max()) >= vocab:
         raise CacheFileError(path, "tokens", f"token id {int(cf.tokens.max())} is past the vocabulary of {vocab}")
@@ -432,6 +495,24 @@ def check_fits(cf: CacheFile, cache, device) -> None:
         raise CacheFileError(path, "columns", f"{cf.columns} columns, past the model's max_position_embeddings "
                              f"({max_positions})")
     _check_room(cf, cache)
+
+
+def _check_states(cf: CacheFile, cache) -> None:
+    """The file's states against the model's state layers and the states its pool's store already holds."""
+    path, state_layers = cf.path, cache.state_layers
+    if state_layers and cf.live and not cf.states:
+        raise CacheFileError(path, "format", f"{cf.format} holds no states, but the model keeps states in layers "
+                             f"{sorted(state_layers)}", "Save the cache again with this hf_paged.")
+    for kind, layer, idx in cf.states:
+        if layer not in state_layers:
+            raise CacheFileError(path, "states", f"a {kind} state of layer {layer}, which keeps no state in this "
+                                 f"model (its state layers: {sorted(state_layers)})",
+                                 "Load it with that model's config.")
+        known = cache.pool.states.get(kind, layer, idx)
+        shape, dtype = cf.states[(kind, layer, idx)]
+        if known is not None and (list(known.shape[1:]), known.dtype) != (shape, dtype):
+            raise CacheFileError(path, "states", f"the {kind} state of layer {layer} is {shape} {dtype} but the "
+                                 f"pool's is {list(known.shape[1:])} {known.dtype}", "Load it into a pool of its own.")
 
 
 def _model_kv_shapes(config) -> dict[int, tuple[int, int]]:
@@ -511,7 +592,7 @@ def _build(cache, cf: CacheFile, device, trusted: bool) -> None:
         if row_tokens is not None:
             tokens[r] = row_tokens[i]
     released = set(cf.released)
-    rows = Rows(pool, groups)
+    rows = Rows(pool, groups, bool(cache.state_layers))
     # Untrusted: the rows record their tokens but key no block, so no later prompt can start from them.
     rows.import_rows(lengths, tokens, [r in released for r in range(cf.rows)], publish=trusted)
     try:
@@ -526,7 +607,16 @@ def _build(cache, cf: CacheFile, device, trusted: bool) -> None:
                     pairs += zip(pool.layer_scales(layer), cf.scales(layer))
                 for t, saved in pairs:
                     t.view(-1, *t.shape[2:]).index_copy_(0, slots.to(t.device), saved.to(t.device))
+            held = [rows[r].state for r in live]
+            for (kind, layer, idx), (shape, dtype) in cf.states.items():
+                known = pool.states.get(kind, layer, idx)
+                dev = known.device if known is not None else torch.device(device) if device is not None else \
+                    torch.device("cpu")
+                t = pool.states.ensure(kind, layer, idx, tuple(shape), dtype, dev)
+                pool.fit_blocks_to_states()
+                if held:
+                    t[torch.tensor(held, device=t.device)] = cf.state((kind, layer, idx)).to(t.device)
     except BaseException:
         rows.discard()  # never publishes a block whose K/V were not all written
         raise
-    cache.restore(rows, cf.columns, cache.release_finished)
+    cache.restore(rows, cf.columns, cache.release_finished, cf.states_written)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .allocator import BlockAllocator, cdiv
+from .states import StateStore
 from .step import StepBuffers
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -145,6 +146,10 @@ class BlockPool:
         self.v_scale_caches: dict[object, torch.Tensor] = {}
         self._free_step_buffers: list[StepBuffers] = []
         self._sized_rows = 0  # every K/V tensor had at least this many rows at the last ensure_capacity()
+        # per-row states of state layers (hybrid models), in slots; under max_memory they share the cap with blocks
+        self.states = StateStore()
+        if self.max_memory is not None:
+            self.states.limit_bytes = self._state_budget
 
     def lend_step_buffers(self, cache) -> StepBuffers:
         """Step buffers for ``cache``, given back to this pool when the cache is collected. A later cache on the same
@@ -396,6 +401,32 @@ class BlockPool:
             torch._dynamo.mark_static_address(t)
         self.key_caches[slot], self.value_caches[slot] = new_k, new_v
 
+    # ------------------------------------------------------------ state slots
+    def _state_budget(self) -> int:
+        """Bytes ``max_memory`` leaves the state store beside the blocks that exist (and the scratch block)."""
+        return self.max_memory - (self.allocator.capacity + 1) * (self._cap_block_bytes or 0)
+
+    def take_state_slots(self, count: int) -> list[int]:
+        """``count`` state slots (:meth:`StateStore.take`); a ``max_memory`` cap then holds fewer blocks."""
+        with self.lock:
+            slots = self.states.take(count)
+            self.fit_blocks_to_states()
+            return slots
+
+    def give_back_state_slots(self, slots: list[int]) -> None:
+        with self.lock:
+            self.states.give_back(slots)
+
+    def fit_blocks_to_states(self) -> None:
+        """Under ``max_memory``: the block cap less what the state tensors take (never below the blocks that exist;
+        the store refuses to grow past what the blocks leave it)."""
+        a = self.allocator
+        if self.max_memory is None or self._cap_block_bytes is None or a.max_blocks is None:
+            return
+        with self.lock:
+            limit = (self.max_memory - self.states.bytes_reserved()) // self._cap_block_bytes - 1
+            a.max_blocks = max(a.capacity, min(a.max_blocks, limit))
+
     def bytes_reserved(self) -> int:
         """Bytes of the K/V tensors (and fp8 scale caches) as allocated now (a capped pool grows to its cap on
         demand)."""
@@ -422,7 +453,8 @@ class BlockPool:
             groups = [MemoryStats.from_tables(tables=[a.block_table(s) for s in seqs],
                                               lens=[a.seq_len(s) for s in seqs], **common)
                       for _, seqs in sorted(by_group.items() or {0: []}.items())]
-            return groups[0] if len(groups) == 1 else MemoryStats.combine(groups, a.peak_blocks_in_use, detail=False)
+            stats = groups[0] if len(groups) == 1 else MemoryStats.combine(groups, a.peak_blocks_in_use, detail=False)
+            return stats.with_states(self.states, self.states.in_use)
 
     def bytes_per_block_id(self) -> int:
         """Bytes one block id stands for: one block of every distinct K/V tensor slot."""

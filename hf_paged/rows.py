@@ -1,8 +1,9 @@
 """The row model: who holds which KV.
 
 A :class:`Row` is one batch row of a :class:`~hf_paged.PagedCache` or one request of the continuous-batching engine.
-It owns one allocator sequence per layer group (its block table in that group), the token ids whose K/V it holds,
-and whether it was released (its blocks went back to the pool). :class:`Rows` holds the rows on one pool, in batch
+It owns one allocator sequence per layer group (its block table in that group), on models with state layers one
+slot of the pool's state store (``states.py``: its conv / recurrent states), the token ids whose K/V it holds, and
+whether it was released (its blocks and slot went back to the pool). :class:`Rows` holds the rows on one pool, in batch
 order, and is the only code that changes them: create (optionally from cached prefix blocks), fork, reorder, select,
 crop, release, and export / import for ``save`` / ``load``. The step planner (``step.py``) reads rows and appends
 to their sequences through the allocator; nothing else writes a row.
@@ -23,6 +24,7 @@ class Row:
     seqs: list[int]  # its allocator sequence in each layer group
     tokens: list[int] | None = field(default_factory=list)  # ids whose K/V it holds; None: fed embeddings
     released: bool = False  # its blocks went back to the pool: it holds no KV and cannot be continued
+    state: int | None = None  # its slot in the pool's state store (models with state layers; None once released)
 
 
 @dataclass
@@ -42,9 +44,10 @@ class Rows:
     pool's lock around allocator calls.
     """
 
-    def __init__(self, pool, groups: LayerGroups):
+    def __init__(self, pool, groups: LayerGroups, stateful: bool = False):
         self.pool = pool
         self.groups = groups
+        self.stateful = stateful  # the model has state layers: every live row holds a state slot
         self.rows: list[Row] = []
 
     # ----------------------------------------------------------------- queries
@@ -80,23 +83,37 @@ class Rows:
         return all(row.tokens is not None for row in self.live)
 
     # -------------------------------------------------------------- creation
-    def new(self, prefix_blocks: list[int] = (), prefix_tokens: list[int] = ()) -> Row:
+    def new(self, prefix_blocks: list[int] = (), prefix_tokens: list[int] = (), state: int | None = None) -> Row:
         """A new row (appended to ``rows``), starting from ``prefix_blocks`` — full cached blocks holding
-        ``prefix_tokens`` (from :meth:`match_prefix`; single-group models only)."""
+        ``prefix_tokens`` (from :meth:`match_prefix`; single-group models only; on stateful models the caller restores
+        the states at the prefix's end). ``state``: a slot taken for it by the caller (:meth:`extend` takes a batch's
+        slots at once), else one is taken here on stateful models."""
         if prefix_blocks and self.groups.num_groups != 1:
             raise ValueError("a row can start from cached prefix blocks only on models with one layer group.")
         a = self.pool.allocator
         with self.pool.lock:
+            if state is None and self.stateful:
+                state = self._take_slots(1)[0]
             seqs = [a.new_sequence(list(prefix_blocks) if g == 0 else (), group=g)
                     for g in range(self.groups.num_groups)]
-        row = Row(seqs, list(prefix_tokens))
+        row = Row(seqs, list(prefix_tokens), state=state)
         self.rows.append(row)
         return row
 
     def extend(self, count: int) -> None:
-        """``count`` new empty rows."""
-        for _ in range(count):
-            self.new()
+        """``count`` new empty rows (on stateful models with consecutive state slots where the store has them)."""
+        with self.pool.lock:
+            slots = self._take_slots(count) if self.stateful else [None] * count
+        for slot in slots:
+            self.new(state=slot)
+
+    def _take_slots(self, count: int) -> list[int]:
+        """State slots for ``count`` rows (call under the pool's lock)."""
+        return self.pool.take_state_slots(count)
+
+    def state_slots(self) -> list[int | None]:
+        """Each row's state slot, in batch order (None: released)."""
+        return [row.state for row in self.rows]
 
     def match_prefix(self, tokens: list[int], max_tokens: int | None = None) -> list[int]:
         """The cached (or live) full blocks that start ``tokens`` (prefix-caching pools with one layer group)."""
@@ -107,20 +124,28 @@ class Rows:
 
     @property
     def prefix_caching(self) -> bool:
-        """Whether rows can start from cached prefix blocks here (mixed-window models cannot)."""
+        """Whether rows can start from cached prefix blocks here (mixed-window models cannot; on models with state
+        layers only where the states at the prefix's end are kept: the engine's checkpoints)."""
         return self.pool.prefix_caching and self.groups.num_groups == 1 and not self.groups.limited(0)
 
     # ------------------------------------------------------------ operations
-    def fork(self, row: Row, join: bool = False) -> Row:
-        """A row sharing ``row``'s blocks copy-on-write; a released row's copy is released too. ``join``: append it
-        to ``rows`` (an engine's new request), else the caller places it (``select``)."""
+    def fork(self, row: Row, join: bool = False, state: int | None = None) -> Row:
+        """A row sharing ``row``'s blocks copy-on-write and holding a copy of its states (in ``state``, a slot the
+        caller took, or a new one); a released row's copy is released too. ``join``: append it to ``rows`` (an
+        engine's new request), else the caller places it (``select``)."""
         if row.released:
+            if state is not None:
+                self.pool.give_back_state_slots([state])
             child = Row(list(row.seqs), [], True)
         else:
             a = self.pool.allocator
             with self.pool.lock:
+                if state is None and row.state is not None:
+                    state = self._take_slots(1)[0]
                 seqs = [a.fork(s) for s in row.seqs]
-            child = Row(seqs, None if row.tokens is None else list(row.tokens))
+            if state is not None:
+                self.pool.states.copy([state], [row.state])
+            child = Row(seqs, None if row.tokens is None else list(row.tokens), state=state)
         if join:
             self.rows.append(child)
         return child
@@ -133,16 +158,25 @@ class Rows:
                 a.free(seq)
                 row.seqs[g] = a.fork(source.seqs[g])
         row.tokens = None if source.tokens is None else list(source.tokens)
+        if row.state is not None and source.state is not None:
+            self.pool.states.copy([row.state], [source.state])
+
+    def _forks(self, indices: list[int]) -> list[Row]:
+        """Copies of rows ``indices`` (consecutive state slots where the store has them)."""
+        with self.pool.lock:
+            slots = self._take_slots(len(indices)) if self.stateful else [None] * len(indices)
+        return [self.fork(self.rows[i], state=slot) for i, slot in zip(indices, slots)]
 
     def select(self, indices: list[int]) -> "Rows":
-        """New rows (same pool) that are copies of ``indices`` (rows may repeat), sharing blocks copy-on-write."""
-        out = Rows(self.pool, self.groups)
-        out.rows = [self.fork(self.rows[i]) for i in indices]
+        """New rows (same pool) that are copies of ``indices`` (rows may repeat), sharing blocks copy-on-write and
+        each holding its own copy of the states."""
+        out = Rows(self.pool, self.groups, self.stateful)
+        out.rows = self._forks(indices)
         return out
 
     def keep(self, indices: list[int]) -> None:
-        """Keep only ``indices`` (in that order, repeats allowed); the others' blocks go back."""
-        kept = [self.fork(self.rows[i]) for i in indices]
+        """Keep only ``indices`` (in that order, repeats allowed); the others' blocks and slots go back."""
+        kept = self._forks(indices)
         self.clear()
         self.rows = kept
 
@@ -155,6 +189,10 @@ class Rows:
         tokens = [row.tokens for row in self.rows]
         for row, i in zip(self.rows, order):
             row.tokens = None if tokens[i] is None else list(tokens[i])
+        if self.stateful:  # states are copied (each row keeps its own slot), not shared
+            pairs = [(row.state, self.rows[i].state) for row, i in zip(self.rows, order)]
+            pairs = [(d, s) for d, s in pairs if d is not None and s is not None and d != s]
+            self.pool.states.copy([d for d, _ in pairs], [s for _, s in pairs])
 
     def truncate(self, row: Row, length: int) -> None:
         """Keep ``row``'s first ``length`` tokens (a row whose last forward failed: what it did not finish writing
@@ -177,7 +215,10 @@ class Rows:
                         a.publish(seq)
 
     def crop(self, drop: int) -> None:
-        """Drop the last ``drop`` tokens of every live row."""
+        """Drop the last ``drop`` tokens of every live row (not on stateful models: a state cannot be rolled back)."""
+        if self.stateful and drop > 0:
+            raise ValueError("cannot crop rows of a model with state layers (linear attention, Mamba, short "
+                             "convolutions): their states hold every token and cannot be rolled back.")
         a = self.pool.allocator
         with self.pool.lock:
             for row in self.live:
@@ -195,7 +236,9 @@ class Rows:
         with self.pool.lock:
             for seq in row.seqs:
                 a.free(seq)
-        row.released = True
+            if row.state is not None:
+                self.pool.give_back_state_slots([row.state])
+        row.released, row.state = True, None
         if row.tokens is not None:
             row.tokens = []
 
@@ -241,6 +284,9 @@ class Rows:
             rows = [Row([a.new_sequence(group=g) for g in range(self.groups.num_groups)],
                         None if t is None else list(t), False) for t in tokens]
             live = [(row, n) for row, n, gone in zip(rows, lengths, released) if not gone]
+            if self.stateful:  # the caller writes their states into these slots
+                for (row, _), slot in zip(live, self._take_slots(len(live))):
+                    row.state = slot
             requests = [(row.seqs[g], n) for row, n in live for g in range(self.groups.num_groups)]
             request_tokens = [row.tokens if keyed[g] else None for row, _ in live for g in range(self.groups.num_groups)]
             try:
@@ -249,6 +295,7 @@ class Rows:
                 for row in rows:
                     for seq in row.seqs:
                         a.free(seq)
+                self.pool.give_back_state_slots([row.state for row in rows if row.state is not None])
                 raise
             for row, gone in zip(rows, released):
                 if gone:

@@ -32,6 +32,11 @@ class MemoryStats:
             there, summed over every cache and call on the pool since it was built.
         cache_prefix_query_tokens / cache_prefix_hit_tokens: the same for this cache's own lookups only (a cache
             looks up once, when a ``generate()`` starts on it empty); 0 in a pool's figures.
+        state_slots_in_use: models with state layers (linear attention, Mamba, short convolutions): state slots the
+            rows hold (one per live row; the pool's figures: every cache's).
+        state_bytes_per_slot: bytes of one row's states over every state layer (0 before their first write).
+        state_bytes_in_use: ``state_slots_in_use * state_bytes_per_slot``.
+        state_bytes_reserved: bytes of the state store's tensors (every slot, held or not; the pool's, shared).
         window: the sliding window of a group's layers (group figures only).
         groups: for models whose layers use different windows, the same figures per block-table group.
 
@@ -62,8 +67,19 @@ class MemoryStats:
     prefix_hit_tokens: int = 0
     cache_prefix_query_tokens: int = 0
     cache_prefix_hit_tokens: int = 0
+    state_slots_in_use: int = 0
+    state_bytes_per_slot: int = 0
+    state_bytes_in_use: int = 0
+    state_bytes_reserved: int = 0
     window: int | None = None
     groups: tuple = field(default=())
+
+    def with_states(self, store, slots_in_use: int) -> "MemoryStats":
+        """These figures with a state store's (:class:`~hf_paged.states.StateStore`), ``slots_in_use`` of its slots
+        counted as this cache's."""
+        per_slot = store.bytes_per_slot()
+        return replace(self, state_slots_in_use=slots_in_use, state_bytes_per_slot=per_slot,
+                       state_bytes_in_use=slots_in_use * per_slot, state_bytes_reserved=store.bytes_reserved())
 
     @property
     def peak_bytes_in_use(self) -> int:

@@ -24,15 +24,21 @@ from __future__ import annotations
 from .kinds import head_sizes, kv_geometry
 from .model_patch import ModelPatch, base_decoder
 from .registry import (
-    GENERIC_VERIFIED, REFUSED, _registry, find_patch, find_patch_for_config, generic_patch, layer_windows,
-    supported_model_types, verified_model_types,
+    GENERIC_VERIFIED, REFUSED, STATE_VERIFIED, _registry, find_patch, find_patch_for_config, generic_patch,
+    layer_windows, supported_model_types, verified_model_types,
 )
-from .support import attention_modules, available_features, check_model, check_supported, kv_shape, required_features
+from .support import (
+    attention_modules, available_features, check_engine_supported, check_model, check_supported, kv_shape,
+    required_features, state_mixers,
+)
 from .table import format_models_table, supported_models
 from .windows import WindowRule, layer_types_window, text_config
 
 __all__ = [
     "GENERIC_VERIFIED",
+    "STATE_VERIFIED",
+    "check_engine_supported",
+    "state_mixers",
     "REFUSED",
     "ModelPatch",
     "WindowRule",

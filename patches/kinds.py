@@ -18,8 +18,9 @@ from .registry import layer_windows
 from .windows import layer_config, layer_types, num_layers, text_config
 
 # transformers' cache layer types of layers keeping a fixed-size state rather than K/V
-STATE_TYPES = ("conv", "linear_attention", "hybrid", "hybrid_sliding", "mamba", "mamba2", "recurrent", "ssm",
-               "linear", "deltanet")
+STATE_TYPES = ("conv", "linear_attention", "mamba", "mamba2", "recurrent", "ssm", "linear", "deltanet")
+# ... and of layers keeping K/V and a state (Falcon-H1: attention and Mamba2 side by side in one layer)
+HYBRID_TYPES = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
 NO_CACHE_TYPES = ("moe", "mlp", "dummy")
 
 
@@ -78,7 +79,8 @@ def kv_geometry(config) -> KVGeometry:
             source = stores.get(declared_type)
             layers.append(LayerKV("reuse", source=source))
             continue
-        kind = _kind(cache_type, windows[i])
+        hybrid = cache_type in HYBRID_TYPES
+        kind = _kind(HYBRID_TYPES.get(cache_type, cache_type), windows[i])
         if kind in ("state", "none"):
             layers.append(LayerKV(kind))
             continue
@@ -90,6 +92,6 @@ def kv_geometry(config) -> KVGeometry:
         chunk = getattr(layer_config(config, i), "attention_chunk_size", None) if kind == "chunked" else None
         layers.append(LayerKV(kind, window=windows[i] if kind == "sliding" else None,
                               chunk=int(chunk) if chunk is not None else None,
-                              num_kv_heads=heads, key_dim=key, value_dim=value))
+                              num_kv_heads=heads, key_dim=key, value_dim=value, state=hybrid))
         stores[declared_type] = i
     return KVGeometry(tuple(layers))

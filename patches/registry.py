@@ -29,13 +29,17 @@ PATCHES = [*llama.PATCHES, *mistral.PATCHES, *hybrid.PATCHES, gemma2.PATCH, gemm
 GENERIC_VERIFIED = ("olmo3", "glm4", "glm4_moe", "seed_oss", "apertus", "ernie4_5", "arcee", "hunyuan_v1_dense",
                     "llama4_text", "gemma4_text", "gemma3n_text")
 
+# Hybrid families (state layers beside attention) taken generically, their states in the pool's state store: the
+# suite runs generate() and the engine token for token against DynamicCache (tests/test_hybrid_states.py).
+STATE_VERIFIED = {
+    "qwen3_next": "linear attention", "qwen3_5_text": "linear attention", "olmo_hybrid": "linear attention",
+    "nemotron_h": "Mamba2", "granitemoehybrid": "Mamba2", "falcon_h1": "Mamba2 beside attention",
+    "jamba": "Mamba", "lfm2": "short convolutions",
+}
+
 # Families refused by name until their kind of layer is paged (the suite checks each refusal).
 REFUSED = {
     "longcat_flash": "multi-head latent attention", "mistral4": "multi-head latent attention",
-    "qwen3_next": "state layers (linear attention)", "qwen3_5_text": "state layers (linear attention)",
-    "nemotron_h": "state layers (Mamba2)", "lfm2": "state layers (short convolutions)",
-    "falcon_h1": "state layers (Mamba2 beside attention)", "jamba": "state layers (Mamba)",
-    "granitemoehybrid": "state layers (Mamba2)", "bamba": "state layers (Mamba2)",
 }
 
 _REGISTRY = {t: p for p in PATCHES for t in p.model_types}
@@ -51,8 +55,9 @@ def supported_model_types() -> list[str]:
 
 
 def verified_model_types() -> list[str]:
-    """Model types the suite runs token for token against DynamicCache: the patched ones and :data:`GENERIC_VERIFIED`."""
-    return sorted({*_REGISTRY, *GENERIC_VERIFIED})
+    """Model types the suite runs token for token against DynamicCache: the patched ones, :data:`GENERIC_VERIFIED` and
+    the hybrid :data:`STATE_VERIFIED`."""
+    return sorted({*_REGISTRY, *GENERIC_VERIFIED, *STATE_VERIFIED})
 
 
 def _modeling_file(module: str) -> Path | None:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from torch import nn
+import inspect
 
-from hf_paged import compat
+from torch import nn
 
 from . import kinds
 from .kinds import kv_geometry
@@ -60,18 +60,13 @@ STATE_MIXERS = ("Mamba", "DeltaNet", "LinearAttention", "ShortConv", "Recurrent"
 
 
 def _check_kinds(config) -> None:
-    """Refuse, by layer, the kinds this build does not page: state layers (hybrids), reuse layers whose source keeps
-    no K/V in the pool."""
+    """Refuse, by layer, the kinds this build does not page: reuse layers whose source keeps no K/V in the pool,
+    models without any attention layer. (State layers keep their states in the pool's state store.)"""
     try:
         geometry = kv_geometry(config)
     except ValueError as err:
         _refuse(str(err).removesuffix(" Fix: use transformers' DynamicCache for this model."), DYNAMIC)
-    types = compat.cache_layer_types(config) or []
     for idx, layer in enumerate(geometry.layers):
-        if layer.kind == "state":
-            kind = types[idx] if idx < len(types) else "state"
-            _refuse(f"layer {idx} is a {kind!r} layer (a recurrent / convolution state, not K/V): hybrid and "
-                    "state-space models are not paged yet", DYNAMIC)
         if layer.kind == "reuse" and (layer.source is None or not geometry[layer.source].paged):
             _refuse(f"layer {idx} reuses the K/V of {'no layer' if layer.source is None else f'layer {layer.source}'}"
                     " (KV sharing, kv_sharing_modes 'reuse'), which keeps none in the pool", DYNAMIC)
@@ -133,7 +128,8 @@ def check_supported(config, paged: bool = True) -> None:
 
     ``paged=True`` checks the paged path (``enable_paged_attention``): also a known family and the attention
     features this build implements. ``paged=False`` checks only what a ``PagedCache`` in gathered mode cannot hold
-    either: linear-attention / state-space / chunked layers, KV sharing, different key and value head sizes.
+    either: KV sharing without a paged source, models without attention, different key and value head sizes.
+    (Linear-attention / state-space layers keep their states in the pool's state store: ``hf_paged/states.py``.)
     Runs on the config alone, so it can be called before any forward.
     """
     config = text_config(config)
@@ -148,6 +144,38 @@ def check_supported(config, paged: bool = True) -> None:
     if missing:
         fix = DYNAMIC if "layer_windows" in missing else GATHERED
         _refuse(f"the model's attention needs {', '.join(missing)}, which this hf_paged build does not implement", fix)
+
+
+MIXER_PARAMS = ("hidden_states", "cache", "attention_mask")  # how transformers' state mixers are called (5.24)
+
+
+def state_mixers(model: nn.Module) -> dict[int, nn.Module]:
+    """Per state layer, the module that mixes tokens through the layer's states (``Qwen3_5GatedDeltaNet``,
+    ``NemotronHMamba2Mixer``, ``Lfm2ShortConv``, Falcon-H1's ``mamba`` beside its attention, ...): the one
+    submodule of the decoder layer whose ``forward(hidden_states, cache, attention_mask, **kwargs)`` takes the
+    cache. Layers where none or several are found are left out (:func:`check_engine_supported` names them)."""
+    layers = getattr(base_decoder(model), "layers", None)
+    found = {}
+    for idx in kv_geometry(getattr(model, "config", None)).state_layers:
+        if not isinstance(layers, nn.ModuleList) or idx >= len(layers):
+            continue
+        mixers = [m for m in layers[idx].modules() if m is not layers[idx]
+                  and tuple(inspect.signature(m.forward).parameters)[:3] == MIXER_PARAMS]
+        if len(mixers) == 1:
+            found[idx] = mixers[0]
+    return found
+
+
+def check_engine_supported(model: nn.Module) -> None:
+    """What the continuous-batching engine needs beyond :func:`check_model`: on hybrid models, the mixer of every
+    state layer (the engine runs it once per group of requests, never over the packed batch)."""
+    state_layers = kv_geometry(getattr(model, "config", None)).state_layers
+    missing = sorted(set(state_layers) - set(state_mixers(model)))
+    if missing:
+        _refuse(f"layer {missing[0]} keeps a recurrent / convolution state, but no single submodule of it takes "
+                f"the cache as forward({', '.join(MIXER_PARAMS)}, ...), which the engine runs per request",
+                "generate() with a PagedCache (hf_paged.enable_paged_attention(model); "
+                "model.generate(..., cache=PagedCache(model.config)))")
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -174,10 +202,14 @@ def check_model(model: nn.Module) -> None:
 
 
 def _check_mixers(model: nn.Module) -> None:
-    """Layers whose token mixer keeps a state (Mamba, gated delta nets, short convolutions, ...) even where the
-    config's ``layer_types`` does not say so (hybrids that describe their layers another way)."""
+    """Layers whose token mixer keeps a state (Mamba, gated delta nets, short convolutions, ...) where the config's
+    cache layer types do not say so (hybrids that describe their layers another way, whose states transformers' own
+    cache would not keep either). Layers the geometry knows as state layers keep theirs in the state store."""
     layers = getattr(base_decoder(model), "layers", None)
+    state_layers = set(kv_geometry(getattr(model, "config", None)).state_layers)
     for idx, layer in enumerate(layers if isinstance(layers, nn.ModuleList) else []):
+        if idx in state_layers:
+            continue
         for sub in layer.modules():
             name = type(sub).__name__
             if any(word in name for word in STATE_MIXERS):

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from .registry import GENERIC_VERIFIED, REFUSED, _registry, generic_patch
+from .registry import GENERIC_VERIFIED, REFUSED, STATE_VERIFIED, _registry, generic_patch
 from .support import available_features
 
 
@@ -21,6 +21,10 @@ def supported_models() -> list[dict]:
     for model_type in GENERIC_VERIFIED:
         status = "verified" if generic_patch(model_type) is not None else "not in this transformers"
         rows.append({"model_type": model_type, "features": (), "path": "generic", "status": status})
+    for model_type, mixer in STATE_VERIFIED.items():
+        status = (f"verified (state layers: {mixer})"
+                  if generic_patch(model_type) is not None else "not in this transformers")
+        rows.append({"model_type": model_type, "features": ("state_layers",), "path": "generic", "status": status})
     for model_type, why in REFUSED.items():
         rows.append({"model_type": model_type, "features": (), "path": "refused", "status": f"refused: {why}"})
     return sorted(rows, key=lambda r: (("patch", "generic", "refused").index(r["path"]), r["model_type"]))

@@ -140,25 +140,15 @@ def test_required_features_follow_the_config():
     assert "layer_windows" not in required_features(tiny_family_config("gemma3_text", layer_types=["sliding_attention"] * 2))
 
 
-def real_or_marked(model_type: str, **marked):
-    """``model_type``'s default config where this transformers has it, else a Qwen2 config with the same feature."""
-    try:
-        return AutoConfig.for_model(model_type)
-    except (KeyError, ValueError):
-        return tiny_family_config("qwen2", **marked)
-
-
 @pytest.mark.parametrize(
     ("make_config", "feature"),
     [
         (lambda: tiny_family_config("qwen2", v_head_dim=8), "different key and value head sizes"),
         # MLA families with a latent attention are paged (tests/test_mla.py); the others are refused by name
         (lambda: AutoConfig.for_model("longcat_flash"), "multi-head latent attention"),
-        (lambda: real_or_marked("qwen3_next", layer_types=["linear_attention", "full_attention"]),
-         "'linear_attention' layer"),
         (lambda: AutoConfig.for_model("gemma3_text", use_bidirectional_attention=True), "bidirectional attention"),
     ],
-    ids=["kv_head_sizes", "latent_attention", "linear_attention", "bidirectional"],
+    ids=["kv_head_sizes", "latent_attention", "bidirectional"],
 )
 def test_check_supported_refuses_named_feature(make_config, feature):
     config = make_config()

@@ -652,7 +652,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     """
     from ..attention import enable_paged_attention, is_paged, paged_backend
     from ..groups import LayerGroups
-    from ..patches import check_model, kv_geometry
+    from ..patches import check_engine_supported, check_model, kv_geometry
     from .core import EngineCore
     from .kv import RequestKV
     from .options import (DEFAULT_WATERMARK, context_limit, default_batch_tokens, default_pool,
@@ -660,6 +660,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     from .runner import ModelRunner
     from .sampling import Sampler
     from .scheduler import Scheduler
+    from .states import install as install_state_mixers
 
     from .. import compat
 
@@ -676,6 +677,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     if watermark is not None:
         options["watermark"] = watermark
     check_model(model)
+    check_engine_supported(model)
     if not is_paged(model) or backend != "auto":  # a model paged before keeps its backend unless one is asked
         enable_paged_attention(model, backend=backend)
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
@@ -694,14 +696,21 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     if sync is not None:
         agree_on_pool(pool, sync)
     batch_tokens = options.pop("max_batch_tokens", None) or default_batch_tokens(device)
-    kv = RequestKV(pool, groups, batch_tokens)
+    state_layers = kv_geometry(config).state_layers
+    if state_layers:  # hybrid models: their state mixers run per group of requests (engine/states.py)
+        install_state_mixers(model)
+    kv = RequestKV(pool, groups, batch_tokens, state_layers)
     watermark = options.pop("watermark", None)
     scheduler = Scheduler(kv, batch_tokens, max_num_seqs=options.pop("max_num_seqs", None),
                           watermark=DEFAULT_WATERMARK if watermark is None else watermark)
     if cuda_graphs is not None:
         options["cuda_graphs"] = cuda_graphs
+    wanted_graphs = options.pop("cuda_graphs", None)
+    if state_layers and wanted_graphs:
+        raise ValueError("cuda_graphs=True is not supported for models with state layers (their mixers run per group "
+                         "of requests, outside a graph). Leave cuda_graphs unset.")
     runner = ModelRunner(model, kv, paged_backend(model), num_layers,
-                         _decode_graphs(options.pop("cuda_graphs", None), device, pool, scheduler.max_num_seqs))
+                         None if state_layers else _decode_graphs(wanted_graphs, device, pool, scheduler.max_num_seqs))
     if sync is not None:
         runner = AgreeingRunner(runner, sync)
     limit, reason = context_limit(config)

@@ -11,8 +11,12 @@ from __future__ import annotations
 from ..allocator import _ROOT_KEY, block_key
 from ..groups import LayerGroups
 from ..rows import Row, Rows
+from ..states import OutOfStateMemoryError
+from .states import StateCheckpoints
 
 UNBOUNDED = 1 << 40  # free blocks of a pool that grows on demand
+CHECKPOINTS = 16  # state checkpoints a hybrid model's engine keeps for prefix caching (least recently used out;
+# also given up, oldest first, when a request needs their room)
 
 
 class RequestKV:
@@ -24,15 +28,20 @@ class RequestKV:
         max_batch_tokens: the per-step token budget (sizes a sliding group's worst case).
     """
 
-    def __init__(self, pool, groups: LayerGroups, max_batch_tokens: int):
+    def __init__(self, pool, groups: LayerGroups, max_batch_tokens: int, state_layers=()):
         self.pool = pool
         self.allocator = pool.allocator
         self.groups = groups
-        self.rows = Rows(pool, groups)
+        self.state_layers = tuple(state_layers)  # hybrid models: each row also holds a state slot
+        self.rows = Rows(pool, groups, bool(self.state_layers))
         self.block_size = self.allocator.block_size
         self.max_batch_tokens = max_batch_tokens
-        # Prefix caching needs one block table per request: mixed-window models run without it.
+        # Prefix caching needs one block table per request: mixed-window models run without it. Hybrid models need
+        # the states at the prefix's end too: checkpoints at block boundaries (engine/states.py).
         self.prefix_caching = self.rows.prefix_caching
+        self.checkpoints = StateCheckpoints(pool, CHECKPOINTS) if self.prefix_caching and self.state_layers else None
+        self._matched: dict[int, int] = {}  # id(tokens) -> its cached K/V blocks, for the open() following match()
+        self._targets: dict[int, int] = {}  # id(row) -> a block boundary its prefill stops at, to checkpoint there
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -88,8 +97,15 @@ class RequestKV:
         return keys
 
     def match(self, tokens: list[int], max_tokens: int) -> list[int]:
-        """Cached blocks (written by a finished forward) that start ``tokens``, at most ``max_tokens`` tokens."""
-        return self.rows.match_prefix(tokens, max_tokens)
+        """Cached blocks (written by a finished forward) that start ``tokens``, at most ``max_tokens`` tokens; on
+        hybrid models only as many as end where a state checkpoint was kept."""
+        blocks = self.rows.match_prefix(tokens, max_tokens)
+        if self.checkpoints is None or not blocks:
+            return blocks
+        keys = self.prefix_keys(tokens, len(blocks))
+        usable = next((i for i in range(len(blocks), 0, -1) if keys[i - 1] in self.checkpoints), 0)
+        self._matched = {id(tokens): len(blocks)}  # the latest lookup only: open() follows it
+        return blocks[:usable]
 
     def note_lookup(self, query_tokens: int, hit_tokens: int) -> None:
         """Count an admission's prefix lookup in the pool's figures (``pool.memory_stats()``)."""
@@ -97,9 +113,40 @@ class RequestKV:
             self.allocator.note_prefix_lookup(query_tokens, hit_tokens)
 
     # ------------------------------------------------------------------- rows
-    def open(self, prefix_blocks: list[int] = (), tokens: list[int] = ()) -> Row:
-        """A new row starting from ``prefix_blocks`` (from :meth:`match`), which hold the first tokens of ``tokens``."""
-        return self.rows.new(list(prefix_blocks), list(tokens[: len(prefix_blocks) * self.block_size]))
+    def open(self, prefix_blocks: list[int] = (), tokens: list[int] = ()) -> Row | None:
+        """A new row starting from ``prefix_blocks`` (from :meth:`match`), which hold the first tokens of ``tokens``;
+        None when a capped pool has no room for its state slot (hybrid models)."""
+        while True:
+            try:
+                row = self.rows.new(list(prefix_blocks), list(tokens[: len(prefix_blocks) * self.block_size]))
+                break
+            except OutOfStateMemoryError:
+                if not self.checkpoints:  # a request's slot before a checkpoint's
+                    return None
+                try:
+                    self.checkpoints.evict(keep=self.prefix_keys(tokens, len(prefix_blocks))[-1] if prefix_blocks
+                                           else None)
+                except OutOfStateMemoryError:
+                    return None
+        matched = self._matched.pop(id(tokens), 0)
+        if self.checkpoints is not None and prefix_blocks:
+            self.checkpoints.restore(self.prefix_keys(tokens, len(prefix_blocks))[-1], row.state)
+        if self.checkpoints is not None and matched > len(prefix_blocks):
+            # K/V cached further than any checkpoint: stop the prefill there once, so the next request with this
+            # prefix finds its states
+            self._targets[id(row)] = matched * self.block_size
+        return row
+
+    def chunk_tokens(self, row: Row, start: int, num_tokens: int) -> int:
+        """Hybrid models' prefix caching: ``num_tokens`` from ``start``, cut at the block boundary where ``row``'s
+        states are to be checkpointed (:meth:`open`)."""
+        target = self._targets.get(id(row))
+        if target is None:
+            return num_tokens
+        if start >= target:
+            del self._targets[id(row)]
+            return num_tokens
+        return min(num_tokens, target - start)
 
     def fork(self, row: Row) -> Row:
         """A new row sharing every block of ``row`` (copy-on-write when either writes a shared last block)."""
@@ -107,6 +154,7 @@ class RequestKV:
 
     def free(self, row: Row) -> None:
         """All its blocks back (keyed full blocks stay cached for later prompts)."""
+        self._targets.pop(id(row), None)
         self.rows.remove(row)
 
     def discard(self, row: Row, keep: int) -> None:
@@ -121,6 +169,12 @@ class RequestKV:
         rows' next append)."""
         if self.prefix_caching and rows:
             self.rows.publish(rows)
+        if self.checkpoints is not None:  # rows whose states now end at a block boundary: checkpoint them
+            for row in rows:
+                length = self.length(row)
+                if row.state is not None and row.tokens is not None and length and length % self.block_size == 0 \
+                        and len(row.tokens) >= length:
+                    self.checkpoints.save(self.prefix_keys(row.tokens, length // self.block_size)[-1], row.state)
 
     def length(self, row: Row) -> int:
         with self.pool.lock:

@@ -19,6 +19,7 @@ import torch
 from .. import compat
 from ..rows import Row
 from .scheduler import Batch
+from .states import PackedStates, segments
 
 
 # On CPU, MKL's fp32 GEMM takes a slow path for 4-15 rows: measured here (2-core Xeon, one thread) a linear layer of
@@ -107,9 +108,12 @@ class ModelRunner:
         self.keeps_logits = "logits_to_keep" in params
         self.plan_time = self.forward_time = 0.0
         self.before_forward = None  # called once the step is planned, before the forward (tensor parallelism)
+        self._packed_states = None  # hybrid models: the running step's segments for the state mixers
 
     def run(self, batch: Batch) -> torch.Tensor:
         t0 = time.perf_counter()
+        if self.kv.rows.stateful:
+            self._packed_states = PackedStates(self.kv.pool, segments(batch.chunks), self.kv.state_layers)
         bucket = self.graphs.rows_for(batch.chunks) if self.graphs is not None else None
         inputs = pack(batch, self.device, bucket)
         rows = [self._row_input(c.request.row, c.num_tokens, c.tokens) for c in batch.chunks]
@@ -139,6 +143,7 @@ class ModelRunner:
     def _forward(self, step, inputs: PackedInputs) -> torch.Tensor:
         """``[k', vocab]`` logits of the sampled rows (``inputs`` on the model's device)."""
         cache = self._step_cache(self.kv.rows, step, self.num_layers, self._buffers)
+        cache.packed_states = self._packed_states
         kwargs = {compat.FORWARD_CACHE_KWARG: cache, "use_cache": True}
         if self.keeps_logits:
             kwargs["logits_to_keep"] = inputs.logits_index

@@ -134,6 +134,8 @@ class Scheduler:
             req = self.running[i]
             decode = req.remaining == 1
             n = 1 if decode and decode_left > 0 else min(req.remaining, prefill_left) if not decode else 0
+            if n and not decode:
+                n = self.kv.chunk_tokens(req.row, req.num_computed, n)
             if n == 0:
                 i += 1
                 continue
@@ -176,8 +178,11 @@ class Scheduler:
                 held.append(req)
                 continue
             row = self.kv.open(prefix, req.tokens)
+            if row is None:  # no room for its state slot (hybrid models under a byte cap)
+                self.waiting.appendleft(req)
+                break
             cached = len(prefix) * self.kv.block_size
-            n = min(len(req.tokens) - cached, budget)
+            n = self.kv.chunk_tokens(row, cached, min(len(req.tokens) - cached, budget))
             need = self.kv.blocks_needed(row, n)
             available = self.kv.num_free() - reserved - (self.watermark_blocks if self.running else 0)
             if need > available:
