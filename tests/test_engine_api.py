@@ -159,6 +159,27 @@ def test_too_large_request_fails_alone_in_add_requests_of_generate_batch_style()
     assert manager.stats().waiting == 0
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread re-raises the bug
+def test_an_engine_bug_fails_every_request_and_stops_the_manager():
+    """An exception escaping the engine's step (a bug, not one request's error) fails every request the engine held
+    and every one still queued, each naming the error; the manager then refuses new requests, naming it too."""
+    manager = shadow_manager()
+    ids = manager.add_requests([prompt_of(5, i) for i in range(4)], max_new_tokens=6)
+    engine = manager._core
+
+    def broken():
+        raise RuntimeError("a bug in the step")
+
+    engine.step = broken
+    manager.start()
+    outs = [manager.get_result(i, timeout=30) for i in ids]
+    assert all(o.status == RequestStatus.FAILED and "the engine stopped: RuntimeError: a bug in the step" in o.error
+               for o in outs), outs
+    with pytest.raises(RuntimeError, match="a bug in the step"):
+        manager.add_request(prompt_of(3, 1))
+    manager.stop(block=True, timeout=10)
+
+
 def test_stop_drains_or_cancels_and_every_request_ends():
     """stop(drain=True) finishes what is queued; stop(drain=False) cancels it; after a drain timeout what is left is
     cancelled; every request ends with a final status, the thread is joined, and add_request then raises."""

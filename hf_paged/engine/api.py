@@ -475,6 +475,22 @@ class ContinuousBatchingManager:
             self._cond.notify_all()
         return out
 
+    def _engine_failed_locked(self, core, error: str) -> None:
+        """The engine thread stops on ``error``: every request the engine holds, and every one it has not taken
+        yet, fails with it (nobody waits forever); later calls see ``error``."""
+        message = f"the engine stopped: {error}"
+        self._error, self._stopped = error, True
+        for req in core.fail_all(message):
+            self._finish_locked(req)
+        for req in [*self._incoming, *self._pending_new]:
+            if req.is_finished:
+                continue
+            req.error = message
+            for r in core._end(req, RequestStatus.FAILED):
+                self._finish_locked(r)
+        self._incoming.clear()
+        self._pending_new = []
+
     def _finish_locked(self, req: Request) -> _Delivery:
         self._live.pop(req.request_id, None)
         self._ended[req.status] = self._ended.get(req.status, 0) + 1
@@ -580,17 +596,10 @@ def _engine_loop(manager_ref, core: EngineCore, lock, cond, signals) -> None:
         error = f"{type(err).__name__}: {err}"
         with lock:
             manager = manager_ref()
-            failed = core.fail_all(f"the engine stopped: {error}")
             if manager is not None:
-                manager._error = error
-                manager._stopped = True
-                for req in failed:
-                    manager._finish_locked(req)
-                for req in list(manager._incoming):
-                    req.error = f"the engine stopped: {error}"
-                    for r in core._end(req, RequestStatus.FAILED):
-                        manager._finish_locked(r)
-                manager._incoming.clear()
+                manager._engine_failed_locked(core, error)
+            else:
+                core.fail_all(f"the engine stopped: {error}")
             cond.notify_all()
         raise
     _call_back(deliveries)

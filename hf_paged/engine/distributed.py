@@ -44,7 +44,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .outputs import RequestStatus
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_HEARTBEAT_S = 1.0
@@ -290,20 +289,10 @@ def tp_engine_loop(manager_ref, core, lock, cond, signals, sync: TensorParallelS
         error = f"{type(err).__name__}: {err}"
         with lock:
             manager = manager_ref()
-            failed = core.fail_all(f"the engine stopped: {error}")
             if manager is not None:
-                manager._error = error
-                manager._stopped = True
-                for req in failed:
-                    manager._finish_locked(req)
-                for req in [*manager._incoming, *manager._pending_new]:
-                    if req.is_finished:
-                        continue
-                    req.error = f"the engine stopped: {error}"
-                    for r in core._end(req, RequestStatus.FAILED):
-                        manager._finish_locked(r)
-                manager._incoming.clear()
-                manager._pending_new = []
+                manager._engine_failed_locked(core, error)
+            else:
+                core.fail_all(f"the engine stopped: {error}")
             cond.notify_all()
         if not isinstance(err, Exception):
             raise

@@ -11,8 +11,12 @@ else. This module imports nothing of the package: the backends (``reference``, `
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # for the annotation only: reference.py imports this module
+    from .reference import TorchAttentionPlan
 
 
 @dataclass
