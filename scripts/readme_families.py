@@ -22,11 +22,22 @@ def families_table() -> str:
     from hf_paged.patches import supported_models
 
     groups: dict[tuple[str, ...], list[str]] = {}
+    refused = []
     for row in supported_models():
-        groups.setdefault(tuple(row["features"]), []).append(row["model_type"])
+        if row["path"] == "refused":
+            refused.append(row["model_type"])
+        else:  # a family taken generically reads its kinds (sliding, chunked, KV-shared, ...) from its config
+            key = tuple(row["features"]) if row["path"] == "patch" else ("generic", *row["features"])
+            groups.setdefault(key, []).append(row["model_type"])
+    labels = {(): "full attention only", ("generic",): "taken generically, verified (layer kinds from the config)",
+              ("generic", "state_layers"): "taken generically, verified, with state layers"}
     lines = ["| attention features | model types |", "|---|---|"]
-    for features, types in sorted(groups.items(), key=lambda item: (len(item[0]), item[0])):
-        lines.append(f"| {', '.join(features) or 'full attention only'} | {', '.join(f'`{t}`' for t in sorted(types))} |")
+    for features, types in sorted(groups.items(), key=lambda item: (item[0][:1] == ("generic",), len(item[0]),
+                                                                    item[0])):
+        label = labels.get(features, ", ".join(features))
+        lines.append(f"| {label} | {', '.join(f'`{t}`' for t in sorted(types))} |")
+    if refused:
+        lines.append(f"| refused by name (docs/guide/families.md says why) | {', '.join(f'`{t}`' for t in sorted(refused))} |")
     return "\n".join(lines)
 
 
