@@ -244,6 +244,21 @@ def test_stop_checker_holds_back_a_possible_stop_and_cuts_at_the_earliest():
                     assert not any(s in joined for s in stops)
 
 
+def test_stop_strings_do_not_count_before_min_tokens():
+    """With min_tokens (vLLM's field), a stop string in the first min_tokens tokens' text does not end the output
+    and that text is not held back; one after them does."""
+    pieces = ["a\n\n", "b", "c\n\n", "d"]  # one piece per token
+    checker, out = StopChecker(["\n\n"], min_tokens=2), []
+    for tokens, piece in enumerate(pieces, 1):
+        sent, stopped = checker.add(piece, tokens)
+        out.append(sent)
+        if stopped:
+            break
+    assert "".join(out) == "a\n\nbc" and checker.stopped
+    checker = StopChecker(["\n\n"])
+    assert checker.add(pieces[0], 1) == ("a", True)
+
+
 # -- completions and chat ----------------------------------------------------------------------------------------
 def test_completion_greedy_equals_generate_streamed_or_not(served, tokenizer):
     """Greedy completions equal model.generate() on the same prompt, token counts included; the stream's text

@@ -223,7 +223,7 @@ class AsyncEngine:
                     index = p * n + i
                     choice = _Choice(index, f"srv-{serial}-{index}-{uuid.uuid4().hex[:8]}",
                                      IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
-                                     StopChecker(params.stop, params.include_stop),
+                                     StopChecker(params.stop, params.include_stop, params.min_tokens or 0),
                                      params.logprobs is not None and params.generate, gen,
                                      params.engine_prompt_logprobs is not None, params.generate)
                     gen.choices.append(choice)
@@ -337,14 +337,14 @@ class AsyncEngine:
             choice.last_token_time = now
         choice.num_tokens += len(new)
         logprobs = self._logprobs(output, new) if choice.want_logprobs and new else None
-        text, stopped = choice.stops.add(choice.detok.add(new))
+        text, stopped = choice.stops.add(choice.detok.add(new), choice.num_tokens)
         if stopped:
             choice.done = True
             self._cancel_now(choice)
             return Piece(choice.index, text, len(new), logprobs, finish_reason="stop", prompt_logprobs=prompt)
         if status in _FINAL:
             choice.done = True
-            tail, stopped = choice.stops.add(choice.detok.finish())
+            tail, stopped = choice.stops.add(choice.detok.finish(), choice.num_tokens)
             rest, stopped = choice.stops.flush()
             text += tail + rest
             if status == "FAILED":

@@ -19,19 +19,25 @@ class StopChecker:
         stops.flush()            # -> ("", True): nothing is held once stopped
     """
 
-    def __init__(self, stop: list[str] | None, include: bool = False):
+    def __init__(self, stop: list[str] | None, include: bool = False, min_tokens: int = 0):
         self.stop = [s for s in (stop or []) if s]
         self.include = include  # vLLM's include_stop_str_in_output: the stop string ends the text
+        self.min_tokens = min_tokens  # vLLM's min_tokens: no stop string counts before this many tokens
         self.held = ""
         self.stopped = False
 
-    def add(self, piece: str) -> tuple[str, bool]:
+    def add(self, piece: str, tokens: int | None = None) -> tuple[str, bool]:
         """``(text to send, stopped)`` after appending ``piece``. The stop string that starts first wins, however
-        the text was split: a complete match waits while a longer stop string starting earlier may still complete."""
+        the text was split: a complete match waits while a longer stop string starting earlier may still complete.
+        ``tokens``: the tokens generated so far, ``piece``'s included; below ``min_tokens`` nothing stops (as in
+        vLLM, the text sent before then is not searched later)."""
         if self.stopped:
             return "", True
         if not self.stop:
             return piece, False
+        if tokens is not None and tokens < self.min_tokens:
+            text, self.held = self.held + piece, ""
+            return text, False
         text = self.held + piece
         hit = self._first_hit(text)
         keep_from = len(text) - self._partial_suffix(text)
