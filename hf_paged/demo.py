@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache
 
 from . import compat, embedded, ops
+from .allocator import cdiv
 from .engine.api import init_continuous_batching
 from .pool import BlockPool
 from .attention import disable_paged_attention, enable_paged_attention
@@ -188,7 +189,7 @@ def serve_many(model, tokenizer, num_requests: int = 16, max_new_tokens: int = 3
     per_token = kv_bytes_per_token(model.config, dtype)
     widest = max(max(map(len, prompts[i:i + batch_size])) * len(prompts[i:i + batch_size])
                  for i in range(0, num_requests, batch_size))
-    num_blocks = -(-(widest + batch_size * max_new_tokens) // block_size)  # what a padded batch needs at its end
+    num_blocks = cdiv(widest + batch_size * max_new_tokens, block_size)  # what a padded batch needs at its end
     print(f"\nServing {num_requests} chat requests at once ({sum(map(len, prompts)):,} prompt tokens, up to "
           f"{max_new_tokens} new tokens each, greedy), every contender with {num_blocks} blocks x {block_size} tokens "
           f"({mb(num_blocks * block_size * per_token)}) of KV:", flush=True)

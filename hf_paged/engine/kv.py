@@ -8,7 +8,7 @@ are never made.
 
 from __future__ import annotations
 
-from ..allocator import _ROOT_KEY, block_key
+from ..allocator import _ROOT_KEY, block_key, cdiv
 from ..groups import LayerGroups
 from ..rows import Row, Rows
 from ..states import OutOfStateMemoryError
@@ -60,13 +60,13 @@ class RequestKV:
         """Blocks one request of ``total_tokens`` (prompt + max_new_tokens) may hold at once, over all groups.
         A sliding group gives back blocks that left its window, so it holds at most window + one step's tokens."""
         bs = self.block_size
-        full = -(-total_tokens // bs)
+        full = cdiv(total_tokens, bs)
         blocks = 0
         for window in self.groups.windows:
             if window is None:
                 blocks += full
             else:
-                blocks += min(full, -(-(window - 1 + self.max_batch_tokens) // bs) + 1)
+                blocks += min(full, cdiv(window - 1 + self.max_batch_tokens, bs) + 1)
         return blocks
 
     def blocks_needed(self, row: Row, num_tokens: int) -> int:

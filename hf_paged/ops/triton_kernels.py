@@ -862,7 +862,7 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, num_
     target = _PROGRAMS_PER_SM * num_sms
     if base >= target:
         return 1
-    by_parallelism = -(-target // base)
+    by_parallelism = triton.cdiv(target, base)
     by_length = max_kv_len // _MIN_KV_PER_SPLIT
     return max(1, min(by_parallelism, by_length, _MAX_KV_SPLITS))
 

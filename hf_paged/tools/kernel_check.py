@@ -59,6 +59,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..allocator import cdiv
+
 KERNELS_MODULE = "hf_paged.ops.triton_kernels"
 MLA_MODULE = "hf_paged.ops.triton_mla"  # MLA's latent attention: configurations of kind "mla_decode" / "mla_prefill"
 # DeepSeek-V3's attention: kv_lora_rank 512 (Config.head_dim), qk_rope_head_dim 64, 128 heads (Config.group)
@@ -336,7 +338,7 @@ def _meta_inputs(config: Config) -> dict:
     kv_dtype = torch.uint8 if config.kv_dtype == "fp8" else dtype
     num_seqs, num_kv_heads, head_dim = 4, config.num_kv_heads, config.head_dim
     num_q_heads = num_kv_heads * config.group
-    blocks_per_seq = -(-CONTEXT_LEN // config.block_size) + 1  # an odd width: no divisibility on its stride
+    blocks_per_seq = cdiv(CONTEXT_LEN, config.block_size) + 1  # an odd width: no divisibility on its stride
     num_tokens = num_seqs * config.query_len
     pool = (num_seqs * blocks_per_seq, config.block_size, num_kv_heads, head_dim)
     empty = lambda *shape, dtype: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
@@ -385,7 +387,7 @@ def _launch_mla(module, config: Config) -> None:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[config.dtype]
     kv_dtype = torch.uint8 if config.kv_dtype == "fp8" else dtype
     num_seqs, heads, rank = 4, config.group, config.head_dim
-    blocks_per_seq = -(-CONTEXT_LEN // config.block_size) + 1
+    blocks_per_seq = cdiv(CONTEXT_LEN, config.block_size) + 1
     num_tokens = num_seqs * config.query_len
     num_blocks = num_seqs * blocks_per_seq
     empty = lambda *shape, dtype: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
@@ -489,7 +491,7 @@ class Build:
 def occupancy(regs: int, smem: int, num_warps: int, limits: TargetLimits) -> int:
     """Warps resident per SM for a kernel of ``num_warps`` warps: limited by registers, shared memory, warps, blocks."""
     unit = limits.reg_alloc_unit
-    regs_per_warp = -(-max(regs, 1) * 32 // unit) * unit
+    regs_per_warp = cdiv(max(regs, 1) * 32, unit) * unit
     blocks_by_regs = (limits.regs_per_sm // regs_per_warp) // num_warps
     blocks_by_smem = limits.smem_per_sm // (smem + limits.smem_reserved_per_block)
     blocks_by_warps = limits.max_warps_per_sm // num_warps

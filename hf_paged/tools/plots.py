@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..allocator import cdiv
 from .simulate import BatchTrace, BlockMap, ModelShape, WorkloadResult
 
 
@@ -124,7 +125,7 @@ def plot_block_map(block_map: BlockMap, path=None, columns: int = 16):
     cmap = plt.get_cmap("tab20")
     order = sorted(bm.tables)
     color_of = {r: cmap(k % 20) for k, r in enumerate(order)}
-    rows = -(-bm.num_blocks // columns)
+    rows = cdiv(bm.num_blocks, columns)
     longest = max((len(t) for t in bm.tables.values()), default=1)
 
     fig, (ax_p, ax_t) = plt.subplots(1, 2, figsize=(15, max(4.5, 0.28 * len(order) + 1)),

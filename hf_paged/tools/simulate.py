@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..allocator import BlockAllocator
+from ..allocator import BlockAllocator, cdiv
 from ..errors import OutOfBlocksError
 
 Request = tuple[int, int]  # (prompt_len, output_len)
@@ -211,7 +211,7 @@ class PagedScheduler:
         longest = max(p + o for p, o in requests)
         if num_blocks * block_size < longest:
             raise ValueError(f"a pool of {num_blocks} blocks x {block_size} tokens cannot hold the longest request "
-                             f"({longest} tokens); give it at least {-(-longest // block_size)} blocks.")
+                             f"({longest} tokens); give it at least {cdiv(longest, block_size)} blocks.")
         self.pool = None
         if store_kv:
             import torch
@@ -244,7 +244,7 @@ class PagedScheduler:
             r = self.queue[0]
             n = self.requests[r][0] + self.generated[r]  # prefill (a preempted request recomputes what it generated)
             spare = a.num_free - (self.keep_free if self.running else 0)
-            if -(-(n + 1) // bs) > spare:
+            if cdiv(n + 1, bs) > spare:
                 break
             self.queue.popleft()
             self.seq_of[r] = seq = a.new_sequence()
