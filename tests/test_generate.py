@@ -11,7 +11,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from helpers import EOS, PAD, dynamic, early_eos_model, generate, left_padded, live_blocks_expected, tiny_model
-from hf_paged import PagedCache, disable_paged_attention, enable_paged_attention, paged_backend
+from hf_paged import PagedCache, compat, disable_paged_attention, enable_paged_attention, paged_backend
 
 LENGTHS = [3, 17, 9, 1]  # very different prompt lengths in one left-padded batch
 
@@ -143,7 +143,8 @@ def test_enable_twice_and_disable(llama):
 def test_a_model_without_attention_interface_is_refused_by_name_and_gpt2_is_taken_generically():
     """A family whose attention does not go through transformers' AttentionInterface (Bloom) is refused with a
     ValueError naming it and the fix; GPT-2, which has no ModelPatch but whose attention does, is taken generically
-    and gives DynamicCache's tokens."""
+    and gives DynamicCache's tokens (transformers 4.x's GPT-2 passes is_causal=False: refused by name at the first
+    call instead)."""
     from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel
 
     bloom = BloomForCausalLM(BloomConfig(n_layer=1, n_head=2, hidden_size=32, vocab_size=96))
@@ -156,6 +157,10 @@ def test_a_model_without_attention_interface_is_refused_by_name_and_gpt2_is_take
     inputs = left_padded([4, 7])
     expected = generate(gpt2, inputs, dynamic(gpt2), max_new_tokens=6)
     enable_paged_attention(gpt2, backend="torch")
+    if compat.TRANSFORMERS_VERSION.major < 5:
+        with pytest.raises(ValueError, match=r"layer 0 \(GPT2Attention\) asks for non-causal attention"):
+            generate(gpt2, inputs, PagedCache(gpt2.config, block_size=4), max_new_tokens=6)
+        return
     assert torch.equal(generate(gpt2, inputs, PagedCache(gpt2.config, block_size=4), max_new_tokens=6), expected)
 
 
