@@ -6,13 +6,13 @@ import platform
 
 import torch
 
+from .patches import kv_geometry
+
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """K+V bytes one token takes over all layers (MLA: the latent and the rotated key)."""
-    from hf_paged.patches.support import kv_widths
-
-    heads, key, value = kv_widths(config)
-    return config.num_hidden_layers * heads * (key + value) * dtype.itemsize
+    """K+V bytes one token takes over all layers, each layer by its own shape in the KV geometry (MLA: the latent
+    and the rotated key; layers that keep no K/V of their own, such as KV-shared or state layers: none)."""
+    return kv_geometry(config).elements_per_token() * dtype.itemsize
 
 
 def real_kv_tokens(sequences: torch.Tensor, prompt_mask: torch.Tensor, eos_token_id, pad_token_id=None) -> int:
@@ -37,15 +37,15 @@ def row_token_counts(sequences: torch.Tensor, prompt_mask: torch.Tensor, eos_tok
 
 
 def real_kv_bytes(config, dtype: torch.dtype, row_tokens: list[int]) -> int:
-    """Bytes of the KV the rows really need, layer by layer: a sliding-window layer needs only its last
-    ``window - 1`` tokens between steps (what transformers' DynamicCache keeps there), a full layer all of them."""
-    from hf_paged.patches import layer_windows
-    from hf_paged.patches.support import kv_widths
-
-    heads, key, value = kv_widths(config)
-    per_layer = heads * (key + value) * dtype.itemsize
-    windows = layer_windows(config) or [None] * config.num_hidden_layers
-    return sum(per_layer * (n if w is None else min(n, w - 1)) for w in windows for n in row_tokens)
+    """Bytes of the KV the rows really need, layer by layer (each by its own shape): a sliding-window layer needs
+    only its last ``window - 1`` tokens between steps (what transformers' DynamicCache keeps there), another layer
+    that keeps K/V all of them."""
+    total = 0
+    for layer in kv_geometry(config).layers:
+        per_token = layer.elements_per_token() * dtype.itemsize
+        limit = layer.window - 1 if layer.kind == "sliding" else None
+        total += sum(per_token * (n if limit is None else min(n, limit)) for n in row_tokens)
+    return total
 
 
 def dynamic_cache_bytes(cache) -> int:
