@@ -6,30 +6,31 @@ from __future__ import annotations
 
 import sys
 
+from .demo import main as demo
+from .embedded import local_model_dir
+from .patches import format_models_table
+from .tools.kernel_check import main as check_kernels
+
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv else "demo"
     if command == "demo":
-        from .demo import main as demo
-
         return demo(argv)
     if command == "models":
-        from .patches import format_models_table
-
         print(format_models_table(markdown="--markdown" in argv))
         return 0
     if command == "check-kernels":
-        from .tools.kernel_check import main as check_kernels
-
         return check_kernels(argv)
-    if command == "serve":
-        from .serve.cli import main as serve
-
+    if command == "serve":  # needs the 'serve' extra (imported when asked for)
+        try:
+            from .serve.cli import main as serve
+        except ImportError as exc:
+            print(f"serving needs the 'serve' extra: pip install 'hf_paged[serve]' (fastapi, uvicorn, "
+                  f"prometheus-client); {exc}", file=sys.stderr)
+            return 2
         return serve(argv)
     if command == "convert":
-        from .embedded import local_model_dir
-
         print(local_model_dir())
         return 0
     print("usage: python -m hf_paged [demo|convert|models|check-kernels] [options]  (demo --help for its options)",

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from . import compat
 
@@ -37,8 +38,6 @@ def cache_dir() -> Path:
 
 
 def _convert(target: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
-
     gguf = gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -66,8 +65,6 @@ def local_model_dir() -> Path:
 
 def load(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
     """``(model, tokenizer)`` for ``path`` (a local model directory) or, by default, the embedded SmolLM2."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = Path(path) if path is not None else local_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"

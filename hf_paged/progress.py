@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from tqdm.auto import tqdm
 from transformers import StoppingCriteria
 
 
@@ -10,8 +11,6 @@ class GenerationProgress(StoppingCriteria):
     """``generate(..., stopping_criteria=[GenerationProgress(max_new_tokens, "label")])`` shows a tqdm bar."""
 
     def __init__(self, total: int, desc: str = "generate", disable: bool | None = None):
-        from tqdm.auto import tqdm
-
         self.bar = tqdm(total=total, desc=desc, unit="tok", leave=False, disable=disable)
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:

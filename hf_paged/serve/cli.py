@@ -10,8 +10,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 from pathlib import Path
+
+import torch
+import uvicorn
+
+from .. import BlockPool, embedded, enable_paged_attention, init_continuous_batching
+from .app import ServeSettings, create_app
+from .distributed import serve as serve_distributed
+from .middleware import DEFAULT_MAX_BODY_BYTES
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -60,8 +67,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _device(name: str):
-    import torch
-
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
@@ -70,12 +75,6 @@ def _device(name: str):
 def build(args, load=None):
     """``(app, description)`` for parsed ``args``: loads the model, sizes the pool, starts nothing yet. ``load(path,
     dtype) -> (model, tokenizer)`` replaces the loader (tensor parallelism: ``serve/distributed.py``)."""
-    import torch
-
-    from .. import BlockPool, embedded, enable_paged_attention, init_continuous_batching
-    from .app import ServeSettings, create_app
-    from .middleware import DEFAULT_MAX_BODY_BYTES
-
     if args.threads:
         torch.set_num_threads(args.threads)
     device = _device(args.device)
@@ -104,20 +103,12 @@ def build(args, load=None):
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    try:
-        import uvicorn
-    except ImportError:
-        print("serving needs the 'serve' extra: pip install 'hf_paged[serve]' (fastapi, uvicorn, prometheus-client)",
-              file=sys.stderr)
-        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logging.getLogger("hf_paged.serve").warning("binding to %s without --api-key: anyone who can reach this "
                                                     "port can use the model", args.host)
     if args.tp_plan:
-        from .distributed import serve
-
-        return serve(args, build)
+        return serve_distributed(args, build)
     app, what = build(args)
     print(f"serving {what} at http://{args.host}:{args.port}/v1 (SIGTERM or Ctrl-C drains and stops)", flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,

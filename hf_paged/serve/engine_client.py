@@ -16,6 +16,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..engine.outputs import QueueFullError
 from ..engine.structured import GrammarCompiler, GrammarSpec
 from .detokenizer import IncrementalDetokenizer
 from .errors import APIError
@@ -212,8 +213,6 @@ class AsyncEngine:
                  start_time: float | None = None) -> Generation:
         """Submit ``n`` choices per prompt (choice index ``prompt * n + i``). All or nothing: if the engine refuses
         one (queue full, too large, stopped), those already submitted are cancelled and an :class:`APIError` raised."""
-        from .. import QueueFullError
-
         gen = Generation(asyncio.get_running_loop(), self, start_time or time.perf_counter())
         gen.prompt_tokens = sum(len(p) for p in prompts)
         serial = next(self._serial)
