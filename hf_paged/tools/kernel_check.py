@@ -47,6 +47,7 @@ import importlib
 import importlib.util
 import itertools
 import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -511,6 +512,25 @@ def _worker_init(cache_dir: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@contextmanager
+def _workers(jobs: int, cache_dir: Path):
+    """A pool of ``jobs`` spawned worker processes that start outside Triton's interpreter mode.
+
+    A spawned worker copies this process's environment when it starts and imports this module (and so hf_paged and
+    transformers' modeling code, which imports triton) before its initializer runs: ``TRITON_INTERPRET`` (which the
+    test suite sets) is therefore left out of the environment while the workers start, not only dropped in
+    :func:`_worker_init`.
+    """
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=(str(cache_dir),)) as pool:
+            yield pool
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
 def _cuobjdump() -> str:
     import triton
 
@@ -608,13 +628,10 @@ def _cost(build: Build) -> int:
 
 def run_builds(builds: list[Build], jobs: int, cache_dir: Path, progress=None) -> list[Build]:
     """Compile every planned build in ``jobs`` worker processes (spawned without ``TRITON_INTERPRET``)."""
-    import multiprocessing
-
     cache_dir.mkdir(parents=True, exist_ok=True)
     order = sorted(builds, key=_cost)  # biggest first: the pool ends evenly
     done = []
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=(str(cache_dir),)) as pool:
+    with _workers(jobs, cache_dir) as pool:
         futures = {pool.submit(build_variant, b.variant, b.arch): b for b in order}
         for i, future in enumerate(as_completed(futures), 1):
             planned = futures[future]
@@ -628,10 +645,7 @@ def run_builds(builds: list[Build], jobs: int, cache_dir: Path, progress=None) -
 
 def capture_in_worker(module_ref: str, configs: list[Config], archs, cache_dir: Path):
     """``capture_variants`` in a fresh process without ``TRITON_INTERPRET`` (this one may have it on)."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=ctx, initializer=_worker_init, initargs=(str(cache_dir),)) as pool:
+    with _workers(1, cache_dir) as pool:
         return pool.submit(capture_variants, module_ref, configs, tuple(archs)).result()
 
 
