@@ -11,14 +11,14 @@ from hf_paged.cache import StepCache
 from hf_paged.groups import LayerGroups
 from hf_paged.patches import layer_windows
 from hf_paged.rows import Rows
-from hf_paged.step import RowInput, StepBuffers, plan
+from hf_paged.step import RowInput, StepBuffers, StepOptions, plan_engine_step
 
 
 def packed_forward(model, rows: Rows, chunks: list[tuple[object, list[int]]]) -> torch.Tensor:
     """One forward over ``(row, new token ids)`` pairs packed in order; the last logits of each row ``[n, V]``."""
     inputs = [RowInput(row, len(ids), ids) for row, ids in chunks]
     starts = [rows.length(row) for row, _ in chunks]
-    step = plan(rows, inputs, backend="torch", num_layers=model.config.num_hidden_layers)
+    step = plan_engine_step(rows, inputs, StepOptions("torch", model.config.num_hidden_layers))
     ids = torch.tensor([t for _, chunk in chunks for t in chunk])
     pos = torch.cat([torch.arange(s, s + len(chunk)) for s, (_, chunk) in zip(starts, chunks)])
     last = torch.cumsum(torch.tensor([len(c) for _, c in chunks]), 0) - 1
