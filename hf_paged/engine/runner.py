@@ -2,10 +2,11 @@
 
 The batch's chunks become one ``[1, T]`` input (each request's new tokens back to back, no padding) with explicit
 per-token positions. The planner (``hf_paged.step.plan_engine_step``, over the same core as ``PagedCache``'s
-``plan_generate_step``) takes each request's slots and builds the varlen step tensors; ``StepCache`` writes every layer's K/V through the slot mapping and hands
-the layer its step, so every query attends through the block tables (history, earlier chunks and prefix hits all
-read the pool). Logits are computed only at each sampling chunk's last token (``logits_to_keep``), plus, for a
-request that asked for prompt logprobs, at the prompt positions of its chunks (``Chunk.prompt_positions``).
+``plan_generate_step``) takes each request's slots and builds the varlen step tensors; ``StepCache`` writes every
+layer's K/V through the slot mapping and hands the layer its step, so every query attends through the block tables
+(history, earlier chunks and prefix hits all read the pool). Logits are computed only at each sampling chunk's last
+token (``logits_to_keep``), plus, for a request that asked for prompt logprobs, at the prompt positions of its chunks
+(``Chunk.prompt_positions``).
 """
 
 from __future__ import annotations
