@@ -17,14 +17,18 @@ from transformers.cache_utils import Cache
 from . import compat
 from .allocator import cdiv
 from .cache_state import Contents, Forward, GenerateCall
-from .groups import LayerGroups
+from .distributed import sum_over_ranks
 from .errors import OutOfBlocksError
+from .groups import LayerGroups
+from .ops import resolve_backend
 from .patches import kv_geometry
+from .persist import load_cache, save_cache
 from .pool import BlockPool
+from .rows import Rows
 from .states import StateView
 from .stats import MemoryStats
-from .rows import Rows
-from .step import LayerStep, Step, StepBuffers, build_layer_step, next_pow2, plan_padded, reading_step, write_layer
+from .step import (LayerStep, Step, StepBuffers, StepOptions, build_layer_step, next_pow2, plan_generate_step,
+                   reading_step, write_layer)
 
 _log = logging.getLogger(__name__)
 STEP_KWARG = "hf_paged_step"  # the attention kwarg through which update() hands a layer its LayerStep
@@ -89,7 +93,7 @@ class PagedCache(Cache):
         self.num_layers = getattr(text_config, "num_hidden_layers", None)
         geometry = kv_geometry(text_config) if text_config is not None else None
         self.groups = LayerGroups.from_geometry(geometry) if geometry is not None else LayerGroups.from_windows([])
-        # layers keeping a per-row state (linear attention, Mamba, short convolutions): slots of the pool's store
+        # layers keeping a per-row state (linear attention, Mamba, short convolutions): cells of the pool's store
         self.state_layers = frozenset(geometry.state_layers) if geometry is not None else frozenset()
         self._linear = [i in self.state_layers and not geometry[i].paged for i in range(len(geometry or ()))]
         self.pool = pool if pool is not None else BlockPool(block_size, num_blocks, max_memory, prefix_caching,
@@ -106,7 +110,7 @@ class PagedCache(Cache):
         # The state, one object per lifetime (hf_paged/cache_state.py): until reset(), one generate() call, one
         # planned forward.
         self.rows = Rows(self.pool, self.groups, bool(self.state_layers))  # per batch row: its sequences, state
-        # slot, tokens, released or not
+        # cell, tokens, released or not
         self._states: StateView | None = None  # the running forward's state handouts (models with state layers)
         self._contents = Contents()
         self._call: GenerateCall | None = None
@@ -197,7 +201,7 @@ class PagedCache(Cache):
         return self._contents.recording
 
     # ------------------------------------------------------- state layers
-    # transformers' linear-attention cache contract, on the rows' slots of the pool's state store: one StateView per
+    # transformers' linear-attention cache contract, on the rows' cells of the pool's state store: one StateView per
     # forward (states.py), made at its first state access, synced once it has ran (forward_ran).
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         return self._state_view(layer_idx).get_conv_state(layer_idx, state_idx)
@@ -239,7 +243,7 @@ class PagedCache(Cache):
         return self._states
 
     def _sync_states(self) -> None:
-        """Write back the gathered states the last forward was handed (to its rows still holding slots)."""
+        """Write back the gathered states the last forward was handed (to its rows still holding state cells)."""
         view, self._states = self._states, None
         if view is not None:
             view.sync(self.rows.state_slots())
@@ -345,9 +349,11 @@ class PagedCache(Cache):
         if not len(self.rows):
             self.rows.extend(batch)
         try:
-            return plan_padded(self.rows, input_ids, attention_mask, batch, query_len, first=first, backend=backend,
-                               num_layers=self.num_layers or 0, static=query_len == 1 and self.is_compileable,
-                               release_windows=not gathered and not self._contents.recording, gathered=gathered)
+            decode = query_len == 1
+            options = StepOptions(backend, self.num_layers or 0, static=decode and self.is_compileable,
+                                  decode_bucket=decode, release_windows=not gathered and not self._contents.recording,
+                                  gathered=gathered)
+            return plan_generate_step(self.rows, input_ids, attention_mask, batch, query_len, options, first=first)
         except OutOfBlocksError as err:
             advice = self._out_of_blocks_advice(err, query_len)
             if first:  # leave the cache as it was: empty
@@ -446,7 +452,7 @@ class PagedCache(Cache):
         self._invalidate_step()
 
     def reset(self) -> None:
-        """Give every block (and state slot) back to the pool; the cache can then start a new generation."""
+        """Give every block (and state cell) back to the pool; the cache can then start a new generation."""
         self._states = None
         self.rows.clear()
         self._contents = Contents()
@@ -518,8 +524,6 @@ class PagedCache(Cache):
         :meth:`load` restores them on any pool serving a model of the same shape and dtype, in another process or
         on another machine; continuing from the loaded cache gives the same tokens as continuing from this one.
         """
-        from .persist import save_cache
-
         self.forward_ran()
         save_cache(self, path)
 
@@ -533,8 +537,6 @@ class PagedCache(Cache):
         prefix-caching pool (later prompts that start with the same tokens reuse them): use it only for files you
         wrote. (An fp8 file's scales belong to its own tokens, so they never change anyone else's blocks.)
         """
-        from .persist import load_cache
-
         return load_cache(cls, path, config, pool, trusted=trusted, **kwargs)
 
     @property
@@ -558,7 +560,7 @@ class PagedCache(Cache):
 
     # ------------------------------------------------------ finished rows
     def release_rows(self, rows) -> None:
-        """Give back the blocks (and state slots) of finished ``rows``; they will take no KV and may not be
+        """Give back the blocks (and state cells) of finished ``rows``; they will take no KV and may not be
         continued."""
         self.forward_ran()
         for index in rows:
@@ -598,8 +600,6 @@ class PagedCache(Cache):
         collective: call it on every rank).
         """
         if all_ranks:
-            from .distributed import sum_over_ranks
-
             return sum_over_ranks(self.memory_stats())
         with self.pool.lock:
             stats = MemoryStats.for_rows(self.pool, [row.seqs for row in self.rows.live], self.groups.windows)
@@ -610,8 +610,6 @@ class PagedCache(Cache):
 
     # ------------------------------------------------------------- internals
     def _resolved_backend(self, backend: str, input_ids) -> str:
-        from .ops import resolve_backend
-
         devices = {s.device for s in self.pool.layer_shapes.values()}
         device = next(iter(devices)) if devices else (input_ids.device if input_ids is not None else torch.device("cpu"))
         return resolve_backend(backend, device)

@@ -13,10 +13,8 @@ Only ``PagedCache`` changes these objects; other modules read them through its p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .step import Step
+from .step import Step
 
 
 @dataclass

@@ -2,11 +2,12 @@
 
 A :class:`Row` is one batch row of a :class:`~hf_paged.PagedCache` or one request of the continuous-batching engine.
 It owns one allocator sequence per layer group (its block table in that group), on models with state layers one
-slot of the pool's state store (``states.py``: its conv / recurrent states), the token ids whose K/V it holds, and
-whether it was released (its blocks and slot went back to the pool). :class:`Rows` holds the rows on one pool, in batch
-order, and is the only code that changes them: create (optionally from cached prefix blocks), fork, reorder, select,
-crop, release, and export / import for ``save`` / ``load``. The step planner (``step.py``) reads rows and appends
-to their sequences through the allocator; nothing else writes a row.
+state cell of the pool's state store (``states.py``: its conv / recurrent states), the token ids whose K/V it holds,
+and whether it was released (its blocks and state cell went back to the pool). :class:`Rows` holds the rows on one
+pool, in batch order, and is the only code that changes them: create (optionally from cached prefix blocks), fork,
+share, record a step's new tokens, reorder, select, crop, release, and export / import for ``save`` / ``load``. The
+step planner (``step.py``) reads rows, appends to their sequences through the allocator and records their new tokens
+through :meth:`Rows.add_tokens` / :meth:`Rows.share`; nothing else writes a row.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ class Row:
     seqs: list[int]  # its allocator sequence in each layer group
     tokens: list[int] | None = field(default_factory=list)  # ids whose K/V it holds; None: fed embeddings
     released: bool = False  # its blocks went back to the pool: it holds no KV and cannot be continued
-    state: int | None = None  # its slot in the pool's state store (models with state layers; None once released)
+    state: int | None = None  # its state cell in the pool's state store (models with state layers; None once
+    # released)
 
 
 @dataclass
@@ -47,7 +49,7 @@ class Rows:
     def __init__(self, pool, groups: LayerGroups, stateful: bool = False):
         self.pool = pool
         self.groups = groups
-        self.stateful = stateful  # the model has state layers: every live row holds a state slot
+        self.stateful = stateful  # the model has state layers: every live row holds a state cell
         self.rows: list[Row] = []
 
     # ----------------------------------------------------------------- queries
@@ -86,8 +88,8 @@ class Rows:
     def new(self, prefix_blocks: list[int] = (), prefix_tokens: list[int] = (), state: int | None = None) -> Row:
         """A new row (appended to ``rows``), starting from ``prefix_blocks`` — full cached blocks holding
         ``prefix_tokens`` (from :meth:`match_prefix`; single-group models only; on stateful models the caller restores
-        the states at the prefix's end). ``state``: a slot taken for it by the caller (:meth:`extend` takes a batch's
-        slots at once), else one is taken here on stateful models."""
+        the states at the prefix's end). ``state``: a state cell taken for it by the caller (:meth:`extend` takes a
+        batch's cells at once), else one is taken here on stateful models."""
         if prefix_blocks and self.groups.num_groups != 1:
             raise ValueError("a row can start from cached prefix blocks only on models with one layer group.")
         a = self.pool.allocator
@@ -101,7 +103,7 @@ class Rows:
         return row
 
     def extend(self, count: int) -> None:
-        """``count`` new empty rows (on stateful models with consecutive state slots where the store has them)."""
+        """``count`` new empty rows (on stateful models with consecutive state cells where the store has them)."""
         with self.pool.lock:
             slots = self._take_slots(count) if self.stateful else [None] * count
         for slot in slots:
@@ -130,8 +132,8 @@ class Rows:
 
     # ------------------------------------------------------------ operations
     def fork(self, row: Row, join: bool = False, state: int | None = None) -> Row:
-        """A row sharing ``row``'s blocks copy-on-write and holding a copy of its states (in ``state``, a slot the
-        caller took, or a new one); a released row's copy is released too. ``join``: append it to ``rows`` (an
+        """A row sharing ``row``'s blocks copy-on-write and holding a copy of its states (in ``state``, a state cell
+        the caller took, or a new one); a released row's copy is released too. ``join``: append it to ``rows`` (an
         engine's new request), else the caller places it (``select``)."""
         if row.released:
             if state is not None:
@@ -161,8 +163,18 @@ class Rows:
         if row.state is not None and source.state is not None:
             self.pool.states.copy([row.state], [source.state])
 
+    def add_tokens(self, row: Row, tokens: list[int] | None) -> None:
+        """The step planner gave ``row`` slots for its new ``tokens``: record their ids (None: the model got
+        embeddings, so the row's ids are unknown from now on; a row whose ids are unknown stays so)."""
+        if row.tokens is None:
+            return
+        if tokens is None:
+            row.tokens = None
+        else:
+            row.tokens.extend(tokens)
+
     def _forks(self, indices: list[int]) -> list[Row]:
-        """Copies of rows ``indices`` (consecutive state slots where the store has them)."""
+        """Copies of rows ``indices`` (consecutive state cells where the store has them)."""
         with self.pool.lock:
             slots = self._take_slots(len(indices)) if self.stateful else [None] * len(indices)
         return [self.fork(self.rows[i], state=slot) for i, slot in zip(indices, slots)]
@@ -175,7 +187,7 @@ class Rows:
         return out
 
     def keep(self, indices: list[int]) -> None:
-        """Keep only ``indices`` (in that order, repeats allowed); the others' blocks and slots go back."""
+        """Keep only ``indices`` (in that order, repeats allowed); the others' blocks and state cells go back."""
         kept = self._forks(indices)
         self.clear()
         self.rows = kept
@@ -189,7 +201,7 @@ class Rows:
         tokens = [row.tokens for row in self.rows]
         for row, i in zip(self.rows, order):
             row.tokens = None if tokens[i] is None else list(tokens[i])
-        if self.stateful:  # states are copied (each row keeps its own slot), not shared
+        if self.stateful:  # states are copied (each row keeps its own state cell), not shared
             pairs = [(row.state, self.rows[i].state) for row, i in zip(self.rows, order)]
             pairs = [(d, s) for d, s in pairs if d is not None and s is not None and d != s]
             self.pool.states.copy([d for d, _ in pairs], [s for _, s in pairs])

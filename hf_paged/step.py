@@ -1,11 +1,14 @@
 """The step planner: everything host-side about one model forward, done once, before it runs.
 
-Given the rows' new tokens it asks the allocator for slots (all rows and layer groups at once, all or nothing),
-applies copy-on-write copies to the pool, gives back blocks that left a sliding window, and builds the small tensors
-the forward reads: per layer group ``slot_mapping``, ``block_tables``, ``seq_lens``, ``query_start_loc`` (and the
-torch backend's gather plan). Inside the forward nothing changes Python state: the cache's ``update`` writes K/V
-with those tensors and the attention reads the pool through them, so the forward can be compiled and replayed as a
-CUDA graph. Decode steps stage their tensors into buffers allocated once per shape (stable addresses).
+Two entry points over one :class:`StepOptions`: :func:`plan_generate_step` plans a padded ``generate()`` forward
+(``[batch, query_len]`` columns, batch row ``r`` being row ``r``), :func:`plan_engine_step` a packed engine forward
+(each row's new tokens back to back). Given the rows' new tokens the planner asks the allocator for slots (all rows
+and layer groups at once, all or nothing), applies copy-on-write copies to the pool, gives back blocks that left a
+sliding window, and builds the small tensors the forward reads: per layer group ``slot_mapping``,
+``block_tables``, ``seq_lens``, ``query_start_loc`` (and the torch backend's read layout). Inside the forward nothing
+changes Python state: the cache's ``update`` writes K/V with those tensors and the attention reads the pool through
+them, so the forward can be compiled and replayed as a CUDA graph. Decode steps stage their tensors into buffers
+allocated once per shape (stable addresses).
 
 A KV-shared (``reuse``) layer writes nothing: its attention reads its source layer's step (``reading_step``), cut
 to the last columns of each row when the model sliced its queries (Gemma 4's ``logits_to_keep``).
@@ -91,9 +94,9 @@ class Step:
         """``layer`` (of group ``group``) for queries cut to the last ``count`` of the step's ``query_len`` columns
         of each row: Gemma 4 slices its hidden states to ``logits_to_keep`` before the KV-shared layers, which read
         the history the step wrote. Each row keeps its real tokens among those columns (left padding: its last
-        ones), so only the query offsets, the token index and the torch plan change; tables and lengths stay. Such
-        a step always reads the pool (also in a first prefill). Planned once per group, count and device, on the
-        host inside the forward (a prefill: never compiled)."""
+        ones), so only the query offsets, the token index and the torch read layout change; tables and lengths
+        stay. Such a step always reads the pool (also in a first prefill). Planned once per group, count and device,
+        on the host inside the forward (a prefill: never compiled)."""
         device = layer.key_cache.device
         key = (group, count, device)
         tail = self._tails.get(key)
@@ -105,12 +108,12 @@ class Step:
             counts = real.sum(1).tolist()
             qsl = torch.tensor(list(itertools.accumulate(counts, initial=0)), dtype=torch.int32)
             meta = self.groups[group].attention
-            plan = None
-            if meta.plan is not None:  # the torch backend
+            layout = None
+            if meta.plan is not None:  # the torch backend's read layout
                 context = cdiv(int(meta.seq_lens.max()), block_size) * block_size
-                plan = plan_torch_attention(meta.block_tables, meta.seq_lens, qsl, block_size,
+                layout = plan_torch_attention(meta.block_tables, meta.seq_lens, qsl, block_size,
                                             sliding_window=meta.sliding_window, chunk=meta.chunk, max_seq_len=context)
-            meta = dataclasses.replace(meta, query_start_loc=qsl, max_query_len=max(counts, default=0), plan=plan)
+            meta = dataclasses.replace(meta, query_start_loc=qsl, max_query_len=max(counts, default=0), plan=layout)
 
             def put(name, t):
                 return t.to(device, non_blocking=True)
@@ -217,10 +220,10 @@ def group_tensors(tables, lens, counts, starts, written, scratch: int, block_siz
     width = max(width, min_width)
     if bucket:
         width = next_pow2(width)
-    rows, seq_lens, slots = array.array("i"), array.array("i"), array.array("q")
+    entries, seq_lens, slots = array.array("i"), array.array("i"), array.array("q")
     for table, length, count, start, write in zip(tables, lens, counts, starts, written):
         if table is None:  # a released row: its tokens all go to the scratch slot
-            rows.frombytes(bytes(4 * width))
+            entries.frombytes(bytes(4 * width))
             seq_lens.append(count)
             if write:
                 slots.extend([scratch * block_size] * count)
@@ -228,8 +231,8 @@ def group_tensors(tables, lens, counts, starts, written, scratch: int, block_siz
         # NULL_BLOCK entries (slid out of the window) become 0: masked, never read
         if table and min(table) < 0:
             table = [max(b, 0) for b in table]
-        rows.extend(table)
-        rows.frombytes(bytes(4 * (width - len(table))))
+        entries.extend(table)
+        entries.frombytes(bytes(4 * (width - len(table))))
         seq_lens.append(length)
         pos, end = start, start + count
         while write and pos < end:  # token t of the row sits at position start + t: one range per block touched
@@ -239,7 +242,7 @@ def group_tensors(tables, lens, counts, starts, written, scratch: int, block_siz
             slots.extend(range(first, first + n))
             pos += n
     query_start_loc = array.array("i", itertools.accumulate(counts, initial=0))
-    return (_host(rows, torch.int32).view(batch, width), _host(seq_lens, torch.int32),
+    return (_host(entries, torch.int32).view(batch, width), _host(seq_lens, torch.int32),
             _host(query_start_loc, torch.int32), _host(slots, torch.long))
 
 
@@ -258,23 +261,70 @@ class RowInput:
     share_from: Row | None = None  # a new row with the same prompt as this one: takes its blocks, writes nothing
 
 
-def plan(rows: Rows, inputs: list[RowInput], *, backend: str, num_layers: int, decode_bucket: bool = False,
-         static: bool = False, release_windows: bool = True, no_history: bool = False, gathered: bool = False,
-         always_mask: bool = False, full_width: bool = False, min_width: int = 1) -> Step:
+@dataclass(frozen=True)
+class StepOptions:
+    """How its caller wants a step planned: the same fields for :func:`plan_generate_step` (a padded
+    ``generate()`` forward) and :func:`plan_engine_step` (a packed engine forward).
+
+    Example::
+
+        options = StepOptions(backend="torch", num_layers=model.config.num_hidden_layers)
+        step = plan_engine_step(rows, [RowInput(row, len(ids), ids)], options)
+    """
+
+    backend: str  # "torch" or "triton", resolved (hf_paged.ops.resolve_backend): never "auto"
+    num_layers: int  # the model's layers: the step keeps one LayerStep per layer
+    static: bool = False  # a compiled (CUDA-graph) step: its tensors are staged in step buffers (the same
+    # addresses every step) and the torch read layout always carries its mask
+    decode_bucket: bool = False  # round the block tables' width up to a power of two (decode steps: fewer shapes)
+    full_width: bool = False  # the torch read layout spans the tables' whole width, masked (a CUDA graph's shapes
+    # then depend only on the rows and the width)
+    min_width: int = 1  # the block tables' fewest columns (a graphed step: fewer widths, fewer graphs)
+    release_windows: bool = True  # give back blocks that left every query's window
+    gathered: bool = False  # the history is gathered for the model's own attention (no paged attention)
+
+    def __post_init__(self):
+        if self.backend not in ("torch", "triton"):
+            raise ValueError(f"StepOptions needs a resolved backend ('torch' or 'triton'), got {self.backend!r}: "
+                             "resolve 'auto' with hf_paged.ops.resolve_backend(backend, device) first.")
+
+
+def plan_generate_step(rows: Rows, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, batch: int,
+                       query_len: int, options: StepOptions, *, first: bool) -> Step:
+    """Plan a ``generate()`` forward: ``[batch, query_len]`` left-padded columns, batch row ``r`` being ``rows[r]``.
+
+    ``input_ids``: ``[batch, query_len]`` (None: the model got embeddings); ``attention_mask``: 2D, its last
+    ``query_len`` columns mark the real tokens (None: all real). ``first``: the rows were just created for this
+    forward (rows with the same prompt then share one copy of it; on rows holding nothing, the model's own attention
+    serves the forward). Raises :class:`~hf_paged.OutOfBlocksError` with every row unchanged when the blocks do not
+    fit.
+    """
+    real = real_columns(attention_mask, batch, query_len)
+    counts = real.sum(1).tolist() if real is not None else [query_len] * batch
+    tokens = row_tokens(input_ids, real)
+    alias = duplicate_rows(rows, input_ids, real) if first and not options.gathered else {}
+    inputs = [RowInput(row, counts[r], tokens[r] if tokens is not None else None,
+                       rows[alias[r]] if r in alias else None) for r, row in enumerate(rows)]
+    empty = all(rows.length(row) == 0 for row in rows)
+    return _plan(rows, inputs, options, no_history=first and empty and not options.gathered, query_len=query_len,
+                 token_index=None if real is None else real.flatten().nonzero().flatten())
+
+
+def plan_engine_step(rows: Rows, inputs: list[RowInput], options: StepOptions) -> Step:
+    """Plan a packed engine forward: ``inputs``' new tokens back to back in one ``[1, T]`` input, no padding
+    columns (a released row's tokens, if any, go to the scratch block). Raises :class:`~hf_paged.OutOfBlocksError`
+    with every row unchanged when the blocks do not fit."""
+    return _plan(rows, inputs, options)
+
+
+def _plan(rows: Rows, inputs: list[RowInput], options: StepOptions, *, no_history: bool = False,
+          query_len: int | None = None, token_index: torch.Tensor | None = None) -> Step:
     """Plan one forward over ``inputs`` (packed in that order): allocate, copy-on-write, window release, step tensors.
 
     A released row still runs (a batch keeps its shape): its tokens are written to the pool's scratch block.
-    ``decode_bucket``: round the block tables' width up to a power of two (decode steps keep fewer shapes);
-    ``static``: a compiled decode step (its tensors are staged in step buffers); ``release_windows``: give back
-    blocks that left every query's window; ``no_history``: a first prefill (the model's own attention serves it);
-    ``gathered``: the history is gathered for the model's attention (no paged attention); ``full_width``: the torch
-    plan reads the tables' whole width, masked (a CUDA graph's shapes then depend only on the rows and the width);
-    ``min_width``: the block tables' fewest columns (a graphed step: fewer widths, fewer graphs).
-    Raises :class:`~hf_paged.OutOfBlocksError` with every row unchanged when the blocks do not fit.
+    ``no_history``: a first prefill (the model's own attention serves it); ``query_len`` / ``token_index``: a padded
+    forward's columns per row and its real tokens among them (None: packed, every column real).
     """
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"plan() needs a resolved backend ('torch' or 'triton'), got {backend!r}: resolve 'auto' with "
-                         f"hf_paged.ops.resolve_backend(backend, device) first.")
     pool, groups = rows.pool, rows.groups
     a, bs = pool.allocator, pool.block_size
     counts = [i.num_tokens for i in inputs]
@@ -294,12 +344,9 @@ def plan(rows: Rows, inputs: list[RowInput], *, backend: str, num_layers: int, d
         for i in live:
             if i.share_from is not None:
                 rows.share(i.row, i.share_from)
-            elif i.row.tokens is not None:
-                if i.tokens is None:
-                    i.row.tokens = None
-                else:
-                    i.row.tokens.extend(i.tokens)
-        if release_windows:
+            else:
+                rows.add_tokens(i.row, i.tokens)
+        if options.release_windows:
             for i in live:  # keep what this step's first query still sees
                 first_query = a.seq_len(i.row.seqs[0]) - i.num_tokens
                 for g, (window, chunk) in enumerate(zip(groups.windows, groups.chunks)):
@@ -315,8 +362,8 @@ def plan(rows: Rows, inputs: list[RowInput], *, backend: str, num_layers: int, d
             tables = [None if i.row.released else a.block_table(i.row.seqs[g]) for i in inputs]
             lens = [0 if i.row.released else a.seq_len(i.row.seqs[g]) for i in inputs]
             block_tables, seq_lens, qsl, slots = group_tensors(
-                tables, lens, counts, starts, written, pool.scratch_block, bs, bucket=decode_bucket,
-                min_width=min_width)
+                tables, lens, counts, starts, written, pool.scratch_block, bs, bucket=options.decode_bucket,
+                min_width=options.min_width)
             group_steps.append(GroupStep(slots, AttentionMetadata(block_tables, seq_lens, qsl, max_query_len,
                                                                   block_tables.shape[1] * bs, window,
                                                                   chunk=groups.chunks[g])))
@@ -327,42 +374,23 @@ def plan(rows: Rows, inputs: list[RowInput], *, backend: str, num_layers: int, d
         write_index = writes.nonzero().flatten()
     for g in group_steps:
         meta = g.attention
-        if gathered:
+        if options.gathered:
             length = max(1, int(meta.seq_lens.max()))
             pos = torch.arange(length)
             g.gather_slots = slot_of(meta.block_tables.long()[:, pos // bs], pos, bs)  # [B, L]
-        elif backend == "torch":
-            # Whole blocks: the plan's width tells its length. A compiled step always carries the mask; its width
-            # changes block by block (dynamo compiles that dimension as dynamic after the first change).
-            if full_width:
+        elif options.backend == "torch":
+            # Whole blocks: the read layout's width tells its length. A compiled step always carries the mask; its
+            # width changes block by block (dynamo compiles that dimension as dynamic after the first change).
+            if options.full_width:
                 context = meta.max_seq_len
             else:
                 context = cdiv(int(meta.seq_lens.max()), bs) * bs if len(inputs) else bs
             meta.plan = plan_torch_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, bs,
                                              sliding_window=meta.sliding_window, chunk=meta.chunk, max_seq_len=context,
-                                             always_mask=always_mask or static)
-    return Step(len(inputs), max_query_len, max_query_len, no_history, None, write_index, group_steps,
-                backend, static, layers=[None] * max(num_layers, 1))
-
-
-def plan_padded(rows: Rows, input_ids, attention_mask, batch: int, query_len: int, *, first: bool, backend: str,
-                num_layers: int, static: bool, release_windows: bool, gathered: bool) -> Step:
-    """Plan a ``generate()``-style forward: ``[batch, query_len]`` padded columns, one batch row per row.
-
-    ``first``: the rows were just created for this forward (rows with the same prompt then share one copy of it).
-    """
-    real = real_columns(attention_mask, batch, query_len)
-    counts = real.sum(1).tolist() if real is not None else [query_len] * batch
-    tokens = row_tokens(input_ids, real)
-    alias = duplicate_rows(rows, input_ids, real) if first and not gathered else {}
-    inputs = [RowInput(row, counts[r], tokens[r] if tokens is not None else None,
-                       rows[alias[r]] if r in alias else None) for r, row in enumerate(rows)]
-    empty = all(rows.length(row) == 0 for row in rows)
-    step = plan(rows, inputs, backend=backend, num_layers=num_layers, decode_bucket=query_len == 1, static=static,
-                release_windows=release_windows, no_history=first and empty and not gathered, gathered=gathered)
-    step.query_len = query_len
-    step.token_index = None if real is None else real.flatten().nonzero().flatten()
-    return step
+                                             always_mask=options.static)
+    return Step(len(inputs), max_query_len if query_len is None else query_len, max_query_len, no_history,
+                token_index, write_index, group_steps, options.backend, options.static,
+                layers=[None] * max(options.num_layers, 1))
 
 
 def _copy_on_write(pool, copies) -> None:
@@ -391,7 +419,7 @@ def build_layer_step(pool, groups, step: Step, buffers: StepBuffers, layer_idx: 
     device = pool.layer_shapes[layer_idx].device
     view, (token_index, write_index) = step.device_view(group, device, buffers)
     key_cache, value_cache = pool.layer_kv(layer_idx)
-    k_scale, v_scale = pool.layer_scales(layer_idx)  # fp8 pools: [rows, block_size, Hkv] bf16, else None
+    k_scale, v_scale = pool.layer_scales(layer_idx)  # fp8 pools: [num_blocks + 1, block_size, Hkv] bf16, else None
     return LayerStep(key_cache, value_cache, k_scale, v_scale, view, token_index, write_index, step.no_history,
                      step.backend)
 

@@ -3,6 +3,7 @@ lengths, some continuing with history, in one ``[1, T]`` forward."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers import tiny_model
@@ -11,14 +12,14 @@ from hf_paged.cache import StepCache
 from hf_paged.groups import LayerGroups
 from hf_paged.patches import layer_windows
 from hf_paged.rows import Rows
-from hf_paged.step import RowInput, StepBuffers, plan
+from hf_paged.step import RowInput, StepBuffers, StepOptions, plan_engine_step
 
 
 def packed_forward(model, rows: Rows, chunks: list[tuple[object, list[int]]]) -> torch.Tensor:
     """One forward over ``(row, new token ids)`` pairs packed in order; the last logits of each row ``[n, V]``."""
     inputs = [RowInput(row, len(ids), ids) for row, ids in chunks]
     starts = [rows.length(row) for row, _ in chunks]
-    step = plan(rows, inputs, backend="torch", num_layers=model.config.num_hidden_layers)
+    step = plan_engine_step(rows, inputs, StepOptions("torch", model.config.num_hidden_layers))
     ids = torch.tensor([t for _, chunk in chunks for t in chunk])
     pos = torch.cat([torch.arange(s, s + len(chunk)) for s, (_, chunk) in zip(starts, chunks)])
     last = torch.cumsum(torch.tensor([len(c) for _, c in chunks]), 0) - 1
@@ -49,3 +50,28 @@ def test_packed_rows_give_each_prompts_own_logits():
     rows.remove(a)
     rows.remove(b)
     assert pool.allocator.blocks_in_use == 0
+
+
+def test_engine_step_records_each_rows_tokens():
+    """A planned step gives every row slots for its new tokens and records their ids on the row (what prefix keys
+    and ``save`` read); a step fed embeddings (ids unknown) leaves the row's ids unknown for good."""
+    pool = BlockPool(block_size=4)
+    rows = Rows(pool, LayerGroups.from_windows([None, None]))
+    a, b = rows.new(), rows.new()
+    options = StepOptions("triton", 2)  # no torch read layout: nothing attends here
+    step = plan_engine_step(rows, [RowInput(a, 3, [5, 6, 7]), RowInput(b, 2, [8, 9])], options)
+    assert step.groups[0].slot_mapping.shape == (5,) and step.query_len == step.max_query_len == 3
+    assert a.tokens == [5, 6, 7] and b.tokens == [8, 9]
+    plan_engine_step(rows, [RowInput(a, 2, None), RowInput(b, 1, [4])], options)
+    assert a.tokens is None and b.tokens == [8, 9, 4]
+    plan_engine_step(rows, [RowInput(a, 1, [3])], options)
+    assert a.tokens is None and rows.length(a) == 6 and rows.length(b) == 3
+    rows.clear()
+    assert pool.allocator.blocks_in_use == 0
+
+
+def test_step_options_refuse_an_unresolved_backend():
+    """The planner builds the torch read layout only for "torch": an unresolved "auto" would silently plan none,
+    so the options refuse it and name the fix."""
+    with pytest.raises(ValueError, match="resolve_backend"):
+        StepOptions("auto", 2)

@@ -1,11 +1,12 @@
 """One forward per step over the scheduler's packed batch, through the shared step planner.
 
-The batch's chunks become one row of ``T`` tokens (each request's new tokens back to back, no padding) with explicit
-per-token positions. The planner (``hf_paged.step.plan``, the same one ``PagedCache`` uses) takes each request's
-slots and builds the varlen step tensors; ``StepCache`` writes every layer's K/V through the slot mapping and hands
-the layer its step, so every query attends through the block tables (history, earlier chunks and prefix hits all
-read the pool). Logits are computed only at each sampling chunk's last token (``logits_to_keep``), plus, for a
-request that asked for prompt logprobs, at the prompt positions of its chunks (``Chunk.prompt_positions``).
+The batch's chunks become one ``[1, T]`` input (each request's new tokens back to back, no padding) with explicit
+per-token positions. The planner (``hf_paged.step.plan_engine_step``, over the same core as ``PagedCache``'s
+``plan_generate_step``) takes each request's slots and builds the varlen step tensors; ``StepCache`` writes every
+layer's K/V through the slot mapping and hands the layer its step, so every query attends through the block tables
+(history, earlier chunks and prefix hits all read the pool). Logits are computed only at each sampling chunk's last
+token (``logits_to_keep``), plus, for a request that asked for prompt logprobs, at the prompt positions of its chunks
+(``Chunk.prompt_positions``).
 """
 
 from __future__ import annotations
@@ -17,23 +18,26 @@ from dataclasses import dataclass
 import torch
 
 from .. import compat
+from ..cache import StepCache
+from ..ops import resolve_backend
 from ..rows import Row
+from ..step import RowInput, Step, StepOptions, plan_engine_step
 from .scheduler import Batch
 from .states import PackedStates, segments
 
 
-# On CPU, MKL's fp32 GEMM takes a slow path for 4-15 rows: measured here (2-core Xeon, one thread) a linear layer of
-# SmolLM2 costs 0.60 ms for 13-15 rows and 0.38 ms for 16, its 49k-word head 62 ms for 15 rows and 26 ms for 16, a
-# whole forward of 15 tokens 184 ms and of 16 tokens 125 ms. A step of that size runs padded to 16 rows; the padding
-# tokens are a released row's (written to the pool's scratch block, their outputs dropped), the padding logits rows
-# repeat the last one. GPUs have no such cliff (and their CUDA graphs pad to their own buckets).
-CPU_GEMM_ROWS = 16
+# On CPU, MKL's fp32 GEMM takes a slow path for an input of 4-15 tokens: measured here (2-core Xeon, one thread) a
+# linear layer of SmolLM2 costs 0.60 ms for 13-15 tokens and 0.38 ms for 16, its 49k-word head 62 ms for 15 tokens and
+# 26 ms for 16, a whole forward of 15 tokens 184 ms and of 16 tokens 125 ms. A step of that size runs padded to 16
+# tokens; the padding tokens are a released row's (written to the pool's scratch block, their outputs dropped), the
+# padding logits repeat the last ones. GPUs have no such cliff (and their CUDA graphs pad to their own buckets).
+CPU_GEMM_TOKENS = 16
 PAD_ROW = Row(seqs=[], tokens=None, released=True)  # holds no KV: its tokens go to the scratch block
 
 
-def cpu_rows(n: int, smallest: int) -> int:
-    """The row count to run ``n`` rows with on CPU: 16 when ``smallest <= n < 16``, else ``n``."""
-    return CPU_GEMM_ROWS if smallest <= n < CPU_GEMM_ROWS else n
+def cpu_gemm_size(n: int, smallest: int) -> int:
+    """The token (or logits) count to run ``n`` with on CPU: 16 when ``smallest <= n < 16``, else ``n``."""
+    return CPU_GEMM_TOKENS if smallest <= n < CPU_GEMM_TOKENS else n
 
 
 @dataclass
@@ -43,20 +47,20 @@ class PackedInputs:
     # [k + m (+ repeats)] int64: the last token of each sampling chunk in batch order, then the m prompt positions
     # whose logits prompt logprobs need, chunk by chunk
     logits_index: torch.Tensor
-    num_sampled: int  # k: the sampling rows of the logits
+    num_sampled: int  # k: the logits of the sampling chunks
     padding: int  # P
-    num_prompt_rows: int = 0  # m
+    num_prompt_logits: int = 0  # m
 
     def moved(self, put) -> "PackedInputs":
         """The same inputs with each tensor replaced by ``put(name, tensor)`` (moved to a device, or staged)."""
         return PackedInputs(put("input_ids", self.input_ids), put("position_ids", self.position_ids),
                             put("logits_index", self.logits_index), self.num_sampled, self.padding,
-                            self.num_prompt_rows)
+                            self.num_prompt_logits)
 
 
-def pack(batch: Batch, device: torch.device, rows: int | None = None) -> PackedInputs:
+def pack(batch: Batch, device: torch.device, bucket: int | None = None) -> PackedInputs:
     """The packed inputs of ``batch`` as host tensors (built from host lists once), padded to GEMM-friendly sizes on
-    CPU; ``rows``: a decode-only batch padded to that many one-token rows (a graph's bucket), every row's logits
+    CPU; ``bucket``: a decode-only batch padded to that many one-token rows (a graph's bucket), every token's logits
     kept."""
     ids, positions, keep, prompt_keep = [], [], [], []
     for chunk in batch.chunks:
@@ -66,43 +70,43 @@ def pack(batch: Batch, device: torch.device, rows: int | None = None) -> PackedI
         prompt_keep.extend(base + p for p in chunk.prompt_positions)
         if chunk.sample:
             keep.append(len(ids) - 1)
-    num_sampled, num_prompt_rows, padding = len(keep), len(prompt_keep), 0
+    num_sampled, num_prompt_logits, padding = len(keep), len(prompt_keep), 0
     keep += prompt_keep
-    if rows is not None:
-        assert not num_prompt_rows, "a graphed decode-only step has no prompt positions"
-        padding = rows - len(ids)
-        keep = list(range(rows))
+    if bucket is not None:
+        assert not num_prompt_logits, "a graphed decode-only step has no prompt positions"
+        padding = bucket - len(ids)
+        keep = list(range(bucket))
     elif device.type == "cpu":
-        padding = cpu_rows(len(ids), 7) - len(ids)  # fewer than 7 tokens run faster unpadded
+        padding = cpu_gemm_size(len(ids), 7) - len(ids)  # fewer than 7 tokens run faster unpadded
         if keep:
-            keep.extend([keep[-1]] * (cpu_rows(len(keep), 4) - len(keep)))
+            keep.extend([keep[-1]] * (cpu_gemm_size(len(keep), 4) - len(keep)))
     ids.extend([0] * padding)
-    positions.extend(range(padding) if rows is None else [0] * padding)
+    positions.extend(range(padding) if bucket is None else [0] * padding)
     return PackedInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                        torch.tensor(keep, dtype=torch.long), num_sampled, padding, num_prompt_rows)
+                        torch.tensor(keep, dtype=torch.long), num_sampled, padding, num_prompt_logits)
 
 
 class ModelRunner:
     """Runs a :class:`~hf_paged.engine.scheduler.Batch` through ``model`` on the engine's rows.
 
-    ``run(batch) -> logits [k + m, vocab]`` (float, the model's dtype): the batch's k sampling chunks' rows, then
-    the m rows of its chunks' ``prompt_positions``. ``plan_time`` /
+    ``run(batch) -> logits [k + m, vocab]`` (float, the model's dtype): the batch's k sampling chunks' logits, then
+    the m of its chunks' ``prompt_positions``. ``plan_time`` /
     ``forward_time``: seconds of the last call's host preparation and of its forward. ``graphs``: a
     :class:`~hf_paged.engine.graphs.DecodeGraphs` replaying decode-only steps (None: every step eager).
     """
 
     def __init__(self, model, kv, backend: str, num_layers: int, graphs=None):
-        from ..cache import StepCache
-        from ..ops import resolve_backend
-        from ..step import RowInput, plan
-
         self.model = model
         self.kv = kv
         self.backend = resolve_backend(backend, model.device)  # "auto" -> what runs on this device
         self.num_layers = num_layers
         self.device = model.device
         self.graphs = graphs
-        self._plan, self._row_input, self._step_cache = plan, RowInput, StepCache
+        self._eager = StepOptions(self.backend, num_layers)
+        # a graphed step: staged in the step buffers, tables bucketed to a few widths, read over their whole width
+        self._graphed = None if graphs is None else StepOptions(self.backend, num_layers, static=True,
+                                                                decode_bucket=True, full_width=True,
+                                                                min_width=graphs.min_width)
         self._buffers = kv.pool.lend_step_buffers(self)
         params = inspect.signature(model.forward).parameters
         self.keeps_logits = "logits_to_keep" in params
@@ -116,15 +120,7 @@ class ModelRunner:
             self._packed_states = PackedStates(self.kv.pool, segments(batch.chunks), self.kv.state_layers)
         bucket = self.graphs.rows_for(batch.chunks) if self.graphs is not None else None
         inputs = pack(batch, self.device, bucket)
-        rows = [self._row_input(c.request.row, c.num_tokens, c.tokens) for c in batch.chunks]
-        if bucket is not None:  # one released row per padding token: every row of a graphed step has one query
-            rows += [self._row_input(PAD_ROW, 1, None) for _ in range(inputs.padding)]
-            step = self._plan(self.kv.rows, rows, backend=self.backend, num_layers=self.num_layers,
-                              decode_bucket=True, static=True, full_width=True, min_width=self.graphs.min_width)
-        else:
-            if inputs.padding:
-                rows.append(self._row_input(PAD_ROW, inputs.padding, None))
-            step = self._plan(self.kv.rows, rows, backend=self.backend, num_layers=self.num_layers)
+        step = self._plan(batch, inputs.padding, graphed=bucket is not None)
         t1 = time.perf_counter()
         self.plan_time = t1 - t0
         if self.before_forward is not None:
@@ -133,16 +129,26 @@ class ModelRunner:
             logits = self.graphs.run(step, inputs, self._buffers, self._forward)
         else:
             logits = self._forward(step, inputs.moved(lambda name, t: t.to(self.device, non_blocking=True)))
-        logits = logits[: inputs.num_sampled + inputs.num_prompt_rows]  # [k + m, vocab]
+        logits = logits[: inputs.num_sampled + inputs.num_prompt_logits]  # [k + m, vocab]
         if logits.device.type == "cuda":  # the time is the forward's, not the sampler's first sync
             torch.cuda.synchronize(logits.device)
         self.forward_time = time.perf_counter() - t1
         self.kv.publish([c.request.row for c in batch.chunks])
         return logits
 
-    def _forward(self, step, inputs: PackedInputs) -> torch.Tensor:
-        """``[k', vocab]`` logits of the sampled rows (``inputs`` on the model's device)."""
-        cache = self._step_cache(self.kv.rows, step, self.num_layers, self._buffers)
+    def _plan(self, batch: Batch, padding: int, graphed: bool) -> Step:
+        """The step of ``batch``'s chunks, then ``padding`` tokens of the padding row (``graphed``: one released row
+        per padding token, so every row of a graphed step has one query)."""
+        inputs = [RowInput(c.request.row, c.num_tokens, c.tokens) for c in batch.chunks]
+        if graphed:
+            inputs += [RowInput(PAD_ROW, 1, None) for _ in range(padding)]
+        elif padding:
+            inputs.append(RowInput(PAD_ROW, padding, None))
+        return plan_engine_step(self.kv.rows, inputs, self._graphed if graphed else self._eager)
+
+    def _forward(self, step: Step, inputs: PackedInputs) -> torch.Tensor:
+        """``[k', vocab]`` logits of the sampled chunks (``inputs`` on the model's device)."""
+        cache = StepCache(self.kv.rows, step, self.num_layers, self._buffers)
         cache.packed_states = self._packed_states
         kwargs = {compat.FORWARD_CACHE_KWARG: cache, "use_cache": True}
         if self.keeps_logits:

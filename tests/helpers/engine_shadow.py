@@ -19,7 +19,7 @@ from hf_paged.engine.core import EngineCore
 from hf_paged.engine.kv import RequestKV
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.groups import LayerGroups
-from hf_paged.step import RowInput, plan
+from hf_paged.step import RowInput, StepOptions, plan_engine_step
 
 VOCAB = 64
 EOS = 1
@@ -59,8 +59,8 @@ class ShadowRunner:
             for seq in chunk.request.row.seqs:
                 if chunk.start % bs:
                     partial.append((seq, chunk.start // bs, a.block_table(seq)[chunk.start // bs]))
-        step = plan(kv.rows, [RowInput(c.request.row, c.num_tokens, c.tokens) for c in batch.chunks],
-                    backend="triton", num_layers=1)  # (no torch gather plan: nothing attends here)
+        step = plan_engine_step(kv.rows, [RowInput(c.request.row, c.num_tokens, c.tokens) for c in batch.chunks],
+                                StepOptions("triton", 1))  # (no torch read layout: nothing attends here)
         if self.fail is not None and self.fail(batch):  # slots taken, K/V never written
             raise RuntimeError("shadow forward failed")
         for seq, index, old in partial:  # copy-on-write: the planner replaced a shared last block
