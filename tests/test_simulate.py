@@ -59,8 +59,8 @@ def test_paged_matches_exact_formula(block_size):
 
 
 def test_block_size_one_wastes_nothing():
-    requests = sample_workload(SHAREGPT, 150, seed=1)
-    run = simulate_paged(requests, 1, budget_tokens=12_000)
+    requests = sample_workload(SHAREGPT, 80, seed=1)
+    run = simulate_paged(requests, 1, budget_tokens=6_000)
     assert run.preemptions > 0  # the budget binds: preemption and re-admission are exercised too
     np.testing.assert_array_equal(run.held, run.real)
     assert run.waste == 0.0
@@ -68,8 +68,8 @@ def test_block_size_one_wastes_nothing():
 
 @pytest.mark.parametrize("block_size", [8, 16, 128])
 def test_paged_waste_is_only_the_last_block(block_size):
-    requests = sample_workload(SHAREGPT, 150, seed=2)
-    run = simulate_paged(requests, block_size, budget_tokens=12_000)
+    requests = sample_workload(SHAREGPT, 80, seed=2)
+    run = simulate_paged(requests, block_size, budget_tokens=6_000)
     assert ((run.held - run.real) >= 0).all()
     assert ((run.held - run.real) <= run.live * (block_size - 1)).all()
 
@@ -98,8 +98,8 @@ def test_padded_batch_holds_longest_row_until_the_batch_ends():
 
 
 def test_budget_respected_and_every_token_served():
-    requests = sample_workload(SHAREGPT, 200, seed=5)
-    budget = 20_000
+    requests = sample_workload(SHAREGPT, 100, seed=5)
+    budget = 12_000
     res = simulate_workload(requests, budget, block_sizes=(8, 16, 32), batch_sizes=(2, 4))
     outputs = sum(o for _, o in requests)
     for run in res.runs():
@@ -199,7 +199,7 @@ def test_plots_write_pngs(tmp_path):
     from hf_paged.tools.plots import plot_block_map, plot_memory_over_steps, plot_waste_vs_block_size
     from hf_paged.tools.simulate import SMOLLM2_135M
 
-    requests = sample_workload(ALPACA, 150, seed=0)
+    requests = sample_workload(ALPACA, 80, seed=0)
     res = simulate_workload(requests, 4096, block_sizes=(8, 16), batch_sizes=(8,), name="alpaca")
     paths = [tmp_path / n for n in ("waste.png", "memory.png", "map.png")]
     plot_waste_vs_block_size([res], paths[0])

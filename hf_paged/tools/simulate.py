@@ -7,9 +7,9 @@ the pool's allocator; a chunk that reaches the end of its request's known tokens
 ``(prompt_len, output_len)`` ends after ``output_len`` tokens. Three ways to hold the KV of the same requests in one
 fixed budget of token slots:
 
-* **reservation** (``StaticCache``-style): each running sequence owns ``max_len`` slots. A slot is refilled as soon as
+* **reservation** (``StaticCache``-style): each running request owns ``max_len`` slots. A slot is refilled as soon as
   its request finishes (Orca-"max" style), the kindest case for reservation. It is simulated as the engine on a pool
-  whose block size is ``max_len``: one block per sequence, no watermark.
+  whose block size is ``max_len``: one block per request, no watermark.
 * **padded** (``DynamicCache`` in a batched ``generate()``): requests run in static batches of ``batch_size``; every
   row is left-padded to the batch's longest prompt and grows by one column per step until the batch's longest output
   ends, so finished rows stay held. A batch is admitted when the final size of every running batch, its own
@@ -337,7 +337,7 @@ def simulate_paged(requests: list[Request], block_size: int, budget_tokens: int,
 
 def simulate_reservation(requests: list[Request], max_len: int, budget_tokens: int, *,
                          max_batch_tokens: int = CUDA_BATCH_TOKENS) -> Run:
-    """``StaticCache``-style: every running sequence reserves ``max_len`` slots (a block of ``max_len`` tokens)."""
+    """``StaticCache``-style: every running request reserves ``max_len`` slots (a block of ``max_len`` tokens)."""
     return simulate_paged(requests, max_len, budget_tokens, watermark=0.0, max_batch_tokens=max_batch_tokens,
                           label=f"reserve {max_len}")
 
@@ -373,7 +373,7 @@ def simulate_padded(requests: list[Request], batch_size: int, budget_tokens: int
         t = np.arange(1, length + 1)  # [length] local step: the t-th token; the cache holds t - 1 of them
         prompt = np.array([p for p, _ in b])
         output = np.array([o for _, o in b])
-        running = output[None, :] >= t[:, None]  # [length, rows]
+        running = output[None, :] >= t[:, None]  # [length, batch]
         held[start:start + length] += len(b) * (width + t - 1)
         live[start:start + length] += running.sum(1)
         real[start:start + length] += (running * (prompt[None, :] + t[:, None] - 1)).sum(1)
