@@ -125,6 +125,7 @@ def test_pool_and_scheduler_consistent_through_preemption_and_every_request_serv
         assert figures.real <= figures.held <= 700 * 16
     assert sim.preemptions > 0
     assert sim.allocator.blocks_in_use == 0 and sim.allocator.num_free == 700
+    assert sim.pool.bytes_reserved() == 0  # no K/V tensor was ever made
     for i, (req, (p, o)) in enumerate(zip(sim.requests, requests)):
         assert req.status == RequestStatus.FINISHED and req.finish_reason == "length"
         assert req.tokens == fake_prompt(i, p) + [i] * o

@@ -330,9 +330,10 @@ def simulate_paged(requests: list[Request], block_size: int, budget_tokens: int,
     except ValueError as e:
         return Run.failed(label, budget_tokens, str(e))
     figures = sim.run()
-    column = lambda name: np.array([getattr(f, name) for f in figures])  # noqa: E731
-    return Run(label, budget_tokens, column("held"), column("real"), column("live"), column("waiting").astype(bool),
-               preemptions=sim.preemptions, recomputed_tokens=sim.scheduler.counters.recomputed_tokens)
+    held, real, live, waiting = (np.array([getattr(f, name) for f in figures])
+                                 for name in ("held", "real", "live", "waiting"))
+    return Run(label, budget_tokens, held, real, live, waiting.astype(bool), preemptions=sim.preemptions,
+               recomputed_tokens=sim.scheduler.counters.recomputed_tokens)
 
 
 def simulate_reservation(requests: list[Request], max_len: int, budget_tokens: int, *,
