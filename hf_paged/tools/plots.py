@@ -70,9 +70,9 @@ def plot_waste_vs_block_size(results: list[WorkloadResult], path=None):
     ax_w.set_ylabel("KV waste, time-averaged (% of held)")
     ax_w.set_ylim(0, 100)
     ax_w.set_title("KV held but not holding a live token")
-    ax_c.set_ylabel("sequences running / ideal")
+    ax_c.set_ylabel("requests running / ideal")
     ax_c.set_ylim(0, 1.05)
-    ax_c.set_title("Sequences that fit in the budget (ideal = every slot a real token)")
+    ax_c.set_title("Requests that fit in the budget (ideal = every slot a real token)")
     handles, labels = ax_w.get_legend_handles_labels()
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
@@ -107,7 +107,7 @@ def plot_memory_over_steps(trace: BatchTrace, shape: ModelShape | None = None, p
 
 
 def plot_block_map(block_map: BlockMap, path=None, columns: int = 16):
-    """The pool as a grid of physical blocks colored by owning sequence, next to the block tables that map to them.
+    """The pool as a grid of physical blocks colored by owning request, next to the block tables that map to them.
 
     Each cell is filled up to the share of its slots holding tokens; the label is ``request:logical block``.
     """
