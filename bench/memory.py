@@ -1,8 +1,8 @@
 """How much KV memory does each cache waste, and how many sequences fit in a fixed budget?
 
-A simulation (no model runs): each workload is replayed step by step through the real ``hf_paged.BlockAllocator``
-for reservation at the context length (StaticCache-style), padded static batches (DynamicCache in a batched
-generate()), and PagedCache at several block sizes. Definitions and scheduling policies: ``hf_paged/tools/simulate.py``.
+A simulation (no model runs): each workload is served step by step by the engine's own scheduler on a pool that makes
+no K/V tensor, for reservation at the context length (StaticCache-style) and PagedCache at several block sizes, and
+replayed as padded static batches (DynamicCache in a batched generate()). Definitions: ``hf_paged/tools/simulate.py``.
 
 Workloads (lengths: lognormal, clipped so prompt + output <= 2048, means calibrated to the vLLM paper's figures):
   ShareGPT-like  prompt 161.31 / output 337.99 mean tokens, sigma 1.0 / 0.9; 1000 requests in 3 GiB
@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_paged import parse_memory  # noqa: E402
+from hf_paged.engine.options import CUDA_BATCH_TOKENS  # noqa: E402
 from hf_paged.report import cpu_name  # noqa: E402
 from hf_paged.tools.plots import plot_block_map, plot_memory_over_steps, plot_waste_vs_block_size  # noqa: E402
 from hf_paged.tools.simulate import (  # noqa: E402
@@ -56,6 +57,8 @@ def main(argv=None) -> int:
                    help="KV dtype for bytes (default fp16; fp8 = PagedCache(kv_dtype=torch.float8_e4m3fn))")
     p.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32], help="padded batch sizes (default 8 32)")
+    p.add_argument("--max-batch-tokens", type=int, default=CUDA_BATCH_TOKENS,
+                   help=f"the engine's tokens per step (default {CUDA_BATCH_TOKENS}, its default on CUDA)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--plots", default="bench/out", help="directory for PNGs (default bench/out)")
     p.add_argument("--no-plots", action="store_true")
@@ -70,7 +73,8 @@ def main(argv=None) -> int:
         budget_tokens = budget_bytes // shape.bytes_per_token
         requests = sample_workload(lengths, args.requests or default_requests, seed=args.seed)
         res = simulate_workload(requests, budget_tokens, block_sizes=tuple(args.block_sizes),
-                                batch_sizes=tuple(args.batch_sizes), max_len=lengths.max_len, name=lengths.name,
+                                batch_sizes=tuple(args.batch_sizes), max_len=lengths.max_len,
+                                max_batch_tokens=args.max_batch_tokens, name=lengths.name,
                                 progress=not args.no_progress)
         results.append(res)
         report.append({"workload": asdict(lengths), "requests": len(requests), "budget_bytes": budget_bytes,
@@ -96,10 +100,11 @@ def main(argv=None) -> int:
     print(f"KV memory by simulation, seed {args.seed}, {shape.name} shape ({shape.num_layers} layers x "
           f"{shape.num_kv_heads} KV heads x head_dim {shape.head_dim}, {shape.dtype_name}: "
           f"{format_bytes(shape.bytes_per_token)}/token)")
-    print("waste: time-averaged share of held KV not holding a token of a running sequence; held/ideal = 1/(1-waste)")
-    print("capacity: mean running sequences while requests wait; ideal = paged at block size 1 (every slot real)")
-    print("reserve: 2048 slots per sequence, refilled as requests end; padded B: static batches, finished rows held, "
-          "admitted when their final size fits; steps: decode steps to serve all")
+    print("waste: time-averaged share of held KV not holding a token of a running request; held/ideal = 1/(1-waste)")
+    print("capacity: mean running requests while others wait; ideal = paged at block size 1 (every slot real)")
+    print("reserve: 2048 slots per request, refilled as requests end; padded B: static batches, finished rows held, "
+          f"admitted when their final size fits; paged: the engine's scheduler, {args.max_batch_tokens} tokens per "
+          "step; steps: forwards to serve all")
     for res, lengths in zip(results, [w[0] for w in WORKLOADS]):
         print()
         print(lengths.describe())

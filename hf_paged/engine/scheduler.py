@@ -1,4 +1,5 @@
-"""Who runs in the next forward, and with how many tokens. Tensor-free.
+"""Who runs in the next forward, and with how many tokens. Tensor-free: the memory simulation
+(``hf_paged/tools/simulate.py``) serves workloads with it on a pool that never makes a K/V tensor.
 
 First come, first served. Each step:
 
@@ -12,8 +13,8 @@ First come, first served. Each step:
    begin with; one whose next blocks are being computed by another running request waits for them instead.
 
 The scheduler owns the waiting queue, the running list and each request's ``num_computed``, ``row`` and status;
-the rows' blocks are asked of :class:`~hf_paged.engine.kv.RequestKV`. It decides and returns a :class:`Batch`; the
-runner plans and runs it; :meth:`Scheduler.advance` then records what ran.
+the rows' blocks are asked of :class:`~hf_paged.engine.kv.RequestKV`. Its schedule of a step is a :class:`Batch`;
+the runner plans and runs it; :meth:`Scheduler.advance` then records what ran.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class Chunk:
 
 @dataclass
 class Batch:
-    """A step's decision: the chunks to run (in this order), and the requests preempted to make room."""
+    """A step's schedule: the chunks to run (in this order), and the requests preempted to make room."""
 
     chunks: list[Chunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -116,7 +117,7 @@ class Scheduler:
 
     # --------------------------------------------------------------- schedule
     def schedule(self) -> Batch:
-        """Decide the next step (see the module's docstring). Admission and preemption happen here; the blocks
+        """The next step's schedule (see the module's docstring). Admission and preemption happen here; the blocks
         for the chunks are taken by the planner, which :meth:`RequestKV.num_free` accounts for as ``reserved``."""
         batch = Batch()
         self._schedule_running(batch)
@@ -178,7 +179,7 @@ class Scheduler:
                 held.append(req)
                 continue
             row = self.kv.open(prefix, req.tokens)
-            if row is None:  # no room for its state slot (hybrid models under a byte cap)
+            if row is None:  # no room for its state cell (hybrid models under a byte cap)
                 self.waiting.appendleft(req)
                 break
             cached = len(prefix) * self.kv.block_size

@@ -70,9 +70,9 @@ def plot_waste_vs_block_size(results: list[WorkloadResult], path=None):
     ax_w.set_ylabel("KV waste, time-averaged (% of held)")
     ax_w.set_ylim(0, 100)
     ax_w.set_title("KV held but not holding a live token")
-    ax_c.set_ylabel("sequences running / ideal")
+    ax_c.set_ylabel("requests running / ideal")
     ax_c.set_ylim(0, 1.05)
-    ax_c.set_title("Sequences that fit in the budget (ideal = every slot a real token)")
+    ax_c.set_title("Requests that fit in the budget (ideal = every slot a real token)")
     handles, labels = ax_w.get_legend_handles_labels()
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
@@ -107,7 +107,7 @@ def plot_memory_over_steps(trace: BatchTrace, shape: ModelShape | None = None, p
 
 
 def plot_block_map(block_map: BlockMap, path=None, columns: int = 16):
-    """The pool as a grid of physical blocks colored by owning sequence, next to the block tables that map to them.
+    """The pool as a grid of physical blocks colored by owning request, next to the block tables that map to them.
 
     Each cell is filled up to the share of its slots holding tokens; the label is ``request:logical block``.
     """
@@ -125,13 +125,13 @@ def plot_block_map(block_map: BlockMap, path=None, columns: int = 16):
     cmap = plt.get_cmap("tab20")
     order = sorted(bm.tables)
     color_of = {r: cmap(k % 20) for k, r in enumerate(order)}
-    rows = cdiv(bm.num_blocks, columns)
+    height = cdiv(bm.num_blocks, columns)
     longest = max((len(t) for t in bm.tables.values()), default=1)
 
     fig, (ax_p, ax_t) = plt.subplots(1, 2, figsize=(15, max(4.5, 0.28 * len(order) + 1)),
                                      gridspec_kw={"width_ratios": [columns, longest + 4]})
     for b in range(bm.num_blocks):
-        x, y = b % columns, rows - 1 - b // columns
+        x, y = b % columns, height - 1 - b // columns
         if owner[b] < 0:
             ax_p.add_patch(Rectangle((x, y), 0.95, 0.95, color="0.92"))
             ax_p.text(x + 0.47, y + 0.47, str(b), ha="center", va="center", fontsize=6, color="0.6")
@@ -141,7 +141,7 @@ def plot_block_map(block_map: BlockMap, path=None, columns: int = 16):
         ax_p.add_patch(Rectangle((x, y), 0.95, 0.95 * fill[b], facecolor=c, edgecolor="none"))
         ax_p.text(x + 0.47, y + 0.47, f"{owner[b]}:{logical[b]}", ha="center", va="center", fontsize=6)
     ax_p.set_xlim(0, columns)
-    ax_p.set_ylim(0, rows)
+    ax_p.set_ylim(0, height)
     ax_p.set_aspect("equal")
     ax_p.axis("off")
     used = int((owner >= 0).sum())

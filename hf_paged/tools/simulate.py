@@ -1,29 +1,35 @@
-"""Memory at scale, by simulation: replay a workload through the real :class:`BlockAllocator` and compare KV schemes.
+"""Memory at scale, by simulation: serve a workload with the engine's own scheduler and compare KV schemes.
 
-No model runs here; sequences grow one token per step and only KV bookkeeping is simulated. Three ways to hold the
-KV of the same requests in one fixed budget of token slots:
+No model runs here and no K/V tensor is made: requests are served by the engine's real
+:class:`~hf_paged.engine.scheduler.Scheduler` over a :class:`~hf_paged.engine.kv.RequestKV` on a real
+:class:`~hf_paged.BlockPool` (whose tensors are never made), and each scheduled chunk "runs" by taking its blocks in
+the pool's allocator; a chunk that reaches the end of its request's known tokens produces a fake token. A request
+``(prompt_len, output_len)`` ends after ``output_len`` tokens. Three ways to hold the KV of the same requests in one
+fixed budget of token slots:
 
-* **reservation** (``StaticCache``-style): each running sequence owns ``max_len`` slots. A slot is refilled as soon as
-  its request finishes (Orca-"max" style), the kindest case for reservation. It is simulated as a paged pool whose
-  block size is ``max_len``: one block per sequence.
+* **reservation** (``StaticCache``-style): each running request owns ``max_len`` slots. A slot is refilled as soon as
+  its request finishes (Orca-"max" style), the kindest case for reservation. It is simulated as the engine on a pool
+  whose block size is ``max_len``: one block per request, no watermark.
 * **padded** (``DynamicCache`` in a batched ``generate()``): requests run in static batches of ``batch_size``; every
   row is left-padded to the batch's longest prompt and grows by one column per step until the batch's longest output
   ends, so finished rows stay held. A batch is admitted when the final size of every running batch, its own
   included, fits the budget (an oracle that knows output lengths: the kindest case for padding).
-* **paged** (``PagedCache``): continuous batching over a :class:`BlockAllocator` of ``budget // block_size`` blocks.
-  A waiting request is admitted first-come-first-served when its prompt (plus one token) fits and a watermark of
-  free blocks is left (1% of the pool, like vLLM's). When a step runs out of blocks, the newest sequence is preempted
-  (freed and re-queued at the front, recomputed on return). Finished sequences free their blocks at once.
+* **paged** (``PagedCache``): the engine's continuous batching on a pool of ``budget // block_size`` blocks, with
+  its policy as :mod:`hf_paged.engine.scheduler` has it (first come first served, chunked prefill within
+  ``max_batch_tokens``, a 1% watermark at admission, preemption of the most recently admitted request by recompute,
+  prefix caching as the engine's default pool has it). Finished requests give their blocks back at once.
 
-Conventions: a sequence admitted with prompt ``p`` holds ``p + g`` tokens after its ``g``-th step and finishes after
-step ``output_len``; each step is measured after its appends and before finished sequences are released.
+Conventions, as in the engine: a step is one forward; a request's prompt runs in its first step(s), which give its
+first token, and each later step runs the token before to give the next, so a request of prompt ``p`` holds
+``p + g - 1`` tokens in the step that gives its ``g``-th token (the last token's K/V is never computed). Each step is
+measured after its chunks took their blocks and before finished requests are released.
 
 * **held**: slots set aside for running work: blocks in use x block size (paged, reservation), batch rows x columns
   (padded, finished rows included).
-* **real**: tokens of sequences still generating. Everything held and not real is waste.
+* **real**: tokens whose K/V running requests hold. Everything held and not real is waste.
 * **waste** = ``1 - sum_t real(t) / sum_t held(t)``: the time-averaged unused fraction of held KV.
-* **capacity**: mean number of running sequences over the steps where a request was left waiting (the budget, not
-  the workload, limited the batch); ``None`` when the budget never bound. The *ideal* is the paged scheduler at
+* **capacity**: mean number of running requests over the steps where a request was left waiting (the budget, not
+  the workload, limited the batch); ``None`` when the budget never bound. The *ideal* is the paged scheme at
   block size 1, where every held slot holds a real token.
 
 Example::
@@ -41,13 +47,20 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from ..allocator import BlockAllocator, cdiv
-from ..errors import OutOfBlocksError
+from ..engine.kv import RequestKV
+from ..engine.options import CUDA_BATCH_TOKENS, DEFAULT_WATERMARK
+from ..engine.outputs import RequestStatus
+from ..engine.request import Request as EngineRequest
+from ..engine.scheduler import Batch, Scheduler
+from ..groups import LayerGroups
+from ..patches import kv_shape
+from ..pool import BlockPool
 
 Request = tuple[int, int]  # (prompt_len, output_len)
 
@@ -125,8 +138,6 @@ class ModelShape:
     @classmethod
     def from_config(cls, config, dtype_bytes: int = 2) -> "ModelShape":
         """The shape of a transformers config (``model.config``)."""
-        from ..patches import kv_shape
-
         kv_heads, head_dim = kv_shape(config)
         return cls(getattr(config, "name_or_path", "") or type(config).__name__, config.num_hidden_layers,
                    kv_heads, head_dim, dtype_bytes)
@@ -143,10 +154,11 @@ class Run:
     label: str
     budget_tokens: int
     held: np.ndarray  # [steps] slots held for running work
-    real: np.ndarray  # [steps] tokens of running sequences
-    live: np.ndarray  # [steps] running sequences
+    real: np.ndarray  # [steps] tokens whose K/V running requests hold
+    live: np.ndarray  # [steps] running requests
     waiting: np.ndarray  # [steps] bool, a request was left waiting
     preemptions: int = 0
+    recomputed_tokens: int = 0  # tokens computed again after a preemption (not found in the prefix cache)
     error: str | None = None
 
     @property
@@ -185,6 +197,7 @@ class Run:
             "capacity_over_ideal": cap / ideal_cap if cap is not None and ideal_cap else None,
             "peak_held_tokens": self.peak_held,
             "preemptions": self.preemptions,
+            "recomputed_tokens": self.recomputed_tokens,
             "steps": self.steps,
         }
 
@@ -194,129 +207,140 @@ class Run:
         return cls(label, budget_tokens, empty, empty, empty, empty.astype(bool), error=error)
 
 
-class PagedScheduler:
-    """Continuous batching over a real :class:`BlockAllocator` (see the module docstring for the policy).
+def fake_prompt(index: int, prompt_len: int) -> list[int]:
+    """The token ids request ``index`` of a simulation is served with: ``prompt_len`` times ``index`` (its
+    generated tokens are ``index`` too), so no two requests share a prefix block."""
+    return [index] * prompt_len
+
+
+@dataclass
+class StepFigures:
+    """One step of a simulation, in token slots, measured before its finished requests are released."""
+
+    held: int  # blocks in use x block size
+    real: int  # tokens whose K/V running requests hold
+    live: int  # running requests
+    waiting: bool  # a request was left waiting
+
+
+class EngineSimulation:
+    """The engine's scheduling of ``requests`` on a pool of ``num_blocks`` blocks, without a model.
+
+    The engine's :class:`~hf_paged.engine.scheduler.Scheduler` decides every step (admission, chunked prefill,
+    preemption, prefix hits) over a :class:`~hf_paged.engine.kv.RequestKV` on a :class:`~hf_paged.BlockPool` with
+    one full-attention layer group; the pool never makes a K/V tensor. :meth:`step` stands in for the engine's step:
+    the schedule's chunks take their blocks in the pool's allocator as the step planner takes them, their blocks are
+    published, the scheduler records what ran, and each chunk that reaches the end of its request's tokens gives a
+    fake token (:func:`fake_prompt`); a request ends with ``output_len`` tokens.
 
     Args:
-        requests: ``(prompt_len, output_len)`` pairs, served first come first served.
+        requests: ``(prompt_len, output_len)`` pairs, all waiting at the start, in this order.
         block_size: tokens per block.
         num_blocks: blocks in the pool; together they must hold the longest request.
-        watermark: fraction of the pool kept free when admitting while other sequences run.
-        store_kv: also keep a real :class:`BlockPool` (one layer, one head, ``head_dim`` 1) and write every token into
-            it: K holds ``request index + 1``, V the token's position. ``self.pool`` is then set.
+        max_batch_tokens: tokens per step (decode tokens and prefill chunks together); default the engine's on CUDA.
+        max_num_seqs: the most requests running at once (default ``max_batch_tokens``, as the engine's).
+        watermark: share of the pool kept free when admitting while other requests run (the engine's 1%).
+        prefix_caching: keep finished and preempted requests' full blocks for later (the engine's default pool
+            does); here it lets a preempted request find its prompt's blocks again.
+        keep_schedules: record each step's schedule in :attr:`schedules`.
+        record_slots: record in :attr:`slot_request` / :attr:`slot_position` which request (index + 1) and position
+            each slot last received, through the blocks the allocator handed out (:func:`block_map_snapshot`).
     """
 
-    def __init__(self, requests: list[Request], block_size: int, num_blocks: int, *, watermark: float = 0.01,
-                 store_kv: bool = False):
+    def __init__(self, requests: list[Request], block_size: int, num_blocks: int, *,
+                 max_batch_tokens: int = CUDA_BATCH_TOKENS, max_num_seqs: int | None = None,
+                 watermark: float = DEFAULT_WATERMARK, prefix_caching: bool = True, keep_schedules: bool = False,
+                 record_slots: bool = False):
         longest = max(p + o for p, o in requests)
         if num_blocks * block_size < longest:
             raise ValueError(f"a pool of {num_blocks} blocks x {block_size} tokens cannot hold the longest request "
                              f"({longest} tokens); give it at least {cdiv(longest, block_size)} blocks.")
-        self.pool = None
-        if store_kv:
-            import torch
-
-            from ..pool import BlockPool
-
-            self.pool = BlockPool(block_size, num_blocks)
-            self.pool.bind_layer(0, 1, torch.zeros(1, 1, 1, 1))
-            self.allocator = self.pool.allocator
-        else:
-            self.allocator = BlockAllocator(block_size, num_blocks)
-        self.requests = requests
-        self.keep_free = int(watermark * num_blocks)
-        self.queue: deque[int] = deque(range(len(requests)))
-        self.running: list[int] = []  # request indices, in admission order
-        self.seq_of: dict[int, int] = {}  # request index -> allocator sequence
-        self.generated = [0] * len(requests)
-        self.real_tokens = 0
-        self.preemptions = 0
+        self.pool = BlockPool(block_size, num_blocks, prefix_caching=prefix_caching)
+        self.allocator = self.pool.allocator
+        self.kv = RequestKV(self.pool, LayerGroups.from_windows([None]), max_batch_tokens)
+        self.scheduler = Scheduler(self.kv, max_batch_tokens, max_num_seqs=max_num_seqs, watermark=watermark)
+        self.requests = [EngineRequest(request_id=str(i), tokens=fake_prompt(i, p), num_prompt=p, max_new_tokens=o,
+                                       max_length=p + o) for i, (p, o) in enumerate(requests)]
+        for req in self.requests:
+            self.scheduler.add(req)
         self.steps = 0
+        self.schedules: list[list[tuple[int, int, int]]] | None = [] if keep_schedules else None
+        self.slot_request = np.zeros(num_blocks * block_size, dtype=np.int64) if record_slots else None
+        self.slot_position = np.zeros(num_blocks * block_size, dtype=np.int64) if record_slots else None
 
     @property
     def done(self) -> bool:
-        return not self.queue and not self.running
+        return not self.scheduler.has_work
 
-    def step(self) -> tuple[int, int, int, bool]:
-        """Admit, grow each running sequence by a token, release finished ones. Returns (held, real, live, waiting)."""
-        a, bs = self.allocator, self.allocator.block_size
-        while self.queue:
-            r = self.queue[0]
-            n = self.requests[r][0] + self.generated[r]  # prefill (a preempted request recomputes what it generated)
-            spare = a.num_free - (self.keep_free if self.running else 0)
-            if cdiv(n + 1, bs) > spare:
-                break
-            self.queue.popleft()
-            self.seq_of[r] = seq = a.new_sequence()
-            self._store(a.append([(seq, n)]), [r])
-            self.running.append(r)
-            self.real_tokens += n
-        while True:
-            try:
-                plan = a.append([(self.seq_of[r], 1) for r in self.running])
-                break
-            except OutOfBlocksError:
-                self._preempt(self.running.pop())
-        self._store(plan, self.running)
-        self.real_tokens += len(self.running)
-        record = (a.blocks_in_use * bs, self.real_tokens, len(self.running), bool(self.queue))
-        still = []
-        for r in self.running:
-            self.generated[r] += 1
-            if self.generated[r] == self.requests[r][1]:
-                a.free(self.seq_of.pop(r))
-                self.real_tokens -= self.requests[r][0] + self.generated[r]
-            else:
-                still.append(r)
-        self.running = still
+    @property
+    def preemptions(self) -> int:
+        return self.scheduler.counters.preemptions
+
+    def step(self) -> StepFigures:
+        """Schedule one step, run it without a model, and measure it (see the module docstring)."""
+        batch = self.scheduler.schedule()
+        if not batch.chunks:
+            raise RuntimeError(f"the scheduler ran nothing at step {self.steps} with {len(self.scheduler.waiting)} "
+                               f"requests waiting and {len(self.scheduler.running)} running.")
+        if self.schedules is not None:
+            self.schedules.append([(int(c.request.request_id), c.start, c.num_tokens) for c in batch.chunks])
+        self._take_blocks(batch)
+        self.scheduler.advance(batch)
+        running = self.scheduler.running
+        figures = StepFigures(self.allocator.blocks_in_use * self.allocator.block_size,
+                              sum(req.num_computed for req in running), len(running), bool(self.scheduler.waiting))
+        for chunk in batch.chunks:
+            req = chunk.request
+            if chunk.sample:
+                req.append(int(req.request_id), float(self.steps))
+                if req.finish_reason is not None:
+                    self.scheduler.finish(req, RequestStatus.FINISHED)
         self.steps += 1
-        return record
+        return figures
 
-    def _preempt(self, r: int) -> None:
-        self.allocator.free(self.seq_of.pop(r))
-        self.real_tokens -= self.requests[r][0] + self.generated[r]
-        self.queue.appendleft(r)
-        self.preemptions += 1
+    def _take_blocks(self, batch: Batch) -> None:
+        """What the engine's step planner does to the pool for ``batch`` (one layer group, no window, no fork), then
+        the runner's publishing of the written blocks."""
+        a, pool = self.allocator, self.pool
+        with pool.lock:
+            appended = a.append([(c.request.row.seqs[0], c.num_tokens) for c in batch.chunks],
+                                [c.tokens for c in batch.chunks])
+        if self.slot_request is not None:
+            for chunk, slots in zip(batch.chunks, appended.slots):
+                self.slot_request[slots] = int(chunk.request.request_id) + 1
+                self.slot_position[slots] = np.arange(chunk.start, chunk.start + chunk.num_tokens)
+        self.kv.publish([c.request.row for c in batch.chunks])
 
-    def _store(self, plan, reqs: list[int]) -> None:
-        if self.pool is None:
-            return
-        import torch
-
-        from .. import ops
-
-        slots, owners, positions = [], [], []
-        for r, row in zip(reqs, plan.slots):
-            length = self.allocator.seq_len(self.seq_of[r])
-            slots += row
-            owners += [r + 1] * len(row)
-            positions += range(length - len(row), length)
-        if not slots:
-            return
-        k = torch.tensor(owners, dtype=torch.float32).view(-1, 1, 1)  # [num_tokens, 1, 1]
-        v = torch.tensor(positions, dtype=torch.float32).view(-1, 1, 1)
-        key_cache, value_cache = self.pool.layer_kv(0)  # [num_blocks, block_size, 1, 1]
-        ops.write_kv(k, v, key_cache, value_cache, torch.tensor(slots, dtype=torch.long), backend="torch")
+    def run(self) -> list[StepFigures]:
+        """Steps until every request has ended."""
+        figures = []
+        while not self.done:
+            figures.append(self.step())
+        return figures
 
 
-def simulate_paged(requests: list[Request], block_size: int, budget_tokens: int, *, watermark: float = 0.01,
-                   label: str | None = None) -> Run:
-    """Serve ``requests`` with continuous batching from a pool of ``budget_tokens // block_size`` blocks."""
+def simulate_paged(requests: list[Request], block_size: int, budget_tokens: int, *,
+                   watermark: float = DEFAULT_WATERMARK, max_batch_tokens: int = CUDA_BATCH_TOKENS,
+                   prefix_caching: bool = True, label: str | None = None) -> Run:
+    """Serve ``requests`` with the engine's scheduler from a pool of ``budget_tokens // block_size`` blocks."""
     label = label or f"paged bs={block_size}"
     try:
-        sched = PagedScheduler(requests, block_size, budget_tokens // block_size, watermark=watermark)
+        sim = EngineSimulation(requests, block_size, budget_tokens // block_size, max_batch_tokens=max_batch_tokens,
+                               watermark=watermark, prefix_caching=prefix_caching)
     except ValueError as e:
         return Run.failed(label, budget_tokens, str(e))
-    records = []
-    while not sched.done:
-        records.append(sched.step())
-    held, real, live, waiting = (np.array(col) for col in zip(*records))
-    return Run(label, budget_tokens, held, real, live, waiting.astype(bool), preemptions=sched.preemptions)
+    figures = sim.run()
+    held, real, live, waiting = (np.array([getattr(f, name) for f in figures])
+                                 for name in ("held", "real", "live", "waiting"))
+    return Run(label, budget_tokens, held, real, live, waiting.astype(bool), preemptions=sim.preemptions,
+               recomputed_tokens=sim.scheduler.counters.recomputed_tokens)
 
 
-def simulate_reservation(requests: list[Request], max_len: int, budget_tokens: int) -> Run:
-    """``StaticCache``-style: every running sequence reserves ``max_len`` slots (a block of ``max_len`` tokens)."""
-    return simulate_paged(requests, max_len, budget_tokens, watermark=0.0, label=f"reserve {max_len}")
+def simulate_reservation(requests: list[Request], max_len: int, budget_tokens: int, *,
+                         max_batch_tokens: int = CUDA_BATCH_TOKENS) -> Run:
+    """``StaticCache``-style: every running request reserves ``max_len`` slots (a block of ``max_len`` tokens)."""
+    return simulate_paged(requests, max_len, budget_tokens, watermark=0.0, max_batch_tokens=max_batch_tokens,
+                          label=f"reserve {max_len}")
 
 
 def simulate_padded(requests: list[Request], batch_size: int, budget_tokens: int) -> Run:
@@ -347,13 +371,13 @@ def simulate_padded(requests: list[Request], batch_size: int, budget_tokens: int
     held, real, live = (np.zeros(total, dtype=np.int64) for _ in range(3))
     admitted = np.zeros(total, dtype=np.int64)
     for b, start, width, length in zip(batches, starts, widths, lengths):
-        t = np.arange(1, length + 1)  # [length] local step
+        t = np.arange(1, length + 1)  # [length] local step: the t-th token; the cache holds t - 1 of them
         prompt = np.array([p for p, _ in b])
         output = np.array([o for _, o in b])
-        running = output[None, :] >= t[:, None]  # [length, rows]
-        held[start:start + length] += len(b) * (width + t)
+        running = output[None, :] >= t[:, None]  # [length, batch]
+        held[start:start + length] += len(b) * (width + t - 1)
         live[start:start + length] += running.sum(1)
-        real[start:start + length] += (running * (prompt[None, :] + t[:, None])).sum(1)
+        real[start:start + length] += (running * (prompt[None, :] + t[:, None] - 1)).sum(1)
         admitted[start:] += 1
     return Run(label, budget_tokens, held, real, live, admitted < len(batches))
 
@@ -380,22 +404,24 @@ class WorkloadResult:
 
 
 def simulate_workload(requests: list[Request], budget_tokens: int, *, block_sizes=(8, 16, 32, 64, 128),
-                      batch_sizes=(8, 32), max_len: int = 2048, watermark: float = 0.01, name: str = "workload",
+                      batch_sizes=(8, 32), max_len: int = 2048, watermark: float = DEFAULT_WATERMARK,
+                      max_batch_tokens: int = CUDA_BATCH_TOKENS, prefix_caching: bool = True, name: str = "workload",
                       progress: bool = False) -> WorkloadResult:
-    """Run the ideal, reservation, padded and paged schemes over ``requests`` in ``budget_tokens`` KV slots."""
+    """Run the ideal, reservation, padded and paged schemes over ``requests`` in ``budget_tokens`` KV slots
+    (``watermark``, ``max_batch_tokens`` and ``prefix_caching``: the engine's settings for the paged schemes)."""
     longest = max(p + o for p, o in requests)
     if longest > max_len:
         raise ValueError(f"a request of {longest} tokens exceeds max_len={max_len}; clip lengths to the context.")
     if budget_tokens < max_len:
         raise ValueError(f"a budget of {budget_tokens} tokens holds no full-context sequence of {max_len}; raise it.")
-    jobs = [("ideal", lambda: simulate_paged(requests, 1, budget_tokens, watermark=watermark, label="ideal (bs=1)")),
-            ("reserve", lambda: simulate_reservation(requests, max_len, budget_tokens))]
+    engine = dict(max_batch_tokens=max_batch_tokens)
+    paged = dict(engine, watermark=watermark, prefix_caching=prefix_caching)
+    jobs = [("ideal", lambda: simulate_paged(requests, 1, budget_tokens, label="ideal (bs=1)", **paged)),
+            ("reserve", lambda: simulate_reservation(requests, max_len, budget_tokens, **engine))]
     jobs += [(("padded", b), lambda b=b: simulate_padded(requests, b, budget_tokens)) for b in batch_sizes]
-    jobs += [(("paged", bs), lambda bs=bs: simulate_paged(requests, bs, budget_tokens, watermark=watermark))
+    jobs += [(("paged", bs), lambda bs=bs: simulate_paged(requests, bs, budget_tokens, **paged))
              for bs in block_sizes]
     if progress:
-        from tqdm.auto import tqdm
-
         jobs = tqdm(jobs, desc=name, leave=False)
     out = {key: job() for key, job in jobs}
     return WorkloadResult(
@@ -437,7 +463,8 @@ def format_table(result: WorkloadResult, shape: ModelShape | None = None) -> str
 # ------------------------------------------------------------------------------------------------ one batch
 @dataclass
 class BatchTrace:
-    """KV slots held at each step of one batched generation, per cache (index ``t``: after ``t + 1`` new tokens)."""
+    """KV slots held at each step of one batched generation, per cache (index ``t``: the step that gives the
+    ``t + 1``-th new token, the caches holding the prompts and ``t`` new tokens)."""
 
     requests: list[Request]
     block_size: int
@@ -457,21 +484,22 @@ def batch_memory_trace(requests: list[Request], block_size: int = 16, max_len: i
     paged, real = [], []
     alive = set(range(len(requests)))
     for t in range(1, steps + 1):
-        a.append([(seqs[i], 1) for i in sorted(alive)])
+        if t > 1:  # step 1 runs the prompts
+            a.append([(seqs[i], 1) for i in sorted(alive)])
         paged.append(a.blocks_in_use * block_size)
-        real.append(sum(requests[i][0] + t for i in alive))
+        real.append(sum(requests[i][0] + t - 1 for i in alive))
         for i in [i for i in alive if requests[i][1] == t]:
             a.free(seqs[i])
             alive.remove(i)
     t = np.arange(1, steps + 1)
     return BatchTrace(requests, block_size, max_len, static=np.full(steps, len(requests) * max_len),
-                      dynamic=len(requests) * (width + t), paged=np.array(paged), real=np.array(real))
+                      dynamic=len(requests) * (width + t - 1), paged=np.array(paged), real=np.array(real))
 
 
 # ------------------------------------------------------------------------------------------------ block map
 @dataclass
 class BlockMap:
-    """A snapshot of a pool: which sequence owns each physical block, and each sequence's block table."""
+    """A snapshot of a pool: which request owns each physical block, and each request's block table."""
 
     num_blocks: int
     block_size: int
@@ -479,8 +507,8 @@ class BlockMap:
     lens: dict[int, int]  # request index -> tokens held
     step: int
     finished: int  # requests done by the snapshot
-    key_cache: object = None  # [num_blocks, block_size, 1, 1] tensor: request index + 1 of the token in each slot
-    value_cache: object = None  # [num_blocks, block_size, 1, 1] tensor: that token's position
+    slot_request: np.ndarray  # [num_blocks * block_size] request index + 1 of the token each slot received (0: none)
+    slot_position: np.ndarray  # [num_blocks * block_size] that token's position in its request
 
     def owners(self) -> np.ndarray:
         """``[num_blocks]`` owning request index, -1 for a free block."""
@@ -493,26 +521,28 @@ class BlockMap:
         """Request ``r``'s tokens read back through its block table: ``([len] request index + 1, [len] position)``."""
         pos = np.arange(self.lens[r])
         slots = np.array(self.tables[r])[pos // self.block_size] * self.block_size + pos % self.block_size
-        return (self.key_cache.view(-1)[slots].numpy(), self.value_cache.view(-1)[slots].numpy())
+        return self.slot_request[slots], self.slot_position[slots]
 
 
 def block_map_snapshot(requests: list[Request], block_size: int = 16, num_blocks: int = 128, step: int = 70,
-                       watermark: float = 0.01) -> BlockMap:
-    """Serve ``requests`` from a small real :class:`BlockPool` for ``step`` steps and take a :class:`BlockMap`.
+                       watermark: float = DEFAULT_WATERMARK, max_batch_tokens: int = CUDA_BATCH_TOKENS) -> BlockMap:
+    """Serve ``requests`` with the engine's scheduler on a pool of ``num_blocks`` for ``step`` steps and take a
+    :class:`BlockMap`.
 
-    Run long enough for some sequences to finish and others to take their freed blocks, the tables are scattered.
+    Run long enough for some requests to finish and others to take their freed blocks, the tables are scattered.
     """
-    sched = PagedScheduler(requests, block_size, num_blocks, watermark=watermark, store_kv=True)
+    sim = EngineSimulation(requests, block_size, num_blocks, watermark=watermark, max_batch_tokens=max_batch_tokens,
+                           record_slots=True)
     for _ in range(step):
-        if sched.done:
+        if sim.done:
             break
-        sched.step()
-    a = sched.allocator
-    key_cache, value_cache = sched.pool.layer_kv(0)
+        sim.step()
+    a = sim.allocator
+    running = sim.scheduler.running
     return BlockMap(
         num_blocks=num_blocks, block_size=block_size,
-        tables={r: list(a.block_table(s)) for r, s in sched.seq_of.items()},
-        lens={r: a.seq_len(s) for r, s in sched.seq_of.items()},
-        step=sched.steps, finished=sum(1 for r, g in enumerate(sched.generated) if g == requests[r][1]),
-        key_cache=key_cache, value_cache=value_cache,
+        tables={int(req.request_id): list(a.block_table(req.row.seqs[0])) for req in running},
+        lens={int(req.request_id): sim.kv.length(req.row) for req in running},
+        step=sim.steps, finished=sum(1 for req in sim.requests if req.status == RequestStatus.FINISHED),
+        slot_request=sim.slot_request, slot_position=sim.slot_position,
     )
