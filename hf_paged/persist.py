@@ -542,11 +542,11 @@ def _check_room(cf: CacheFile, cache) -> None:
         free = a.num_free
     elif pool.max_memory is not None and cf.layers:
         spec = next(iter(cf.layers.values()))  # the first layer bound sizes the pool, as on a forward
-        if groups.slot_shapes:  # the config's shapes per slot, as a forward sizes it
-            per_block = pool.block_id_bytes([shape for _, shape in groups.slot_shapes], spec.dtype)
+        if groups.tensor_shapes:  # the config's shapes per slot, as a forward sizes it
+            per_block = pool.block_id_bytes([shape for _, shape in groups.tensor_shapes], spec.dtype)
         else:
-            slots = groups.group_size if groups.layer_slot else (cache.num_layers or len(cf.layers))
-            per_block = slots * pool._block_bytes(LayerShape(spec.num_kv_heads, spec.head_dim, spec.dtype,
+            slots = groups.group_size if groups.layer_tensor else (cache.num_layers or len(cf.layers))
+            per_block = slots * pool.block_bytes(LayerShape(spec.num_kv_heads, spec.head_dim, spec.dtype,
                                                              torch.device("cpu"), spec.value_dim))
         free = max(0, pool.max_memory // per_block - 1)
     else:
@@ -583,8 +583,8 @@ def _build(cache, cf: CacheFile, device, trusted: bool) -> None:
         dev = known.device if known is not None else torch.device(device) if device is not None else torch.device("cpu")
         probe = torch.empty(1, spec.num_kv_heads, 1, spec.head_dim, dtype=spec.dtype, device=dev)  # [B, H, S, D]
         value = None if spec.value_dim is None else probe.new_empty(1, spec.num_kv_heads, 1, spec.value_dim)
-        pool.bind_layer(layer, cache.num_layers or len(cf.layers), probe, groups.layer_slot[layer], groups.group_size,
-                        value, slot_shapes=[shape for _, shape in groups.slot_shapes])
+        pool.bind_layer(layer, cache.num_layers or len(cf.layers), probe, groups.layer_tensor[layer], groups.group_size,
+                        value, tensor_shapes=[shape for _, shape in groups.tensor_shapes])
     live, row_tokens = cf.live, cf.row_tokens()
     lengths, tokens = [0] * cf.rows, [None if row_tokens is None else [] for _ in range(cf.rows)]
     for i, r in enumerate(live):

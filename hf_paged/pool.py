@@ -61,10 +61,10 @@ def _smallest_block(block_size: int) -> int:
     return 2 * block_size  # K and V, one layer, one KV head of one dim, one byte
 
 
-def _describe(slot_shapes, dtype: torch.dtype) -> str:
-    """``slot_shapes``: ``(num_kv_heads, key_dim, value_dim)`` per K/V tensor slot one block id stands for."""
+def _describe(tensor_shapes, dtype: torch.dtype) -> str:
+    """``tensor_shapes``: ``(num_kv_heads, key_dim, value_dim)`` per K/V tensor slot one block id stands for."""
     counts: dict = {}
-    for shape in slot_shapes:
+    for shape in tensor_shapes:
         counts[tuple(shape)] = counts.get(tuple(shape), 0) + 1
     parts = []
     for (heads, key, value), layers in counts.items():
@@ -139,7 +139,7 @@ class BlockPool:
                                                             "byte per value)")
         self.num_layers: int | None = None
         self.layer_shapes: dict[int, LayerShape] = {}
-        self.layer_slot: dict[int, object] = {}  # layer -> key of its K/V tensors
+        self.layer_tensor: dict[int, object] = {}  # layer -> key of its K/V tensors
         self.key_caches: dict[object, torch.Tensor] = {}  # slot -> [rows, block_size, Hkv, D]
         self.value_caches: dict[object, torch.Tensor] = {}
         self.k_scale_caches: dict[object, torch.Tensor] = {}  # slot -> [rows, block_size, Hkv] bf16 (fp8 pools)
@@ -204,29 +204,29 @@ class BlockPool:
     def prefix_caching(self) -> bool:
         return self.allocator.prefix_caching
 
-    def _block_bytes(self, shape: LayerShape) -> int:
+    def block_bytes(self, shape: LayerShape) -> int:
         """K+V bytes of one block of one slot; fp8 pools add the block's scales (2 bytes per token, KV head, K/V)."""
         if self.kv_dtype is not None:
             return self.block_size * shape.num_kv_heads * (shape.head_dim + shape.v_dim + 2 * SCALE_BYTES)
         return self.block_size * shape.num_kv_heads * (shape.head_dim + shape.v_dim) * shape.dtype.itemsize
 
-    def block_id_bytes(self, slot_shapes, dtype: torch.dtype) -> int:
-        """Bytes one block id stands for: a block of each slot, ``slot_shapes`` ``(num_kv_heads, key_dim,
-        value_dim)`` per slot (from :attr:`~hf_paged.groups.LayerGroups.slot_shapes`), in ``dtype``."""
+    def block_id_bytes(self, tensor_shapes, dtype: torch.dtype) -> int:
+        """Bytes one block id stands for: a block of each slot, ``tensor_shapes`` ``(num_kv_heads, key_dim,
+        value_dim)`` per slot (from :attr:`~hf_paged.groups.LayerGroups.tensor_shapes`), in ``dtype``."""
         cpu = torch.device("cpu")
-        return sum(self._block_bytes(LayerShape(h, k, dtype, cpu, v)) for h, k, v in slot_shapes)
+        return sum(self.block_bytes(LayerShape(h, k, dtype, cpu, v)) for h, k, v in tensor_shapes)
 
     def bytes_per_block(self, layers=None) -> int:
         """K+V bytes of one block summed over ``layers`` (default: every layer seen so far)."""
         layers = self.layer_shapes if layers is None else layers
-        return sum(self._block_bytes(self.layer_shapes[i]) for i in layers if i in self.layer_shapes)
+        return sum(self.block_bytes(self.layer_shapes[i]) for i in layers if i in self.layer_shapes)
 
-    def bind_layer(self, layer_idx: int, num_layers: int, key: torch.Tensor, slot=None, slots_per_block: int = 0,
-                   value: torch.Tensor | None = None, slot_shapes=()):
+    def bind_layer(self, layer_idx: int, num_layers: int, key: torch.Tensor, slot=None, tensors_per_block: int = 0,
+                   value: torch.Tensor | None = None, tensor_shapes=()):
         """Record (or check) layer ``layer_idx``'s shape from its first key (and value) tensor ``[B, Hkv, S, D]``.
 
         ``slot``: the K/V tensor slot the layer uses (layers of different groups may share one);
-        ``slots_per_block``: how many slots a block id spans, all of this layer's shape, or ``slot_shapes``: the
+        ``tensors_per_block``: how many slots a block id spans, all of this layer's shape, or ``tensor_shapes``: the
         ``(num_kv_heads, key_dim, value_dim)`` of each (for ``max_memory``).
         """
         if layer_idx in self.layer_shapes:
@@ -236,30 +236,30 @@ class BlockPool:
         shape = LayerShape(key.shape[1], key.shape[3], key.dtype, key.device, value_dim)
         with self.lock:
             # the cap first: a max_memory too small for this shape is refused before anything is recorded
-            self.apply_memory_cap_for(slot_shapes or [(shape.num_kv_heads, shape.head_dim, shape.v_dim)]
-                                      * (slots_per_block or num_layers), shape.dtype)
+            self.apply_memory_cap_for(tensor_shapes or [(shape.num_kv_heads, shape.head_dim, shape.v_dim)]
+                                      * (tensors_per_block or num_layers), shape.dtype)
             if self.num_layers is None:
                 self.num_layers = num_layers
             self.layer_shapes[layer_idx] = shape
             slot = layer_idx if slot is None else slot
-            owner = next((i for i, s in self.layer_slot.items() if s == slot), None)
+            owner = next((i for i, s in self.layer_tensor.items() if s == slot), None)
             if owner is not None and self.layer_shapes[owner] != shape:
                 slot = ("layer", layer_idx)  # a shape/device differing from its slot partner: own tensors
-            self.layer_slot[layer_idx] = slot
+            self.layer_tensor[layer_idx] = slot
 
-    def apply_memory_cap(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, slots_per_block: int) -> None:
-        """:meth:`apply_memory_cap_for` with ``slots_per_block`` slots of one shape."""
-        self.apply_memory_cap_for([(num_kv_heads, head_dim, head_dim)] * slots_per_block, dtype)
+    def apply_memory_cap(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, tensors_per_block: int) -> None:
+        """:meth:`apply_memory_cap_for` with ``tensors_per_block`` slots of one shape."""
+        self.apply_memory_cap_for([(num_kv_heads, head_dim, head_dim)] * tensors_per_block, dtype)
 
-    def apply_memory_cap_for(self, slot_shapes, dtype: torch.dtype) -> None:
+    def apply_memory_cap_for(self, tensor_shapes, dtype: torch.dtype) -> None:
         """Turn ``max_memory`` into a block cap, once, from the model's K/V shapes (``(num_kv_heads, key_dim,
-        value_dim)`` per slot a block id stands for: :attr:`~hf_paged.groups.LayerGroups.slot_shapes`): before the
+        value_dim)`` per slot a block id stands for: :attr:`~hf_paged.groups.LayerGroups.tensor_shapes`): before the
         first blocks are taken, so the pool never grows past it. ``ValueError`` (with the minimum) if it cannot hold
         one block."""
         if self.max_memory is None or self.allocator.max_blocks is not None:
             return
-        per_block = self.block_id_bytes(slot_shapes, dtype)
-        self._check_memory(per_block, _describe(slot_shapes, self.kv_dtype or dtype))
+        per_block = self.block_id_bytes(tensor_shapes, dtype)
+        self._check_memory(per_block, _describe(tensor_shapes, self.kv_dtype or dtype))
         with self.lock:
             if self.allocator.max_blocks is None:
                 self.allocator.set_limit(self.max_memory // per_block - 1)  # the scratch block counts against it
@@ -267,22 +267,22 @@ class BlockPool:
             if self._preallocate:
                 self.ensure_capacity()
 
-    def check_memory_fits(self, num_kv_heads: int, head_dim: int, slots_per_block: int,
+    def check_memory_fits(self, num_kv_heads: int, head_dim: int, tensors_per_block: int,
                           dtype: torch.dtype | None = None) -> None:
         """``ValueError`` now if ``max_memory`` cannot hold one block of this shape (plus the scratch block).
 
         For a caller that knows the model's shape before its first forward (a cache built from its config);
         ``dtype`` ``None`` checks against the smallest dtype the model could run in (2 bytes; fp8 pools 1 byte).
         """
-        self.check_memory_fits_for([(num_kv_heads, head_dim, head_dim)] * slots_per_block, dtype)
+        self.check_memory_fits_for([(num_kv_heads, head_dim, head_dim)] * tensors_per_block, dtype)
 
-    def check_memory_fits_for(self, slot_shapes, dtype: torch.dtype | None = None) -> None:
+    def check_memory_fits_for(self, tensor_shapes, dtype: torch.dtype | None = None) -> None:
         """:meth:`check_memory_fits` for slots of the given ``(num_kv_heads, key_dim, value_dim)``."""
         if self.max_memory is None:
             return
         dtype = dtype or torch.float16
-        per_block = self.block_id_bytes(slot_shapes, dtype)
-        self._check_memory(per_block, _describe(slot_shapes, self.kv_dtype or dtype))
+        per_block = self.block_id_bytes(tensor_shapes, dtype)
+        self._check_memory(per_block, _describe(tensor_shapes, self.kv_dtype or dtype))
 
     def _check_memory(self, per_block: int, what: str) -> None:
         need = 2 * per_block  # one block, and the scratch block
@@ -329,7 +329,7 @@ class BlockPool:
             )
 
     @property
-    def rows(self) -> int:
+    def tensor_blocks(self) -> int:
         """Rows of every K/V tensor: the blocks that exist (all the cap allows, once preallocated), plus the scratch
         block, always the last row."""
         a = self.allocator
@@ -339,14 +339,14 @@ class BlockPool:
 
     @property
     def scratch_block(self) -> int:
-        return self.rows - 1
+        return self.tensor_blocks - 1
 
     def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's K/V tensors ``[rows, block_size, Hkv, D]``, grown to :attr:`rows` (fp8 pools: with their scale
         caches, see :meth:`layer_scales`)."""
-        slot = self.layer_slot[layer_idx]
+        slot = self.layer_tensor[layer_idx]
         k = self.key_caches.get(slot)
-        if k is None or k.shape[0] < self.rows:
+        if k is None or k.shape[0] < self.tensor_blocks:
             with self.lock:
                 self._grow_slot(slot, self.layer_shapes[layer_idx])
         return self.key_caches[slot], self.value_caches[slot]
@@ -357,15 +357,15 @@ class BlockPool:
         if self.kv_dtype is None:
             return None, None
         self.layer_kv(layer_idx)
-        slot = self.layer_slot[layer_idx]
+        slot = self.layer_tensor[layer_idx]
         return self.k_scale_caches[slot], self.v_scale_caches[slot]
 
     def ensure_capacity(self) -> None:
         """Grow every existing tensor to :attr:`rows` (called before a forward, never inside one)."""
-        rows = self.rows
+        rows = self.tensor_blocks
         if rows == self._sized_rows:  # nothing grew since (tensors made since were made this large)
             return
-        for layer, slot in self.layer_slot.items():
+        for layer, slot in self.layer_tensor.items():
             k = self.key_caches.get(slot)
             if k is not None and k.shape[0] < rows:
                 self.layer_kv(layer)
@@ -373,7 +373,7 @@ class BlockPool:
 
     def _grow_slot(self, slot, s: LayerShape) -> None:
         old_k = self.key_caches.get(slot)
-        rows = self.rows
+        rows = self.tensor_blocks
         if old_k is not None and old_k.shape[0] >= rows:
             return
         shape = (rows, self.block_size, s.num_kv_heads, s.head_dim)
@@ -406,14 +406,14 @@ class BlockPool:
         """Bytes ``max_memory`` leaves the state store beside the blocks that exist (and the scratch block)."""
         return self.max_memory - (self.allocator.capacity + 1) * (self._cap_block_bytes or 0)
 
-    def take_state_slots(self, count: int) -> list[int]:
+    def take_state_cells(self, count: int) -> list[int]:
         """``count`` state slots (:meth:`StateStore.take`); a ``max_memory`` cap then holds fewer blocks."""
         with self.lock:
             slots = self.states.take(count)
             self.fit_blocks_to_states()
             return slots
 
-    def give_back_state_slots(self, slots: list[int]) -> None:
+    def give_back_state_cells(self, slots: list[int]) -> None:
         with self.lock:
             self.states.give_back(slots)
 
@@ -447,7 +447,7 @@ class BlockPool:
             by_group: dict[int, list[int]] = {}
             for seq in a.sequences:
                 by_group.setdefault(a.group_of(seq), []).append(seq)
-            common = dict(block_size=a.block_size, num_blocks=self.rows - 1, max_blocks=a.max_blocks,
+            common = dict(block_size=a.block_size, num_blocks=self.tensor_blocks - 1, max_blocks=a.max_blocks,
                           peak_blocks_in_use=a.peak_blocks_in_use, bytes_per_block=self.bytes_per_block_id(),
                           bytes_reserved=self.bytes_reserved(), allocator=a)
             groups = [MemoryStats.from_tables(tables=[a.block_table(s) for s in seqs],
@@ -459,8 +459,8 @@ class BlockPool:
     def bytes_per_block_id(self) -> int:
         """Bytes one block id stands for: one block of every distinct K/V tensor slot."""
         seen, total = set(), 0
-        for layer, slot in self.layer_slot.items():
+        for layer, slot in self.layer_tensor.items():
             if slot not in seen:
                 seen.add(slot)
-                total += self._block_bytes(self.layer_shapes[layer])
+                total += self.block_bytes(self.layer_shapes[layer])
         return total

@@ -43,7 +43,7 @@ class StateStore:
         """Slots some row holds."""
         return self.capacity - len(self._free)
 
-    def bytes_per_slot(self) -> int:
+    def bytes_per_cell(self) -> int:
         """Bytes one slot stands for: one row's states over every state tensor written so far."""
         return sum(t[0].numel() * t.element_size() for t in self.tensors.values())
 
@@ -52,7 +52,7 @@ class StateStore:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def bytes_in_use(self) -> int:
-        return self.in_use * self.bytes_per_slot()
+        return self.in_use * self.bytes_per_cell()
 
     def get(self, kind: str, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """The ``[capacity, ...]`` tensor of a state, or None before its first write."""
@@ -113,7 +113,7 @@ class StateStore:
 
     def _grow(self, count: int) -> None:
         """Room for ``count`` more slots: double (at least 4), or under a byte cap just enough when doubling is not."""
-        per_slot = self.bytes_per_slot()
+        per_slot = self.bytes_per_cell()
         new_capacity = max(self.capacity * 2, self.capacity + count, 4)
         if self.limit_bytes is not None and per_slot * new_capacity > self.limit_bytes():
             new_capacity = self.capacity + count

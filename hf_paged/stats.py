@@ -77,7 +77,7 @@ class MemoryStats:
     def with_states(self, store, slots_in_use: int) -> "MemoryStats":
         """These figures with a state store's (:class:`~hf_paged.states.StateStore`), ``slots_in_use`` of its slots
         counted as this cache's."""
-        per_slot = store.bytes_per_slot()
+        per_slot = store.bytes_per_cell()
         return replace(self, state_slots_in_use=slots_in_use, state_bytes_per_slot=per_slot,
                        state_bytes_in_use=slots_in_use * per_slot, state_bytes_reserved=store.bytes_reserved())
 
@@ -131,7 +131,7 @@ class MemoryStats:
         every group; tokens and rows counted once) and, with ``detail``, each group's own figures in ``groups``.
         """
         a = pool.allocator
-        common = dict(block_size=a.block_size, num_blocks=pool.rows - 1, max_blocks=a.max_blocks,
+        common = dict(block_size=a.block_size, num_blocks=pool.tensor_blocks - 1, max_blocks=a.max_blocks,
                       bytes_per_block=pool.bytes_per_block_id(), bytes_reserved=pool.bytes_reserved(), allocator=a)
         per_group = []
         for g, window in enumerate(windows):

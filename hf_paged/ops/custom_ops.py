@@ -22,7 +22,7 @@ import torch
 
 from . import _triton_kernels, paged_attention_unchecked
 from .metadata import AttentionMetadata
-from .reference import TorchAttentionPlan, write_kv_torch
+from .reference import ReadLayout, write_kv_torch
 
 WRITE_KV_SCHEMA = ("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
                    "Tensor slot_mapping, Tensor(c!)? k_scale, Tensor(d!)? v_scale, str backend) -> ()")
@@ -44,7 +44,7 @@ def op_arguments(meta: AttentionMetadata) -> tuple:
     """``(block_tables, seq_lens, query_start_loc, plan_tensors, plan_ints, sliding_window, max_query_len, chunk)``
     of ``meta`` as the op's schema takes them. ``max_seq_len`` does not cross: the op reads the tables' width times the
     block size (a shape, which a compiled graph keeps symbolic) instead of a Python int it would bake in."""
-    plan_tensors, plan_ints = TorchAttentionPlan.op_arguments(meta.plan)
+    plan_tensors, plan_ints = ReadLayout.op_arguments(meta.plan)
     return (meta.block_tables, meta.seq_lens, meta.query_start_loc, plan_tensors, plan_ints,
             int(meta.sliding_window or NO_WINDOW), int(meta.max_query_len), int(meta.chunk or NO_WINDOW))
 
@@ -55,7 +55,7 @@ def from_op_arguments(block_tables, seq_lens, query_start_loc, plan_tensors, pla
     times ``block_size``."""
     return AttentionMetadata(block_tables, seq_lens, query_start_loc, max_query_len,
                              block_tables.shape[1] * block_size, sliding_window or None,
-                             TorchAttentionPlan.from_op_arguments(plan_tensors, plan_ints), chunk or None)
+                             ReadLayout.from_op_arguments(plan_tensors, plan_ints), chunk or None)
 
 
 def _write_kv_impl(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, backend: str) -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # for the annotation only: reference.py imports this module
-    from .reference import TorchAttentionPlan
+    from .reference import ReadLayout
 
 
 @dataclass
@@ -34,7 +34,7 @@ class AttentionMetadata:
     max_query_len: int | None = None  # host-side maxima (None: read from the tensors, a device sync)
     max_seq_len: int | None = None  # may be a bucketed bound above every seq_lens, up to W * block_size
     sliding_window: int | None = None
-    plan: "TorchAttentionPlan | None" = None  # the torch backend's gather plan (hf_paged.ops.reference), once per step
+    plan: "ReadLayout | None" = None  # the torch backend's gather plan (hf_paged.ops.reference), once per step
     chunk: int | None = None  # chunked attention: a query sees its own chunk of this many positions
 
     def moved(self, put) -> "AttentionMetadata":

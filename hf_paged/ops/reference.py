@@ -143,7 +143,7 @@ class AttentionPart:
 
 
 @dataclass
-class TorchAttentionPlan:
+class ReadLayout:
     """How :func:`paged_attention_torch` reads one batch: built once per step and shared by its layers.
 
     Rows are split into :class:`AttentionPart` s so that no row is padded to another's query count, nor a decode row
@@ -164,16 +164,16 @@ class TorchAttentionPlan:
     parts: list[AttentionPart] = field(default_factory=list)
     ordered: bool = True
 
-    def moved(self, put) -> "TorchAttentionPlan":
+    def moved(self, put) -> "ReadLayout":
         """A copy whose tensors are ``put(name, tensor)`` (e.g. moved to a device or staged in a step buffer)."""
         def move(part, prefix):
             return AttentionPart(**{n: put(prefix + n, v) if isinstance(v, torch.Tensor) else v
                                     for n, v in vars(part).items()})
 
-        return TorchAttentionPlan([move(part, f"parts.{i}.") for i, part in enumerate(self.parts)], self.ordered)
+        return ReadLayout([move(part, f"parts.{i}.") for i, part in enumerate(self.parts)], self.ordered)
 
     @staticmethod
-    def op_arguments(plan: "TorchAttentionPlan | None") -> tuple[list, list[int]]:
+    def op_arguments(plan: "ReadLayout | None") -> tuple[list, list[int]]:
         """``(tensors, ints)`` for the op's schema: each part's tensors (``AttentionPart.TENSORS`` order); the ints
         ``[ordered, then per part: run, q_start, num_rows, queries]`` (-1: none). No plan (the Triton backend): two
         empty lists."""
@@ -186,7 +186,7 @@ class TorchAttentionPlan:
         return tensors, ints
 
     @classmethod
-    def from_op_arguments(cls, tensors, ints) -> "TorchAttentionPlan | None":
+    def from_op_arguments(cls, tensors, ints) -> "ReadLayout | None":
         if not ints:
             return None
         plan = cls(ordered=bool(ints[0]))
@@ -202,7 +202,7 @@ class TorchAttentionPlan:
 def plan_torch_attention(
     block_tables, seq_lens, query_start_loc, block_size: int, *, sliding_window: int | None = None,
     max_seq_len: int | None = None, always_mask: bool = False, zero_unowned: bool = False, chunk: int | None = None,
-) -> TorchAttentionPlan:
+) -> ReadLayout:
     """Index and mask tensors for :func:`paged_attention_torch`, built once per step and shared by its layers.
 
     ``max_seq_len`` may exceed every ``seq_lens`` entry (a bucketed width, up to ``block_tables.shape[1] *
@@ -234,7 +234,7 @@ def plan_torch_attention(
         groups.append((q, [r for r, c in enumerate(counts) if c == q]))
     # ordered: the parts' queries, in turn, are the packed batch as it is (a compiled step: only a single part)
     ordered = [r for _, rows in groups for r in rows] == [r for r, c in enumerate(counts) if c > 0]
-    plan = TorchAttentionPlan(ordered=ordered and (not always_mask or len(groups) == 1))
+    plan = ReadLayout(ordered=ordered and (not always_mask or len(groups) == 1))
     context = dict(lens=lens, starts=starts, ordered=plan.ordered, block_tables=block_tables, block_size=block_size,
                    window=sliding_window, chunk=chunk, always_mask=always_mask, zero_unowned=zero_unowned)
     for q, rows in groups:  # a single part may take the step's (bucketed) width
@@ -339,7 +339,7 @@ def paged_attention_torch(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Gather each part's blocks (``meta.plan``, a :class:`TorchAttentionPlan`; built here when None), then one
+    """Gather each part's blocks (``meta.plan``, a :class:`ReadLayout`; built here when None), then one
     batched SDPA call per part: decode rows with the query heads of each KV head as their queries, rows with more
     queries causal (with a mask where a history or a window needs one).
 

@@ -590,7 +590,7 @@ class Report:
         return out
 
 
-def plan(captured: list[tuple[Config, int, list[Variant]]]) -> list[Build]:
+def build_list(captured: list[tuple[Config, int, list[Variant]]]) -> list[Build]:
     """One ``Build`` per distinct (variant, arch), marked default when any default configuration launches it."""
     seen: dict[tuple[Variant, int], Build] = {}
     for config, arch, variants in captured:
@@ -639,7 +639,7 @@ def check(captured, jobs: int = 2, cache_dir: Path | None = None, allow_spills: 
           progress=None) -> Report:
     """Build each distinct variant of ``captured`` (``[(Config, arch, [Variant, ...]), ...]``) once and judge it."""
     start = time.perf_counter()
-    builds = run_builds(plan(captured), jobs, cache_dir or default_cache_dir(), progress)
+    builds = run_builds(build_list(captured), jobs, cache_dir or default_cache_dir(), progress)
     return Report(builds, len({c for c, _, _ in captured}), time.perf_counter() - start, allow_spills)
 
 
