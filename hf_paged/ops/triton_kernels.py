@@ -5,12 +5,12 @@ Layout: ``key_cache``/``value_cache`` are ``[num_blocks, block_size, num_kv_head
 Three kernels, one job each:
 
 * ``_decode_kernel``: one query per sequence. A program owns one (sequence, KV head, KV split); the query heads of
-  the GQA group are the rows of its tile, so each K/V tile is loaded once for the whole group. With more than one
-  split (flash-decoding) every program covers a slice of the context and ``_merge_splits_kernel`` combines the
+  the GQA group fill its tile's first dimension, so each K/V tile is loaded once for the whole group. With more than
+  one split (flash-decoding) every program covers a slice of the context and ``_merge_splits_kernel`` combines the
   partial results by their log-sum-exp.
 * ``_prefill_kernel``: many queries per sequence, with cached history before them (prefill, chunked prefill, extend,
-  speculative verification). A program owns one (query tile, KV head, sequence); rows are (query, head-in-group)
-  pairs, and the KV loop stops at the tile's causal limit and starts at its window start.
+  speculative verification). A program owns one (query tile, KV head, sequence); the tile's entries are (query,
+  head-in-group) pairs, and the KV loop stops at the tile's causal limit and starts at its window start.
 * ``_write_kv_kernel``: scatter new K/V into the pool through ``slot_mapping``.
 
 Both attention kernels share ``_attend_kv_range``: block ids are loaded as a vector, one per KV position, so the KV
@@ -41,6 +41,7 @@ imported: triton decides interpreter or compiler when the kernels are defined).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -275,7 +276,7 @@ def _decode_kernel(
     stride_cd,
     stride_st,  # the scale caches' stride per slot (num_kv_heads)
     GROUP: tl.constexpr,  # query heads per KV head
-    BLOCK_M: tl.constexpr,  # rows of the tile: GROUP padded to a power of two, at least 16
+    BLOCK_M: tl.constexpr,  # the tile's query heads: GROUP padded to a power of two, at least 16
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -428,7 +429,7 @@ def _prefill_kernel(
     stride_st,  # the scale caches' stride per slot (num_kv_heads)
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_P: tl.constexpr,  # GROUP padded to a power of two
-    BLOCK_Q: tl.constexpr,  # queries per tile; the tile has BLOCK_Q * GROUP_P rows
+    BLOCK_Q: tl.constexpr,  # queries per tile; the tile has BLOCK_Q * GROUP_P (query, head) entries
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -578,7 +579,8 @@ class LaunchChoice:
 
 
 def _tile_config(head_dim_p: int, element_size: int) -> tuple[int, int, int]:
-    """(target query rows per prefill tile, KV positions per tile, num_warps) for a head size and input width.
+    """(target (query, head) entries per prefill tile, KV positions per tile, num_warps) for a head size and input
+    width.
 
     Picked so that sm_90 builds neither spill nor exceed shared memory (checked by compiling ahead of time); not tuned
     by measurement yet: bench/kernels.py is where that happens.
@@ -605,8 +607,6 @@ def _triton_type(dtype: torch.dtype) -> str:
 
 def _signature(kernel_name: str, constexprs: dict, query_dtype: torch.dtype, kv_dtype: torch.dtype) -> dict:
     """Triton type of every parameter of ``kernel_name`` (see ``LaunchChoice``)."""
-    import inspect
-
     kernel = globals()[kernel_name]
     names = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
     fixed = {
@@ -699,7 +699,7 @@ def launch_choices(
 
     head_dim_p = max(16, _next_pow2(head_dim))
     dot_fp32, dot_precision = _dot_settings(query_dtype, interpreted)
-    rows, tile_n, num_warps = _tile_config(head_dim_p, torch.empty((), dtype=query_dtype).element_size())
+    tile_m, tile_n, num_warps = _tile_config(head_dim_p, torch.empty((), dtype=query_dtype).element_size())
     common = dict(
         GROUP=group, BLOCK_SIZE=block_size, TILE_N=tile_n, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         USE_SOFTCAP=bool(softcap), KV_FP8=kv_fp8, FP8_NATIVE=fp8_native, DOT_FP32=dot_fp32,
@@ -707,11 +707,12 @@ def launch_choices(
     )
     if kind == "prefill":
         group_p = _next_pow2(group)
-        # ~`rows` rows per tile (queries x heads of the group), at least 16 for tl.dot, no more queries than needed.
-        block_q = max(1, rows // group_p)
+        # ~`tile_m` entries per tile (queries x heads of the group), at least 16 for tl.dot, no more queries than
+        # needed.
+        block_q = max(1, tile_m // group_p)
         if max_query_len is not None:
             block_q = min(block_q, max(_next_pow2(max_query_len), max(1, 16 // group_p)))
-        # Eight heads per query fill the tile's rows with the widest group: halving the KV tile keeps the scores
+        # Eight heads per query fill the tile with the widest group: halving the KV tile keeps the scores
         # and the accumulator in registers (found by `python -m hf_paged check-kernels`: 8-16 B spilled otherwise).
         prefill_tile_n = tile_n // 2 if group_p == 8 else tile_n
         constexprs = dict(common, TILE_N=prefill_tile_n, GROUP_P=group_p, BLOCK_Q=block_q, USE_SINKS=bool(sinks))

@@ -4,10 +4,10 @@ Layout: ``latent_cache [num_blocks, block_size, 1, R]`` and ``rope_cache [num_bl
 head": the latent and the shared rotated key of each token); queries ``q_lat [N, H, R]`` (absorbed through the key
 half of ``kv_b_proj``) and ``q_rot [N, H, P]``; output ``[N, H, R]``, the softmax-weighted latent sum per head.
 
-One kernel, ``_mla_kernel``, for decode, prefill and extend over a varlen batch. A program owns one (sequence, tile
-of ``BLOCK_Q`` queries, group of ``BLOCK_H`` heads); its ``BLOCK_M = BLOCK_Q * BLOCK_H`` rows are (query, head) pairs
-(row ``r``: query ``r // BLOCK_H``, head ``r % BLOCK_H``). Every head shares the one latent, so each KV tile is
-loaded once for all the rows and serves twice: as the key (with the rope part) and as the value. The KV loop stops at
+One kernel, ``_mla_kernel``, for decode, prefill and extend over a varlen batch. A program owns one (sequence, tile of
+``BLOCK_Q`` queries, group of ``BLOCK_H`` heads); its tile's ``BLOCK_M = BLOCK_Q * BLOCK_H`` entries are (query, head)
+pairs (entry ``m``: query ``m // BLOCK_H``, head ``m % BLOCK_H``). Every head shares the one latent, so each KV tile is
+loaded once for all the entries and serves twice: as the key (with the rope part) and as the value. The KV loop stops at
 the tile's causal limit. Block ids are loaded as a vector, one per KV position (the tile size does not depend on the
 block size); addresses in int64.
 
@@ -15,7 +15,7 @@ block size); addresses in int64.
 for the rotated key (``[num_blocks, block_size, 1]``): the latent scale multiplies the latent part of the score and
 the probability before ``p @ c``, the rope scale the rope part of the score.
 
-Tiles: ``BLOCK_M`` 16 rows at DeepSeek-V3's rank 512 (the fp32 accumulator ``[16, 512]`` fits in registers with 8
+Tiles: ``BLOCK_M`` 16 entries at DeepSeek-V3's rank 512 (the fp32 accumulator ``[16, 512]`` fits in registers with 8
 warps, no spills on sm_80/sm_90: ``python -m hf_paged check-kernels --only mla``); decode takes 16 heads per program,
 prefill as many queries as fit next to the heads. Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1``.
 """
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 __all__ = ["mla_attention_triton", "mla_launch", "MlaLaunch"]
 
 _LOG2E = 1.4426950408889634
-_ROWS = 16  # BLOCK_M: (query, head) rows per program
+_TILE_M = 16  # BLOCK_M: (query, head) entries per program
 
 
 @triton.jit
@@ -190,12 +190,12 @@ class MlaLaunch:
 def mla_launch(num_seqs: int, max_query_len: int, num_heads: int, rank: int, rope: int, block_size: int,
                query_dtype: torch.dtype, fp8: bool, capability: int, interpreted: bool, max_seq_len: int | None = None,
                num_sms: int = 132, num_splits: int | None = None) -> MlaLaunch:
-    """Tiles, warps and stages: ``_ROWS`` rows of (query, head); decode rows are heads, prefill rows as many queries
-    as fit beside ``min(num_heads, _ROWS)`` heads; KV tiles of 32 positions (16 at ranks above 256 in fp32). Decode
-    splits the context (``choose_num_kv_splits`` over sequences x head groups, given ``max_seq_len``) when too few
-    programs would fill the GPU; ``num_splits`` forces a count."""
-    block_h = min(_next_pow2(num_heads), _ROWS)
-    block_q = 1 if max_query_len == 1 else max(1, _ROWS // block_h)
+    """Tiles, warps and stages: ``_TILE_M`` entries of (query, head); decode entries are heads, prefill entries as
+    many queries as fit beside ``min(num_heads, _TILE_M)`` heads; KV tiles of 32 positions (16 at ranks above 256 in
+    fp32). Decode splits the context (``choose_num_kv_splits`` over sequences x head groups, given ``max_seq_len``) when
+    too few programs would fill the GPU; ``num_splits`` forces a count."""
+    block_h = min(_next_pow2(num_heads), _TILE_M)
+    block_q = 1 if max_query_len == 1 else max(1, _TILE_M // block_h)
     rank_p, rope_p = max(16, _next_pow2(rank)), max(16, _next_pow2(rope))
     wide = rank_p * (4 if query_dtype == torch.float32 else 2) > 1024  # fp32 at rank 512: halve the KV tile
     dot_fp32, precision = _dot_settings(query_dtype, interpreted)
