@@ -139,21 +139,21 @@ def _fp8_scale(amax):
 
 @triton.jit
 def _add_sink(acc, m_i, l_i, sink):
-    """Fold one logit per row (``sink``, log2 units) into the softmax denominator; it adds no value."""
+    """Fold one logit per tile entry (``sink``, log2 units) into the softmax denominator; it adds no value."""
     m_f = tl.maximum(m_i, sink)  # [BLOCK_M], finite: the sink is
-    alpha = tl.exp2(m_i - m_f)  # 0 for a row that saw no key
+    alpha = tl.exp2(m_i - m_f)  # 0 for an entry that saw no key
     return acc * alpha[:, None], l_i * alpha + tl.exp2(sink - m_f)
 
 
 @triton.jit
 def _attend_kv_range(
     acc,  # [BLOCK_M, HEAD_DIM_P] fp32, running sum of p @ V (not yet divided by l)
-    m_i,  # [BLOCK_M] fp32, running row max of the scores (log2 units)
-    l_i,  # [BLOCK_M] fp32, running row sum of exp2(score - m_i)
-    q,  # [BLOCK_M, HEAD_DIM_P], one query row per tile row
-    q_pos,  # [BLOCK_M] int32, position of each row's query in its sequence
-    q_lo,  # [BLOCK_M] int32, first position each row's query sees (window start, chunk start, or 0)
-    kv_lo,  # first KV position any row of the tile may need
+    m_i,  # [BLOCK_M] fp32, running max of each entry's scores (log2 units)
+    l_i,  # [BLOCK_M] fp32, running sum of each entry's exp2(score - m_i)
+    q,  # [BLOCK_M, HEAD_DIM_P], one query head per tile entry
+    q_pos,  # [BLOCK_M] int32, position of each entry's query in its sequence
+    q_lo,  # [BLOCK_M] int32, first position each entry's query sees (window start, chunk start, or 0)
+    kv_lo,  # first KV position any entry of the tile may need
     kv_hi,  # one past the last such position
     block_table_ptr,  # this sequence's row of block_tables
     stride_bt_block,
@@ -221,7 +221,7 @@ def _attend_kv_range(
         # Online softmax update, step by step:
         # 1. the new running max includes this tile's scores;
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
-        # 2. a row that has seen no visible key yet still has max -inf; subtract 0 instead so that
+        # 2. an entry that has seen no visible key yet still has max -inf; subtract 0 instead so that
         #    exp2(-inf - -inf) = NaN never happens (its p and alpha are then exactly 0);
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         # 3. rescale what was accumulated under the old max;
@@ -310,12 +310,12 @@ def _decode_kernel(
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_P)
-    row_ok = offs_m < GROUP
+    m_ok = offs_m < GROUP
     d_ok = offs_d < HEAD_DIM
     q_head = kv_head * GROUP + offs_m  # [BLOCK_M]
 
     q_off = q_start.to(tl.int64) * stride_qt + q_head[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(query_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
+    q = tl.load(query_ptr + q_off, mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -329,20 +329,20 @@ def _decode_kernel(
         BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, USE_SOFTCAP, KV_FP8, FP8_NATIVE, DOT_FP32, DOT_PRECISION,
     )
     if USE_SINKS:
-        sink = tl.load(sinks_ptr + q_head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634  # [BLOCK_M]
+        sink = tl.load(sinks_ptr + q_head, mask=m_ok, other=0.0).to(tl.float32) * 1.4426950408889634  # [BLOCK_M]
         acc, l_i = _add_sink(acc, m_i, l_i, sink)
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)  # a row that saw no key (empty split) outputs 0
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # an entry that saw no key (empty split) outputs 0
     o = acc / l_safe[:, None]  # [BLOCK_M, HEAD_DIM_P]
     if SPLIT_KV:
-        row = (seq.to(tl.int64) * num_q_heads + q_head) * num_splits + split  # [BLOCK_M]
+        idx = (seq.to(tl.int64) * num_q_heads + q_head) * num_splits + split  # [BLOCK_M]
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(partial_lse_ptr + row, lse, mask=row_ok)
-        tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(partial_lse_ptr + idx, lse, mask=m_ok)
+        tl.store(partial_out_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=m_ok[:, None] & d_ok[None, :])
     else:
         o_off = q_start.to(tl.int64) * stride_ot + q_head[:, None].to(tl.int64) * stride_oh
         o_off += offs_d[None, :] * stride_od  # [BLOCK_M, HEAD_DIM_P]
-        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -372,10 +372,10 @@ def _merge_splits_kernel(
     offs_d = tl.arange(0, HEAD_DIM_P)
     s_ok = offs_s < num_splits
     d_ok = offs_d < HEAD_DIM
-    row = (seq.to(tl.int64) * num_q_heads + q_head) * num_splits + offs_s  # [SPLITS_P]
-    lse = tl.load(partial_lse_ptr + row, mask=s_ok, other=float("-inf"))  # [SPLITS_P]
+    idx = (seq.to(tl.int64) * num_q_heads + q_head) * num_splits + offs_s  # [SPLITS_P]
+    lse = tl.load(partial_lse_ptr + idx, mask=s_ok, other=float("-inf"))  # [SPLITS_P]
     o_mask = s_ok[:, None] & d_ok[None, :]
-    o = tl.load(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=o_mask, other=0.0)  # [SPLITS_P, D_P]
+    o = tl.load(partial_out_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=o_mask, other=0.0)  # [SPLITS_P, D_P]
 
     # Each split's output is already normalised by its own sum; weight it by its share of the total sum. The sink
     # (one logit per head, no value) joins the total once, here.
@@ -453,17 +453,17 @@ def _prefill_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len  # cached history before the new queries
 
-    # Row r of the tile is query q_tile * BLOCK_Q + r // GROUP_P, head r % GROUP_P of the group.
+    # Entry m of the tile is query q_tile * BLOCK_Q + m // GROUP_P, head m % GROUP_P of the group.
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_P)
     q_idx = q_tile * BLOCK_Q + offs_m // GROUP_P  # [BLOCK_M], index among this sequence's queries
     head_in_group = offs_m % GROUP_P
-    row_ok = (q_idx < q_len) & (head_in_group < GROUP)
+    m_ok = (q_idx < q_len) & (head_in_group < GROUP)
     d_ok = offs_d < HEAD_DIM
     q_head = kv_head * GROUP + head_in_group  # [BLOCK_M]
     q_token = (q_start + q_idx).to(tl.int64)  # [BLOCK_M]
     q_off = q_token[:, None] * stride_qt + q_head[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(query_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
+    q = tl.load(query_ptr + q_off, mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
     q_pos = context_len + q_idx  # [BLOCK_M]
 
     # KV tiles this query tile can see: from the first query's window (or chunk) start to the last query's own
@@ -485,12 +485,12 @@ def _prefill_kernel(
         BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, USE_SOFTCAP, KV_FP8, FP8_NATIVE, DOT_FP32, DOT_PRECISION,
     )
     if USE_SINKS:
-        sink = tl.load(sinks_ptr + q_head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634  # [BLOCK_M]
+        sink = tl.load(sinks_ptr + q_head, mask=m_ok, other=0.0).to(tl.float32) * 1.4426950408889634  # [BLOCK_M]
         acc, l_i = _add_sink(acc, m_i, l_i, sink)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [BLOCK_M, HEAD_DIM_P]
     o_off = q_token[:, None] * stride_ot + q_head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od
-    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
 # --------------------------------------------------------------------------------------------------------------------

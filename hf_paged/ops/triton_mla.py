@@ -99,9 +99,9 @@ def _mla_kernel(
     history = seq_len - q_len  # positions before the first query
 
     offs_m = tl.arange(0, BLOCK_M)
-    q_idx = q_tile * BLOCK_Q + offs_m // BLOCK_H  # [BLOCK_M] query of each row, within the sequence
+    q_idx = q_tile * BLOCK_Q + offs_m // BLOCK_H  # [BLOCK_M] query of each entry, within the sequence
     head = head_group * BLOCK_H + offs_m % BLOCK_H  # [BLOCK_M]
-    row_ok = (q_idx < q_len) & (head < num_heads)
+    m_ok = (q_idx < q_len) & (head < num_heads)
     q_pos = history + q_idx  # [BLOCK_M]
     token = (q_start + q_idx).to(tl.int64)
 
@@ -110,13 +110,13 @@ def _mla_kernel(
     r_ok = offs_r < RANK
     p_ok = offs_p < ROPE
     q_lat = tl.load(q_lat_ptr + token[:, None] * stride_lt + head[:, None].to(tl.int64) * stride_lh + offs_r[None, :],
-                    mask=row_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_M, RANK_P]
+                    mask=m_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_M, RANK_P]
     q_rot = tl.load(q_rot_ptr + token[:, None] * stride_rt + head[:, None].to(tl.int64) * stride_rh + offs_p[None, :],
-                    mask=row_ok[:, None] & p_ok[None, :], other=0.0)  # [BLOCK_M, ROPE_P]
+                    mask=m_ok[:, None] & p_ok[None, :], other=0.0)  # [BLOCK_M, ROPE_P]
 
     acc = tl.zeros([BLOCK_M, RANK_P], dtype=tl.float32)  # running sum of p @ c (not yet divided by l)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max (log2 units)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s - m_i)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max per entry (log2 units)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum per entry of exp2(s - m_i)
 
     kv_hi = history + tl.minimum(q_len, q_tile * BLOCK_Q + BLOCK_Q)  # the tile's last query sees up to itself
     kv_lo = 0
@@ -153,7 +153,7 @@ def _mla_kernel(
         visible = kv_ok[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
 
-        # Online softmax: the new running max; a row that has seen no visible key keeps -inf and subtracts 0 (its
+        # Online softmax: the new running max; an entry that has seen no visible key keeps -inf and subtracts 0 (its
         # p and alpha are then exactly 0, never NaN); rescale the old sums; add this tile's.
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -165,15 +165,15 @@ def _mla_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(c.dtype), c, DOT_FP32, DOT_PRECISION)  # [BLOCK_M, RANK_P]
         m_i = m_new
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)  # a row that saw no key (an empty split) outputs 0
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # an entry that saw no key (an empty split) outputs 0
     o = acc / l_safe[:, None]
     if SPLIT_KV:  # normalised partial output and its log-sum-exp; _merge_splits_kernel weighs the splits
-        row = (seq.to(tl.int64) * num_heads + head) * num_splits + split  # [BLOCK_M]
-        tl.store(partial_lse_ptr + row, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
-        tl.store(partial_out_ptr + row[:, None] * RANK + offs_r[None, :], o, mask=row_ok[:, None] & r_ok[None, :])
+        idx = (seq.to(tl.int64) * num_heads + head) * num_splits + split  # [BLOCK_M]
+        tl.store(partial_lse_ptr + idx, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=m_ok)
+        tl.store(partial_out_ptr + idx[:, None] * RANK + offs_r[None, :], o, mask=m_ok[:, None] & r_ok[None, :])
     else:
         o_off = token[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_r[None, :]
-        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
+        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
 
 
 @dataclass(frozen=True)
