@@ -642,7 +642,7 @@ def check(captured, jobs: int = 2, cache_dir: Path | None = None, allow_spills: 
 
 def _worker_cpu_seconds() -> float:
     """CPU time of the finished worker processes and their ptxas runs (a load-independent cost of the check)."""
-    import resource
+    import resource  # here, not at the top: a Unix-only module, and only this report needs it
 
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
