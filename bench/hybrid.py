@@ -74,8 +74,8 @@ def run_engine(model, requests, budget_blocks: int):
     wall = time.perf_counter() - t0
     stats = pool.memory_stats()
     peak = pool.allocator.peak_blocks_in_use * pool.bytes_per_block_id() + \
-        pool.states.peak_in_use * pool.states.bytes_per_slot()
-    return [r.generated_tokens for r in results], wall, peak, pool.states.bytes_per_slot(), stats
+        pool.states.peak_in_use * pool.states.bytes_per_cell()
+    return [r.generated_tokens for r in results], wall, peak, pool.states.bytes_per_cell(), stats
 
 
 def run_padded(model, requests, batch_size: int):

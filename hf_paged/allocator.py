@@ -52,7 +52,7 @@ def block_key(parent: bytes, tokens) -> bytes:
 
 
 @dataclass
-class AppendPlan:
+class Appended:
     """What one batched append did, per request: where it started (``starts``), how many tokens (``counts``), the
     block table covering them (``tables``), and the copy-on-write block copies to perform before writing."""
 
@@ -246,7 +246,7 @@ class BlockAllocator:
         with self.lock:
             self._publish(self._check_seq(seq))
 
-    def append(self, requests: list[tuple[int, int]], tokens: list[list[int] | None] | None = None) -> AppendPlan:
+    def append(self, requests: list[tuple[int, int]], tokens: list[list[int] | None] | None = None) -> Appended:
         """Reserve slots for ``n`` new tokens on each ``(seq, n)``, all or nothing.
 
         ``tokens`` (optional, per request): the ``n`` token ids, which key the blocks they fill (prefix caching);
@@ -271,19 +271,19 @@ class BlockAllocator:
             short = needed - len(self._free) - (len(self._cached) if self.max_blocks is None else 0)
             if short > 0:
                 self._grow(max(short, self.capacity))
-            plan = AppendPlan(self.block_size)
+            appended = Appended(self.block_size)
             for i, (seq, n) in enumerate(requests):
-                plan.starts.append(self._lens[seq])
-                plan.counts.append(max(n, 0))
-                self._append_one(seq, n, plan.copies)
+                appended.starts.append(self._lens[seq])
+                appended.counts.append(max(n, 0))
+                self._append_one(seq, n, appended.copies)
                 if self.prefix_caching and n > 0:
                     self._key_new_blocks(seq, tokens[i] if tokens is not None else None)
-                plan.tables.append(list(self._tables[seq]))
+                appended.tables.append(list(self._tables[seq]))
             self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use)
             for group, count in self._in_use_by_group.items():
                 if count > self.peak_by_group.get(group, 0):
                     self.peak_by_group[group] = count
-            return plan
+            return appended
 
     def crop(self, seq: int, new_len: int) -> None:
         """Keep the first ``new_len`` tokens of ``seq``; blocks that become empty are released."""

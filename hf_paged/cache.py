@@ -100,7 +100,7 @@ class PagedCache(Cache):
                                                             kv_dtype)
         self._own_pool = pool is None  # out-of-blocks advice names the constructor that sized the pool
         if text_config is not None and self.num_layers:
-            self.pool.check_memory_fits_for(self._slot_shapes())
+            self.pool.check_memory_fits_for(self._tensor_shapes())
         self.release_finished = release_finished
         if self.pool.prefix_caching and self.groups.num_groups > 1:
             _warn_once(f"prefix caching is off for {getattr(text_config, 'model_type', 'this model')}: its layers use "
@@ -238,7 +238,7 @@ class PagedCache(Cache):
     def _state_view(self, layer_idx: int) -> StateView:
         self._check_state_layer(layer_idx)
         if self._states is None:
-            self._states = StateView(self.pool, self.rows.state_slots(), self._contents.states_written,
+            self._states = StateView(self.pool, self.rows.state_cells(), self._contents.states_written,
                                      self.state_layers)
         return self._states
 
@@ -246,7 +246,7 @@ class PagedCache(Cache):
         """Write back the gathered states the last forward was handed (to its rows still holding state cells)."""
         view, self._states = self._states, None
         if view is not None:
-            view.sync(self.rows.state_slots())
+            view.sync(self.rows.state_cells())
 
     # ------------------------------------------------------------- the step
     @property
@@ -650,8 +650,8 @@ class PagedCache(Cache):
                 stacklevel=4,
             )
         self._check_call_start(key.shape[0])
-        self.pool.apply_memory_cap_for(self._slot_shapes() or [(key.shape[1], key.shape[3], key.shape[3])]
-                                       * self._slots_per_block(), key.dtype)
+        self.pool.apply_memory_cap_for(self._tensor_shapes() or [(key.shape[1], key.shape[3], key.shape[3])]
+                                       * self._tensors_per_block(), key.dtype)
         # The gathered history reads no paged kernel: the torch backend writes it.
         step = self._plan_rows(None, None, key.shape[0], key.shape[2], "torch", gathered=True)
         self._contents.mode = "gathered"
@@ -659,19 +659,19 @@ class PagedCache(Cache):
         self._forward = Forward(step, key.shape[2], paged=False)
         self.forward_ran()
 
-    def _slots_per_block(self) -> int:
-        return self.groups.group_size if self.groups.layer_slot else (self.num_layers or 1)
+    def _tensors_per_block(self) -> int:
+        return self.groups.group_size if self.groups.layer_tensor else (self.num_layers or 1)
 
     def _apply_memory_cap(self, dtype: torch.dtype) -> None:
         """Size a ``max_memory`` pool from the config's K/V shape (per rank under tensor parallelism the real heads
         are fewer: the cap is then conservative)."""
         if self.pool.max_memory is None or self.pool.allocator.max_blocks is not None or self.config is None:
             return
-        self.pool.apply_memory_cap_for(self._slot_shapes(), dtype)
+        self.pool.apply_memory_cap_for(self._tensor_shapes(), dtype)
 
-    def _slot_shapes(self) -> list[tuple[int, int, int]]:
+    def _tensor_shapes(self) -> list[tuple[int, int, int]]:
         """``(num_kv_heads, key_dim, value_dim)`` of each K/V tensor slot a block id stands for (the config's)."""
-        return [shape for _, shape in self.groups.slot_shapes]
+        return [shape for _, shape in self.groups.tensor_shapes]
 
     def _invalidate_step(self) -> None:
         """The rows changed: count the last forward (it ran) and drop its step."""

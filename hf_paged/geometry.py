@@ -14,12 +14,12 @@ Kinds:
   Llama 4); blocks of finished chunks go back;
 - ``reuse``: reads the K/V of layer ``source`` and keeps none of its own (Gemma 4's KV-shared layers);
 - ``state``: keeps a fixed-size per-sequence state instead of K/V (linear attention, Mamba / Mamba2, short
-  convolutions): a slot of the state store (``states.py``), not blocks;
+  convolutions): a state cell of the state store (``states.py``), not blocks;
 - ``none``: keeps nothing (MLP-only layers, ``"moe"`` / ``"mlp"`` layer types).
 
 A layer of a paged kind may keep a state beside its K/V (``state=True``: transformers' ``"hybrid"`` cache layers,
-Falcon-H1's attention and Mamba2 mixers in one layer): its K/V are paged and its state takes a slot. The shapes and
-dtypes of the states (conv ``[..., kernel]``, recurrent, e.g. fp32) are learned at their first write
+Falcon-H1's attention and Mamba2 mixers in one layer): its K/V are paged and its state takes a state cell. The
+shapes and dtypes of the states (conv ``[..., kernel]``, recurrent, e.g. fp32) are learned at their first write
 (:class:`~hf_paged.states.StateStore`): the configs of the families name them in as many ways as there are families.
 
 Key and value widths are separate fields (latent attention stores one "head" whose key width differs from its

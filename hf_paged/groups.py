@@ -9,9 +9,9 @@ draw block ids from one allocator.
 
 Groups are cut to one size (the greatest common divisor of the layer counts per key, as vLLM's hybrid allocator
 does): Gemma3's 5 sliding layers per full one become 5 sliding groups and 1 full group of equal size. Then layer
-``i`` of every group of one shape can share one K/V tensor (its *slot*): a block id belongs to one group at a time, so
-a block costs the same bytes whichever group holds it and no group's tensors sit idle. Groups of different shapes
-keep different slots: one block id then stands for a block in every slot (:attr:`LayerGroups.slot_shapes`).
+``i`` of every group of one shape can share one *K/V tensor*: a block id belongs to one group at a time, so a block
+costs the same bytes whichever group holds it and no group's tensors sit idle. Groups of different shapes keep
+different K/V tensors: one block id then stands for a block in every K/V tensor (:attr:`LayerGroups.tensor_shapes`).
 """
 
 from __future__ import annotations
@@ -29,19 +29,20 @@ class LayerGroups:
     Attributes:
         windows: per group, the sliding window of its layers (``None`` = no window).
         layer_group: per layer, its group (-1: a layer that keeps no K/V of its own).
-        layer_slot: per layer, the K/V tensor slot it uses (its rank inside its group; with several K/V shapes
+        layer_tensor: per layer, the key of the K/V tensor it uses (its rank inside its group; with several K/V shapes
             ``(shape, rank)``).
         chunks: per group, the attention chunk of its layers (``None`` = not chunked).
-        slot_shapes: per slot, ``(num_kv_heads, key_dim, value_dim)`` (empty when the shapes are not known yet).
+        tensor_shapes: per K/V tensor, ``(num_kv_heads, key_dim, value_dim)`` (empty when the shapes are not known
+            yet).
         sources: per layer, the layer whose K/V its attention reads: itself, or for a ``reuse`` layer its source
             (empty: every layer reads its own).
     """
 
     windows: tuple[int | None, ...]
     layer_group: tuple[int, ...]
-    layer_slot: tuple
+    layer_tensor: tuple
     chunks: tuple[int | None, ...] = ()
-    slot_shapes: tuple = ()  # ((slot, (heads, key_dim, value_dim)), ...)
+    tensor_shapes: tuple = ()  # ((tensor key, (heads, key_dim, value_dim)), ...)
     sources: tuple[int, ...] = ()
 
     def __post_init__(self):
@@ -67,19 +68,19 @@ class LayerGroups:
             by_key.setdefault((spec.kind, spec.window, spec.chunk, spec.shape), []).append(layer)
         size = math.gcd(*(len(layers) for layers in by_key.values()))
         several_shapes = len({key[3] for key in by_key}) > 1
-        windows, chunks, slots = [], [], {}
-        layer_group, layer_slot = [-1] * len(geometry), [0] * len(geometry)
+        windows, chunks, tensors = [], [], {}
+        layer_group, layer_tensor = [-1] * len(geometry), [0] * len(geometry)
         for (kind, window, chunk, shape), layers in by_key.items():
             for start in range(0, len(layers), size):
                 for rank, layer in enumerate(layers[start: start + size]):
-                    slot = (shape, rank) if several_shapes else rank
-                    layer_group[layer], layer_slot[layer] = len(windows), slot
-                    slots[slot] = shape
+                    tensor = (shape, rank) if several_shapes else rank
+                    layer_group[layer], layer_tensor[layer] = len(windows), tensor
+                    tensors[tensor] = shape
                 windows.append(window)
                 chunks.append(chunk)
-        known = all(shape[0] for shape in slots.values())
-        return cls(tuple(windows), tuple(layer_group), tuple(layer_slot), tuple(chunks),
-                   tuple(slots.items()) if known else (), sources)
+        known = all(shape[0] for shape in tensors.values())
+        return cls(tuple(windows), tuple(layer_group), tuple(layer_tensor), tuple(chunks),
+                   tuple(tensors.items()) if known else (), sources)
 
     @property
     def num_groups(self) -> int:
@@ -87,14 +88,14 @@ class LayerGroups:
 
     @property
     def group_size(self) -> int:
-        """Layers per group (= K/V tensor slots per block id when every layer has one shape)."""
-        ranks = [s[1] if isinstance(s, tuple) else s for g, s in zip(self.layer_group, self.layer_slot) if g >= 0]
+        """Layers per group (= K/V tensors per block id when every layer has one shape)."""
+        ranks = [s[1] if isinstance(s, tuple) else s for g, s in zip(self.layer_group, self.layer_tensor) if g >= 0]
         return max(ranks, default=0) + 1
 
     @property
-    def num_slots(self) -> int:
-        """K/V tensor slots one block id stands for."""
-        return len(self.slot_shapes) or self.group_size
+    def num_tensors(self) -> int:
+        """K/V tensors one block id stands for."""
+        return len(self.tensor_shapes) or self.group_size
 
     def source_of(self, layer_idx: int) -> int:
         """The layer whose K/V layer ``layer_idx``'s attention reads (its own, or a ``reuse`` layer's source)."""

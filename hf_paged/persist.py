@@ -34,10 +34,13 @@ import re
 import struct
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from . import compat
 from .allocator import NULL_BLOCK, cdiv, slot_of
 from .errors import CacheFileError
+from .ops.reference import FP8_SCALE_DTYPE
 from .patches import kv_geometry
 from .pool import LayerShape
 from .rows import Rows
@@ -96,8 +99,6 @@ def _digest(metadata: dict, named_tensors) -> str:
 
 # ------------------------------------------------------------------------------------------------------------- save
 def save_cache(cache, path) -> None:
-    from safetensors.torch import save_file
-
     pool = cache.pool
     with pool.lock:
         exports = cache.rows.export()
@@ -130,10 +131,10 @@ def save_cache(cache, path) -> None:
     states = {}
     if cache.state_layers:
         store = pool.states
-        slots = [cache.rows[r].state for r, _ in live]
+        cells = [cache.rows[r].state for r, _ in live]  # the live rows' state cells
         for (kind, layer, idx), t in sorted(store.tensors.items()):
             name = f"state.{kind}.{layer}.{idx}"
-            tensors[name] = t.index_select(0, torch.tensor(slots, dtype=torch.long, device=t.device)).cpu().contiguous()
+            tensors[name] = t.index_select(0, torch.tensor(cells, dtype=torch.long, device=t.device)).cpu().contiguous()
             states[name] = [list(t.shape[1:]), str(t.dtype).removeprefix("torch.")]
     metadata = {
         "format": STATE_FORMAT if cache.state_layers else FORMAT,
@@ -212,8 +213,6 @@ class CacheFile:
     def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp8 files: layer ``layer``'s ``(k_scale, v_scale)`` ``[total_tokens, num_kv_heads]`` bfloat16, one per token
         and KV head (formats 1 and 2: the layer's one scale per KV head, rounded to bfloat16, for every token)."""
-        from .ops.reference import FP8_SCALE_DTYPE
-
         out = []
         for name in (f"k_scale.{layer}", f"v_scale.{layer}"):
             t = self._file.get_tensor(name)
@@ -421,8 +420,6 @@ def _check_header(path: str, opened, name: str, dtype: str, shape: list) -> list
 
 def open_cache_file(path):
     """``safe_open`` of ``path`` after checking its header size; ``CacheFileError`` if safetensors refuses it."""
-    from safetensors import safe_open
-
     path = os.fspath(path)
     size = os.path.getsize(path)  # FileNotFoundError as it is
     with open(path, "rb") as f:
@@ -542,12 +539,12 @@ def _check_room(cf: CacheFile, cache) -> None:
         free = a.num_free
     elif pool.max_memory is not None and cf.layers:
         spec = next(iter(cf.layers.values()))  # the first layer bound sizes the pool, as on a forward
-        if groups.slot_shapes:  # the config's shapes per slot, as a forward sizes it
-            per_block = pool.block_id_bytes([shape for _, shape in groups.slot_shapes], spec.dtype)
+        if groups.tensor_shapes:  # the config's shapes per K/V tensor, as a forward sizes it
+            per_block = pool.block_id_bytes([shape for _, shape in groups.tensor_shapes], spec.dtype)
         else:
-            slots = groups.group_size if groups.layer_slot else (cache.num_layers or len(cf.layers))
-            per_block = slots * pool._block_bytes(LayerShape(spec.num_kv_heads, spec.head_dim, spec.dtype,
-                                                             torch.device("cpu"), spec.value_dim))
+            tensors = groups.group_size if groups.layer_tensor else (cache.num_layers or len(cf.layers))
+            per_block = tensors * pool.block_bytes(LayerShape(spec.num_kv_heads, spec.head_dim, spec.dtype,
+                                                              torch.device("cpu"), spec.value_dim))
         free = max(0, pool.max_memory // per_block - 1)
     else:
         return  # a growing pool: the rows hold what the file's tensors hold
@@ -583,8 +580,8 @@ def _build(cache, cf: CacheFile, device, trusted: bool) -> None:
         dev = known.device if known is not None else torch.device(device) if device is not None else torch.device("cpu")
         probe = torch.empty(1, spec.num_kv_heads, 1, spec.head_dim, dtype=spec.dtype, device=dev)  # [B, H, S, D]
         value = None if spec.value_dim is None else probe.new_empty(1, spec.num_kv_heads, 1, spec.value_dim)
-        pool.bind_layer(layer, cache.num_layers or len(cf.layers), probe, groups.layer_slot[layer], groups.group_size,
-                        value, slot_shapes=[shape for _, shape in groups.slot_shapes])
+        pool.bind_layer(layer, cache.num_layers or len(cf.layers), probe, groups.layer_tensor[layer], groups.group_size,
+                        value, tensor_shapes=[shape for _, shape in groups.tensor_shapes])
     live, row_tokens = cf.live, cf.row_tokens()
     lengths, tokens = [0] * cf.rows, [None if row_tokens is None else [] for _ in range(cf.rows)]
     for i, r in enumerate(live):

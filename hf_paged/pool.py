@@ -6,8 +6,8 @@ shape. The tensors grow with the blocks in use (doubling), up to the cap when th
 full size at once only when asked (``preallocate=True`` or :meth:`BlockPool.preallocate`, which a compiled
 ``generate()`` needs: its graphs read the pool at fixed addresses).
 
-Layers are mapped to tensor *slots* by :class:`~hf_paged.groups.LayerGroups` (one slot per layer for most models;
-hybrid models share a slot between one layer of each group).
+Layers are mapped to their *K/V tensors* by :class:`~hf_paged.groups.LayerGroups` (one per layer for most models;
+hybrid models share one K/V tensor between one layer of each group).
 
 With ``kv_dtype=torch.float8_e4m3fn`` the tensors hold e4m3 bits as ``uint8`` (torch cannot index float8 tensors on
 CPU), and each K/V tensor has a scale cache ``[num_blocks + 1, block_size, num_kv_heads]`` bfloat16 beside it: one
@@ -26,13 +26,15 @@ from dataclasses import dataclass
 import torch
 
 from .allocator import BlockAllocator, cdiv
+from .ops.reference import FP8_SCALE_DTYPE
 from .states import StateStore
+from .stats import MemoryStats
 from .step import StepBuffers
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 KV_DTYPES = (None, torch.float8_e4m3fn)
-SCALE_BYTES = 2  # fp8 pools: one bfloat16 scale per token and KV head, for K and for V (ops.reference.FP8_SCALE_DTYPE)
+SCALE_BYTES = FP8_SCALE_DTYPE.itemsize  # fp8 pools: one scale per token and KV head, for K and for V
 
 
 def parse_memory(value: int | str) -> int:
@@ -61,10 +63,10 @@ def _smallest_block(block_size: int) -> int:
     return 2 * block_size  # K and V, one layer, one KV head of one dim, one byte
 
 
-def _describe(slot_shapes, dtype: torch.dtype) -> str:
-    """``slot_shapes``: ``(num_kv_heads, key_dim, value_dim)`` per K/V tensor slot one block id stands for."""
+def _describe(tensor_shapes, dtype: torch.dtype) -> str:
+    """``tensor_shapes``: ``(num_kv_heads, key_dim, value_dim)`` per K/V tensor one block id stands for."""
     counts: dict = {}
-    for shape in slot_shapes:
+    for shape in tensor_shapes:
         counts[tuple(shape)] = counts.get(tuple(shape), 0) + 1
     parts = []
     for (heads, key, value), layers in counts.items():
@@ -125,7 +127,7 @@ class BlockPool:
         if preallocate and num_blocks is None and max_memory is None:
             raise ValueError("preallocate=True needs a cap to allocate: give num_blocks=N or max_memory='2GiB'.")
         # The allocator starts empty and grows up to the cap; its block ids stay below its capacity, which the
-        # tensors follow (the scratch block is always their last row).
+        # tensors follow (the scratch block is always their last block).
         self.allocator = BlockAllocator(block_size, None, prefix_caching=prefix_caching)
         if num_blocks is not None:
             self.allocator.set_limit(num_blocks)
@@ -139,14 +141,15 @@ class BlockPool:
                                                             "byte per value)")
         self.num_layers: int | None = None
         self.layer_shapes: dict[int, LayerShape] = {}
-        self.layer_slot: dict[int, object] = {}  # layer -> key of its K/V tensors
-        self.key_caches: dict[object, torch.Tensor] = {}  # slot -> [rows, block_size, Hkv, D]
+        self.layer_tensor: dict[int, object] = {}  # layer -> key of its K/V tensors
+        self.key_caches: dict[object, torch.Tensor] = {}  # K/V tensor key -> [tensor_blocks, block_size, Hkv, D]
         self.value_caches: dict[object, torch.Tensor] = {}
-        self.k_scale_caches: dict[object, torch.Tensor] = {}  # slot -> [rows, block_size, Hkv] bf16 (fp8 pools)
+        self.k_scale_caches: dict[object, torch.Tensor] = {}  # K/V tensor key -> [tensor_blocks, block_size, Hkv] bf16
         self.v_scale_caches: dict[object, torch.Tensor] = {}
         self._free_step_buffers: list[StepBuffers] = []
-        self._sized_rows = 0  # every K/V tensor had at least this many rows at the last ensure_capacity()
-        # per-row states of state layers (hybrid models), in slots; under max_memory they share the cap with blocks
+        self._sized_blocks = 0  # every K/V tensor had at least this many blocks at the last ensure_capacity()
+        # per-row states of state layers (hybrid models), in state cells; under max_memory they share the cap with
+        # the blocks
         self.states = StateStore()
         if self.max_memory is not None:
             self.states.limit_bytes = self._state_budget
@@ -204,30 +207,31 @@ class BlockPool:
     def prefix_caching(self) -> bool:
         return self.allocator.prefix_caching
 
-    def _block_bytes(self, shape: LayerShape) -> int:
-        """K+V bytes of one block of one slot; fp8 pools add the block's scales (2 bytes per token, KV head, K/V)."""
+    def block_bytes(self, shape: LayerShape) -> int:
+        """K+V bytes of one block of one K/V tensor of ``shape``; fp8 pools add the block's scales (2 bytes per token,
+        KV head, K/V)."""
         if self.kv_dtype is not None:
             return self.block_size * shape.num_kv_heads * (shape.head_dim + shape.v_dim + 2 * SCALE_BYTES)
         return self.block_size * shape.num_kv_heads * (shape.head_dim + shape.v_dim) * shape.dtype.itemsize
 
-    def block_id_bytes(self, slot_shapes, dtype: torch.dtype) -> int:
-        """Bytes one block id stands for: a block of each slot, ``slot_shapes`` ``(num_kv_heads, key_dim,
-        value_dim)`` per slot (from :attr:`~hf_paged.groups.LayerGroups.slot_shapes`), in ``dtype``."""
+    def block_id_bytes(self, tensor_shapes, dtype: torch.dtype) -> int:
+        """Bytes one block id stands for: a block of each K/V tensor, ``tensor_shapes`` ``(num_kv_heads, key_dim,
+        value_dim)`` per K/V tensor (from :attr:`~hf_paged.groups.LayerGroups.tensor_shapes`), in ``dtype``."""
         cpu = torch.device("cpu")
-        return sum(self._block_bytes(LayerShape(h, k, dtype, cpu, v)) for h, k, v in slot_shapes)
+        return sum(self.block_bytes(LayerShape(h, k, dtype, cpu, v)) for h, k, v in tensor_shapes)
 
     def bytes_per_block(self, layers=None) -> int:
         """K+V bytes of one block summed over ``layers`` (default: every layer seen so far)."""
         layers = self.layer_shapes if layers is None else layers
-        return sum(self._block_bytes(self.layer_shapes[i]) for i in layers if i in self.layer_shapes)
+        return sum(self.block_bytes(self.layer_shapes[i]) for i in layers if i in self.layer_shapes)
 
-    def bind_layer(self, layer_idx: int, num_layers: int, key: torch.Tensor, slot=None, slots_per_block: int = 0,
-                   value: torch.Tensor | None = None, slot_shapes=()):
+    def bind_layer(self, layer_idx: int, num_layers: int, key: torch.Tensor, tensor=None, tensors_per_block: int = 0,
+                   value: torch.Tensor | None = None, tensor_shapes=()):
         """Record (or check) layer ``layer_idx``'s shape from its first key (and value) tensor ``[B, Hkv, S, D]``.
 
-        ``slot``: the K/V tensor slot the layer uses (layers of different groups may share one);
-        ``slots_per_block``: how many slots a block id spans, all of this layer's shape, or ``slot_shapes``: the
-        ``(num_kv_heads, key_dim, value_dim)`` of each (for ``max_memory``).
+        ``tensor``: the key of the K/V tensor the layer uses (layers of different groups may share one; default: its
+        own); ``tensors_per_block``: how many K/V tensors a block id spans, all of this layer's shape, or
+        ``tensor_shapes``: the ``(num_kv_heads, key_dim, value_dim)`` of each (for ``max_memory``).
         """
         if layer_idx in self.layer_shapes:
             self.check_layer(layer_idx, key)
@@ -236,30 +240,30 @@ class BlockPool:
         shape = LayerShape(key.shape[1], key.shape[3], key.dtype, key.device, value_dim)
         with self.lock:
             # the cap first: a max_memory too small for this shape is refused before anything is recorded
-            self.apply_memory_cap_for(slot_shapes or [(shape.num_kv_heads, shape.head_dim, shape.v_dim)]
-                                      * (slots_per_block or num_layers), shape.dtype)
+            self.apply_memory_cap_for(tensor_shapes or [(shape.num_kv_heads, shape.head_dim, shape.v_dim)]
+                                      * (tensors_per_block or num_layers), shape.dtype)
             if self.num_layers is None:
                 self.num_layers = num_layers
             self.layer_shapes[layer_idx] = shape
-            slot = layer_idx if slot is None else slot
-            owner = next((i for i, s in self.layer_slot.items() if s == slot), None)
+            tensor = layer_idx if tensor is None else tensor
+            owner = next((i for i, t in self.layer_tensor.items() if t == tensor), None)
             if owner is not None and self.layer_shapes[owner] != shape:
-                slot = ("layer", layer_idx)  # a shape/device differing from its slot partner: own tensors
-            self.layer_slot[layer_idx] = slot
+                tensor = ("layer", layer_idx)  # a shape/device differing from its K/V tensor's partner: its own
+            self.layer_tensor[layer_idx] = tensor
 
-    def apply_memory_cap(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, slots_per_block: int) -> None:
-        """:meth:`apply_memory_cap_for` with ``slots_per_block`` slots of one shape."""
-        self.apply_memory_cap_for([(num_kv_heads, head_dim, head_dim)] * slots_per_block, dtype)
+    def apply_memory_cap(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, tensors_per_block: int) -> None:
+        """:meth:`apply_memory_cap_for` with ``tensors_per_block`` K/V tensors of one shape."""
+        self.apply_memory_cap_for([(num_kv_heads, head_dim, head_dim)] * tensors_per_block, dtype)
 
-    def apply_memory_cap_for(self, slot_shapes, dtype: torch.dtype) -> None:
+    def apply_memory_cap_for(self, tensor_shapes, dtype: torch.dtype) -> None:
         """Turn ``max_memory`` into a block cap, once, from the model's K/V shapes (``(num_kv_heads, key_dim,
-        value_dim)`` per slot a block id stands for: :attr:`~hf_paged.groups.LayerGroups.slot_shapes`): before the
-        first blocks are taken, so the pool never grows past it. ``ValueError`` (with the minimum) if it cannot hold
-        one block."""
+        value_dim)`` per K/V tensor a block id stands for: :attr:`~hf_paged.groups.LayerGroups.tensor_shapes`):
+        before the first blocks are taken, so the pool never grows past it. ``ValueError`` (with the minimum) if it
+        cannot hold one block."""
         if self.max_memory is None or self.allocator.max_blocks is not None:
             return
-        per_block = self.block_id_bytes(slot_shapes, dtype)
-        self._check_memory(per_block, _describe(slot_shapes, self.kv_dtype or dtype))
+        per_block = self.block_id_bytes(tensor_shapes, dtype)
+        self._check_memory(per_block, _describe(tensor_shapes, self.kv_dtype or dtype))
         with self.lock:
             if self.allocator.max_blocks is None:
                 self.allocator.set_limit(self.max_memory // per_block - 1)  # the scratch block counts against it
@@ -267,22 +271,22 @@ class BlockPool:
             if self._preallocate:
                 self.ensure_capacity()
 
-    def check_memory_fits(self, num_kv_heads: int, head_dim: int, slots_per_block: int,
+    def check_memory_fits(self, num_kv_heads: int, head_dim: int, tensors_per_block: int,
                           dtype: torch.dtype | None = None) -> None:
         """``ValueError`` now if ``max_memory`` cannot hold one block of this shape (plus the scratch block).
 
         For a caller that knows the model's shape before its first forward (a cache built from its config);
         ``dtype`` ``None`` checks against the smallest dtype the model could run in (2 bytes; fp8 pools 1 byte).
         """
-        self.check_memory_fits_for([(num_kv_heads, head_dim, head_dim)] * slots_per_block, dtype)
+        self.check_memory_fits_for([(num_kv_heads, head_dim, head_dim)] * tensors_per_block, dtype)
 
-    def check_memory_fits_for(self, slot_shapes, dtype: torch.dtype | None = None) -> None:
-        """:meth:`check_memory_fits` for slots of the given ``(num_kv_heads, key_dim, value_dim)``."""
+    def check_memory_fits_for(self, tensor_shapes, dtype: torch.dtype | None = None) -> None:
+        """:meth:`check_memory_fits` for K/V tensors of the given ``(num_kv_heads, key_dim, value_dim)``."""
         if self.max_memory is None:
             return
         dtype = dtype or torch.float16
-        per_block = self.block_id_bytes(slot_shapes, dtype)
-        self._check_memory(per_block, _describe(slot_shapes, self.kv_dtype or dtype))
+        per_block = self.block_id_bytes(tensor_shapes, dtype)
+        self._check_memory(per_block, _describe(tensor_shapes, self.kv_dtype or dtype))
 
     def _check_memory(self, per_block: int, what: str) -> None:
         need = 2 * per_block  # one block, and the scratch block
@@ -329,9 +333,10 @@ class BlockPool:
             )
 
     @property
-    def rows(self) -> int:
-        """Rows of every K/V tensor: the blocks that exist (all the cap allows, once preallocated), plus the scratch
-        block, always the last row."""
+    def tensor_blocks(self) -> int:
+        """Blocks every K/V tensor holds (its first dimension): the blocks that exist (all the cap allows, once
+        preallocated), plus the scratch block, always the last."""
+
         a = self.allocator
         if self._preallocate and a.max_blocks is not None:
             return a.max_blocks + 1
@@ -339,83 +344,81 @@ class BlockPool:
 
     @property
     def scratch_block(self) -> int:
-        return self.rows - 1
+        return self.tensor_blocks - 1
 
     def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's K/V tensors ``[rows, block_size, Hkv, D]``, grown to :attr:`rows` (fp8 pools: with their scale
-        caches, see :meth:`layer_scales`)."""
-        slot = self.layer_slot[layer_idx]
-        k = self.key_caches.get(slot)
-        if k is None or k.shape[0] < self.rows:
+        """This layer's K/V tensors ``[tensor_blocks, block_size, Hkv, D]``, grown to :attr:`tensor_blocks` (fp8 pools:
+        with their scale caches, see :meth:`layer_scales`)."""
+        tensor = self.layer_tensor[layer_idx]
+        k = self.key_caches.get(tensor)
+        if k is None or k.shape[0] < self.tensor_blocks:
             with self.lock:
-                self._grow_slot(slot, self.layer_shapes[layer_idx])
-        return self.key_caches[slot], self.value_caches[slot]
+                self._grow_tensor(tensor, self.layer_shapes[layer_idx])
+        return self.key_caches[tensor], self.value_caches[tensor]
 
     def layer_scales(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """fp8 pools: the layer's scale caches ``(k_scale, v_scale)`` ``[rows, block_size, Hkv]`` bfloat16, one scale
-        per slot and KV head, grown with the K/V tensors; ``(None, None)`` on other pools."""
+        """fp8 pools: the layer's scale caches ``(k_scale, v_scale)`` ``[tensor_blocks, block_size, Hkv]`` bfloat16, one
+        scale per slot and KV head, grown with the K/V tensors; ``(None, None)`` on other pools."""
         if self.kv_dtype is None:
             return None, None
         self.layer_kv(layer_idx)
-        slot = self.layer_slot[layer_idx]
-        return self.k_scale_caches[slot], self.v_scale_caches[slot]
+        tensor = self.layer_tensor[layer_idx]
+        return self.k_scale_caches[tensor], self.v_scale_caches[tensor]
 
     def ensure_capacity(self) -> None:
-        """Grow every existing tensor to :attr:`rows` (called before a forward, never inside one)."""
-        rows = self.rows
-        if rows == self._sized_rows:  # nothing grew since (tensors made since were made this large)
+        """Grow every existing tensor to :attr:`tensor_blocks` (called before a forward, never inside one)."""
+        blocks = self.tensor_blocks
+        if blocks == self._sized_blocks:  # nothing grew since (tensors made since were made this large)
             return
-        for layer, slot in self.layer_slot.items():
-            k = self.key_caches.get(slot)
-            if k is not None and k.shape[0] < rows:
+        for layer, tensor in self.layer_tensor.items():
+            k = self.key_caches.get(tensor)
+            if k is not None and k.shape[0] < blocks:
                 self.layer_kv(layer)
-        self._sized_rows = rows
+        self._sized_blocks = blocks
 
-    def _grow_slot(self, slot, s: LayerShape) -> None:
-        old_k = self.key_caches.get(slot)
-        rows = self.rows
-        if old_k is not None and old_k.shape[0] >= rows:
+    def _grow_tensor(self, tensor, s: LayerShape) -> None:
+        old_k = self.key_caches.get(tensor)
+        blocks = self.tensor_blocks
+        if old_k is not None and old_k.shape[0] >= blocks:
             return
-        shape = (rows, self.block_size, s.num_kv_heads, s.head_dim)
-        v_shape = (rows, self.block_size, s.num_kv_heads, s.v_dim)
+        shape = (blocks, self.block_size, s.num_kv_heads, s.head_dim)
+        v_shape = (blocks, self.block_size, s.num_kv_heads, s.v_dim)
         dtype = self.storage_dtype or s.dtype
         kept = 0 if old_k is None else old_k.shape[0] - 1  # the old scratch block is not copied: it holds nothing
 
-        def grown(old, shape, dtype):  # the old rows copied, the rest zeros (unwritten slots must read as 0)
+        def grown(old, shape, dtype):  # the old blocks copied, the rest zeros (unwritten slots must read as 0)
             new = torch.empty(shape, dtype=dtype, device=s.device)
             if kept:
                 new[:kept] = old[:kept]
             new[kept:].zero_()
             return new
 
-        new_k, new_v = grown(old_k, shape, dtype), grown(self.value_caches.get(slot), v_shape, dtype)
+        new_k, new_v = grown(old_k, shape, dtype), grown(self.value_caches.get(tensor), v_shape, dtype)
         new = [new_k, new_v]
         if self.kv_dtype is not None:  # the scales of the slots, grown (and copied) with them
-            from .ops.reference import FP8_SCALE_DTYPE
-
-            new_ks = grown(self.k_scale_caches.get(slot), shape[:3], FP8_SCALE_DTYPE)  # [rows, block_size, Hkv]
-            new_vs = grown(self.v_scale_caches.get(slot), shape[:3], FP8_SCALE_DTYPE)
+            new_ks = grown(self.k_scale_caches.get(tensor), shape[:3], FP8_SCALE_DTYPE)  # [blocks, block_size, Hkv]
+            new_vs = grown(self.v_scale_caches.get(tensor), shape[:3], FP8_SCALE_DTYPE)
             new += [new_ks, new_vs]
-            self.k_scale_caches[slot], self.v_scale_caches[slot] = new_ks, new_vs
+            self.k_scale_caches[tensor], self.v_scale_caches[tensor] = new_ks, new_vs
         for t in new:
             torch._dynamo.mark_static_address(t)
-        self.key_caches[slot], self.value_caches[slot] = new_k, new_v
+        self.key_caches[tensor], self.value_caches[tensor] = new_k, new_v
 
-    # ------------------------------------------------------------ state slots
+    # ------------------------------------------------------------ state cells
     def _state_budget(self) -> int:
         """Bytes ``max_memory`` leaves the state store beside the blocks that exist (and the scratch block)."""
         return self.max_memory - (self.allocator.capacity + 1) * (self._cap_block_bytes or 0)
 
-    def take_state_slots(self, count: int) -> list[int]:
-        """``count`` state slots (:meth:`StateStore.take`); a ``max_memory`` cap then holds fewer blocks."""
+    def take_state_cells(self, count: int) -> list[int]:
+        """``count`` state cells (:meth:`StateStore.take`); a ``max_memory`` cap then holds fewer blocks."""
         with self.lock:
-            slots = self.states.take(count)
+            cells = self.states.take(count)
             self.fit_blocks_to_states()
-            return slots
+            return cells
 
-    def give_back_state_slots(self, slots: list[int]) -> None:
+    def give_back_state_cells(self, cells: list[int]) -> None:
         with self.lock:
-            self.states.give_back(slots)
+            self.states.give_back(cells)
 
     def fit_blocks_to_states(self) -> None:
         """Under ``max_memory``: the block cap less what the state tensors take (never below the blocks that exist;
@@ -440,14 +443,12 @@ class BlockPool:
         Caches of a mixed-window model hold one sequence per layer group and row: the top-level figures count each
         row and token once and every group's blocks (the per-group detail is on each cache's ``memory_stats()``).
         """
-        from .stats import MemoryStats
-
         with self.lock:
             a = self.allocator
             by_group: dict[int, list[int]] = {}
             for seq in a.sequences:
                 by_group.setdefault(a.group_of(seq), []).append(seq)
-            common = dict(block_size=a.block_size, num_blocks=self.rows - 1, max_blocks=a.max_blocks,
+            common = dict(block_size=a.block_size, num_blocks=self.tensor_blocks - 1, max_blocks=a.max_blocks,
                           peak_blocks_in_use=a.peak_blocks_in_use, bytes_per_block=self.bytes_per_block_id(),
                           bytes_reserved=self.bytes_reserved(), allocator=a)
             groups = [MemoryStats.from_tables(tables=[a.block_table(s) for s in seqs],
@@ -457,10 +458,10 @@ class BlockPool:
             return stats.with_states(self.states, self.states.in_use)
 
     def bytes_per_block_id(self) -> int:
-        """Bytes one block id stands for: one block of every distinct K/V tensor slot."""
+        """Bytes one block id stands for: one block of every distinct K/V tensor."""
         seen, total = set(), 0
-        for layer, slot in self.layer_slot.items():
-            if slot not in seen:
-                seen.add(slot)
-                total += self._block_bytes(self.layer_shapes[layer])
+        for layer, tensor in self.layer_tensor.items():
+            if tensor not in seen:
+                seen.add(tensor)
+                total += self.block_bytes(self.layer_shapes[layer])
         return total

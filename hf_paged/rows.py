@@ -95,7 +95,7 @@ class Rows:
         a = self.pool.allocator
         with self.pool.lock:
             if state is None and self.stateful:
-                state = self._take_slots(1)[0]
+                state = self._take_state_cells(1)[0]
             seqs = [a.new_sequence(list(prefix_blocks) if g == 0 else (), group=g)
                     for g in range(self.groups.num_groups)]
         row = Row(seqs, list(prefix_tokens), state=state)
@@ -105,15 +105,15 @@ class Rows:
     def extend(self, count: int) -> None:
         """``count`` new empty rows (on stateful models with consecutive state cells where the store has them)."""
         with self.pool.lock:
-            slots = self._take_slots(count) if self.stateful else [None] * count
+            slots = self._take_state_cells(count) if self.stateful else [None] * count
         for slot in slots:
             self.new(state=slot)
 
-    def _take_slots(self, count: int) -> list[int]:
+    def _take_state_cells(self, count: int) -> list[int]:
         """State slots for ``count`` rows (call under the pool's lock)."""
-        return self.pool.take_state_slots(count)
+        return self.pool.take_state_cells(count)
 
-    def state_slots(self) -> list[int | None]:
+    def state_cells(self) -> list[int | None]:
         """Each row's state slot, in batch order (None: released)."""
         return [row.state for row in self.rows]
 
@@ -137,13 +137,13 @@ class Rows:
         engine's new request), else the caller places it (``select``)."""
         if row.released:
             if state is not None:
-                self.pool.give_back_state_slots([state])
+                self.pool.give_back_state_cells([state])
             child = Row(list(row.seqs), [], True)
         else:
             a = self.pool.allocator
             with self.pool.lock:
                 if state is None and row.state is not None:
-                    state = self._take_slots(1)[0]
+                    state = self._take_state_cells(1)[0]
                 seqs = [a.fork(s) for s in row.seqs]
             if state is not None:
                 self.pool.states.copy([state], [row.state])
@@ -176,7 +176,7 @@ class Rows:
     def _forks(self, indices: list[int]) -> list[Row]:
         """Copies of rows ``indices`` (consecutive state cells where the store has them)."""
         with self.pool.lock:
-            slots = self._take_slots(len(indices)) if self.stateful else [None] * len(indices)
+            slots = self._take_state_cells(len(indices)) if self.stateful else [None] * len(indices)
         return [self.fork(self.rows[i], state=slot) for i, slot in zip(indices, slots)]
 
     def select(self, indices: list[int]) -> "Rows":
@@ -249,7 +249,7 @@ class Rows:
             for seq in row.seqs:
                 a.free(seq)
             if row.state is not None:
-                self.pool.give_back_state_slots([row.state])
+                self.pool.give_back_state_cells([row.state])
         row.released, row.state = True, None
         if row.tokens is not None:
             row.tokens = []
@@ -297,7 +297,7 @@ class Rows:
                         None if t is None else list(t), False) for t in tokens]
             live = [(row, n) for row, n, gone in zip(rows, lengths, released) if not gone]
             if self.stateful:  # the caller writes their states into these slots
-                for (row, _), slot in zip(live, self._take_slots(len(live))):
+                for (row, _), slot in zip(live, self._take_state_cells(len(live))):
                     row.state = slot
             requests = [(row.seqs[g], n) for row, n in live for g in range(self.groups.num_groups)]
             request_tokens = [row.tokens if keyed[g] else None for row, _ in live for g in range(self.groups.num_groups)]
@@ -307,7 +307,7 @@ class Rows:
                 for row in rows:
                     for seq in row.seqs:
                         a.free(seq)
-                self.pool.give_back_state_slots([row.state for row in rows if row.state is not None])
+                self.pool.give_back_state_cells([row.state for row in rows if row.state is not None])
                 raise
             for row, gone in zip(rows, released):
                 if gone:

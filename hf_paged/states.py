@@ -1,17 +1,17 @@
-"""The state store: per-sequence fixed-size states of state layers, in slots.
+"""The state store: per-sequence fixed-size states of state layers, in state cells.
 
 Linear-attention (Gated DeltaNet), Mamba / Mamba2 and short-convolution layers keep, per sequence, a convolution
 state ``[..., kernel]`` and (most of them) a recurrent state, whatever the sequence's length. They cannot be paged:
-they are rewritten whole at every token. The store keeps them in *slots*: slot ``s`` of every state tensor belongs to
-one row (:class:`~hf_paged.rows.Row` ``state``), taken when the row is created and given back when it is released,
-as a row owns its blocks. One store per :class:`~hf_paged.BlockPool`, shared by the caches (and the engine) on it.
+they are rewritten whole at every token. The store keeps them in *state cells*: cell ``c`` (index ``c`` of every
+state tensor's first dimension) belongs to one row (:class:`~hf_paged.rows.Row` ``state``), taken when the row is
+created and given back when it is released, as a row owns its blocks. One store per :class:`~hf_paged.BlockPool`, shared by the caches (and the engine) on it.
 
 Tensors: one per ``(layer, "conv" | "recurrent", state_idx)``, ``[capacity, *state shape]``, created at the first
 write of that state with the dtype and device of what the model wrote (an fp32 recurrent state stays fp32). The
-capacity grows by doubling when more slots are taken (the existing slots copied); a capped pool (``max_memory``)
+capacity grows by doubling when more cells are taken (the existing cells copied); a capped pool (``max_memory``)
 counts the store's bytes against the same cap as its blocks.
 
-A slot's contents are meaningful only after its row's first write (``has_previous_state``): a new slot may hold a
+A cell's contents are meaningful only after its row's first write (``has_previous_state``): a new cell may hold a
 finished row's leftovers, which no reader sees (the model's prefill overwrites a state without reading it).
 """
 
@@ -26,12 +26,12 @@ class OutOfStateMemoryError(RuntimeError):
 
 
 class StateStore:
-    """Slots of per-sequence states (see the module docstring). Not thread-safe on its own: callers hold the pool's
+    """State cells of per-sequence states (see the module docstring). Not thread-safe on its own: callers hold the pool's
     lock around :meth:`take` / :meth:`give_back` (the rows do)."""
 
     def __init__(self):
         self.capacity = 0
-        self._free: list[int] = []  # slots nobody holds, ascending
+        self._free: list[int] = []  # cells nobody holds, ascending
         self.tensors: dict[tuple[str, int, int], torch.Tensor] = {}  # (kind, layer, state_idx) -> [capacity, ...]
         self.peak_in_use = 0
         self.limit_bytes = None  # a capped pool's callable: the bytes its max_memory leaves beside its blocks
@@ -40,27 +40,27 @@ class StateStore:
     # ----------------------------------------------------------------- queries
     @property
     def in_use(self) -> int:
-        """Slots some row holds."""
+        """Cells some row holds."""
         return self.capacity - len(self._free)
 
-    def bytes_per_slot(self) -> int:
-        """Bytes one slot stands for: one row's states over every state tensor written so far."""
+    def bytes_per_cell(self) -> int:
+        """Bytes one cell stands for: one row's states over every state tensor written so far."""
         return sum(t[0].numel() * t.element_size() for t in self.tensors.values())
 
     def bytes_reserved(self) -> int:
-        """Bytes of the state tensors as allocated now (every slot, held or not)."""
+        """Bytes of the state tensors as allocated now (every cell, held or not)."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def bytes_in_use(self) -> int:
-        return self.in_use * self.bytes_per_slot()
+        return self.in_use * self.bytes_per_cell()
 
     def get(self, kind: str, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """The ``[capacity, ...]`` tensor of a state, or None before its first write."""
         return self.tensors.get((kind, layer_idx, state_idx))
 
-    # ------------------------------------------------------------ slots
+    # ------------------------------------------------------------ cells
     def take(self, count: int) -> list[int]:
-        """``count`` slots, consecutive and ascending where possible (a batch's rows then read one view of each
+        """``count`` cells, consecutive and ascending where possible (a batch's rows then read one view of each
         state tensor, with no gather); the store grows when it has too few free."""
         if count <= 0:
             return []
@@ -69,24 +69,24 @@ class StateStore:
             if run is None:
                 self._grow(count)
                 run = _free_run(self._free, count)
-                if run is None:  # fragmented: any free slots
+                if run is None:  # fragmented: any free cells
                     run = self._free[:count]
             taken = set(run)
             self._free = [s for s in self._free if s not in taken]
             self.peak_in_use = max(self.peak_in_use, self.in_use)
             return list(run)
 
-    def give_back(self, slots: list[int]) -> None:
+    def give_back(self, cells: list[int]) -> None:
         with self._lock:
             held = set(self._free)
-            for slot in slots:
-                if slot in held or not 0 <= slot < self.capacity:
-                    raise RuntimeError(f"state slot {slot} given back twice or never taken")
-                held.add(slot)
+            for cell in cells:
+                if cell in held or not 0 <= cell < self.capacity:
+                    raise RuntimeError(f"state cell {cell} given back twice or never taken")
+                held.add(cell)
             self._free = sorted(held)
 
     def copy(self, dst: list[int], src: list[int]) -> None:
-        """Slots ``dst`` take the states of slots ``src`` (pairwise; a source may repeat, and may be a destination:
+        """Cells ``dst`` take the states of cells ``src`` (pairwise; a source may repeat, and may be a destination:
         every source is read before any destination is written)."""
         if not dst:
             return
@@ -97,12 +97,12 @@ class StateStore:
     # ------------------------------------------------------------ tensors
     def ensure(self, kind: str, layer_idx: int, state_idx: int, shape: tuple[int, ...], dtype: torch.dtype,
                device: torch.device) -> torch.Tensor:
-        """The tensor of a state, created at its first write (``shape``: one slot's) with zeros."""
+        """The tensor of a state, created at its first write (``shape``: one cell's) with zeros."""
         key = (kind, layer_idx, state_idx)
         t = self.tensors.get(key)
         if t is None:
-            per_slot = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            self._check_budget(self.bytes_reserved() + per_slot * self.capacity, f"the {kind} state of layer "
+            per_cell = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            self._check_budget(self.bytes_reserved() + per_cell * self.capacity, f"the {kind} state of layer "
                                f"{layer_idx} ({tuple(shape)}, {dtype})")
             t = torch.zeros((self.capacity, *shape), dtype=dtype, device=device)
             self.tensors[key] = t
@@ -112,12 +112,12 @@ class StateStore:
         return t
 
     def _grow(self, count: int) -> None:
-        """Room for ``count`` more slots: double (at least 4), or under a byte cap just enough when doubling is not."""
-        per_slot = self.bytes_per_slot()
+        """Room for ``count`` more cells: double (at least 4), or under a byte cap just enough when doubling is not."""
+        per_cell = self.bytes_per_cell()
         new_capacity = max(self.capacity * 2, self.capacity + count, 4)
-        if self.limit_bytes is not None and per_slot * new_capacity > self.limit_bytes():
+        if self.limit_bytes is not None and per_cell * new_capacity > self.limit_bytes():
             new_capacity = self.capacity + count
-        self._check_budget(per_slot * new_capacity, f"{new_capacity} state slots")
+        self._check_budget(per_cell * new_capacity, f"{new_capacity} state cells")
         for key, t in self.tensors.items():
             grown = torch.zeros((new_capacity, *t.shape[1:]), dtype=t.dtype, device=t.device)
             grown[: self.capacity] = t
@@ -134,7 +134,7 @@ class StateStore:
 
 
 def _free_run(free: list[int], count: int) -> list[int] | None:
-    """The first ``count`` consecutive slots of the ascending ``free``, or None."""
+    """The first ``count`` consecutive cells of the ascending ``free``, or None."""
     start = 0
     for i in range(1, len(free) + 1):
         if i == len(free) or free[i] != free[i - 1] + 1:
@@ -147,24 +147,24 @@ def _free_run(free: list[int], count: int) -> list[int] | None:
 class StateView:
     """transformers' linear-attention cache contract (``cache_utils.LinearAttentionLayer``: ``get_conv_state``,
     ``update_conv_state``, ``get_recurrent_state``, ``update_recurrent_state``, ``has_previous_state``) for the rows
-    of one forward, on their slots of a pool's store.
+    of one forward, on their state cells of a pool's store.
 
     The model is handed ``[B, ...]`` tensors it may change in place (``causal_conv1d_update`` and Mamba2's
-    ``selective_state_update`` do). When the rows' slots are consecutive and ascending that is a view of the store
-    (the model's changes land in the slots); otherwise a gathered copy, written back to the rows' slots by
-    :meth:`sync` once the forward has run. ``None`` in ``slots``: a row that holds no slot (released; its states
+    ``selective_state_update`` do). When the rows' cells are consecutive and ascending that is a view of the store
+    (the model's changes land in the cells); otherwise a gathered copy, written back to the rows' cells by
+    :meth:`sync` once the forward has run. ``None`` in ``cells``: a row that holds no cell (released; its states
     read as zeros and are dropped).
 
     Args:
-        pool: the :class:`~hf_paged.BlockPool` whose ``states`` store holds the slots.
-        slots: per row of the forward, its slot.
+        pool: the :class:`~hf_paged.BlockPool` whose ``states`` store holds the cells.
+        cells: per row of the forward, its state cell.
         written: ``(layer, state_idx)`` whose states the rows hold from earlier forwards (what
             ``has_previous_state`` reports); updated in place by the first conv write of a state.
         state_layers: the model's state layers (``has_previous_state()`` without a layer reads the last).
     """
 
-    def __init__(self, pool, slots: list[int | None], written: set, state_layers):
-        self.pool, self.slots, self.written, self.state_layers = pool, list(slots), written, state_layers
+    def __init__(self, pool, cells: list[int | None], written: set, state_layers):
+        self.pool, self.cells, self.written, self.state_layers = pool, list(cells), written, state_layers
         self._handouts: dict = {}  # (kind, layer, state_idx) -> (tensor handed out, rows gathered or None: a view)
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
@@ -221,27 +221,27 @@ class StateView:
         if held is not None:
             return held[0]
         t = self.pool.states.get(kind, layer_idx, state_idx)
-        slots = self.slots
-        first = slots[0] if slots else None
-        if first is not None and slots == list(range(first, first + len(slots))):
-            out, live = t[first: first + len(slots)], None
+        cells = self.cells
+        first = cells[0] if cells else None
+        if first is not None and cells == list(range(first, first + len(cells))):
+            out, live = t[first: first + len(cells)], None
         else:
-            live = [i for i, s in enumerate(slots) if s is not None]
-            out = t.new_zeros((len(slots), *t.shape[1:]))
+            live = [i for i, c in enumerate(cells) if c is not None]
+            out = t.new_zeros((len(cells), *t.shape[1:]))
             if live:
-                out[live] = t[[slots[i] for i in live]]
+                out[live] = t[[cells[i] for i in live]]
         self._handouts[key] = (out, live)
         return out
 
-    def sync(self, slots: list[int | None] | None = None) -> None:
-        """Write the gathered states back to the rows' slots (``slots``: the rows' slots now, when some were released
+    def sync(self, cells: list[int | None] | None = None) -> None:
+        """Write the gathered states back to the rows' cells (``cells``: the rows' cells now, when some were released
         since: those rows are left out) and forget every handout."""
         handouts, self._handouts = self._handouts, {}
-        slots = self.slots if slots is None else slots
+        cells = self.cells if cells is None else cells
         for (kind, layer_idx, state_idx), (out, live) in handouts.items():
             if live is None:
                 continue
-            keep = [i for i in live if i < len(slots) and slots[i] is not None]
+            keep = [i for i in live if i < len(cells) and cells[i] is not None]
             if keep:
                 t = self.pool.states.get(kind, layer_idx, state_idx)
-                t[[slots[i] for i in keep]] = out[keep]
+                t[[cells[i] for i in keep]] = out[keep]

@@ -16,7 +16,8 @@ class MemoryStats:
 
     Attributes:
         block_size: tokens per block.
-        num_blocks: blocks that exist (allocated tensors' rows); ``max_blocks`` is the cap (None: grows).
+        num_blocks: blocks that exist (the K/V tensors' first dimension, less the scratch block); ``max_blocks`` is
+            the cap (None: grows).
         blocks_in_use: distinct physical blocks referenced by at least one sequence (all layer groups).
         peak_blocks_in_use: the most blocks ever in use at once in the pool (all caches on it); in a group's
             figures, the most that group's sequences held at once.
@@ -32,11 +33,12 @@ class MemoryStats:
             there, summed over every cache and call on the pool since it was built.
         cache_prefix_query_tokens / cache_prefix_hit_tokens: the same for this cache's own lookups only (a cache
             looks up once, when a ``generate()`` starts on it empty); 0 in a pool's figures.
-        state_slots_in_use: models with state layers (linear attention, Mamba, short convolutions): state slots the
+        state_slots_in_use: models with state layers (linear attention, Mamba, short convolutions): state cells the
             rows hold (one per live row; the pool's figures: every cache's).
-        state_bytes_per_slot: bytes of one row's states over every state layer (0 before their first write).
+        state_bytes_per_slot: bytes of one state cell: one row's states over every state layer (0 before their
+            first write).
         state_bytes_in_use: ``state_slots_in_use * state_bytes_per_slot``.
-        state_bytes_reserved: bytes of the state store's tensors (every slot, held or not; the pool's, shared).
+        state_bytes_reserved: bytes of the state store's tensors (every state cell, held or not; the pool's, shared).
         window: the sliding window of a group's layers (group figures only).
         groups: for models whose layers use different windows, the same figures per block-table group.
 
@@ -74,12 +76,12 @@ class MemoryStats:
     window: int | None = None
     groups: tuple = field(default=())
 
-    def with_states(self, store, slots_in_use: int) -> "MemoryStats":
-        """These figures with a state store's (:class:`~hf_paged.states.StateStore`), ``slots_in_use`` of its slots
+    def with_states(self, store, cells_in_use: int) -> "MemoryStats":
+        """These figures with a state store's (:class:`~hf_paged.states.StateStore`), ``cells_in_use`` of its cells
         counted as this cache's."""
-        per_slot = store.bytes_per_slot()
-        return replace(self, state_slots_in_use=slots_in_use, state_bytes_per_slot=per_slot,
-                       state_bytes_in_use=slots_in_use * per_slot, state_bytes_reserved=store.bytes_reserved())
+        per_cell = store.bytes_per_cell()
+        return replace(self, state_slots_in_use=cells_in_use, state_bytes_per_slot=per_cell,
+                       state_bytes_in_use=cells_in_use * per_cell, state_bytes_reserved=store.bytes_reserved())
 
     @property
     def peak_bytes_in_use(self) -> int:
@@ -131,7 +133,7 @@ class MemoryStats:
         every group; tokens and rows counted once) and, with ``detail``, each group's own figures in ``groups``.
         """
         a = pool.allocator
-        common = dict(block_size=a.block_size, num_blocks=pool.rows - 1, max_blocks=a.max_blocks,
+        common = dict(block_size=a.block_size, num_blocks=pool.tensor_blocks - 1, max_blocks=a.max_blocks,
                       bytes_per_block=pool.bytes_per_block_id(), bytes_reserved=pool.bytes_reserved(), allocator=a)
         per_group = []
         for g, window in enumerate(windows):

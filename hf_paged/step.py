@@ -410,8 +410,8 @@ def build_layer_step(pool, groups, step: Step, buffers: StepBuffers, layer_idx: 
     first forward) and its group's step tensors on the layer's device (fp8 pools: and its scale caches)."""
     if key is not None:
         pool.bind_layer(layer_idx, num_layers or layer_idx + 1, key,
-                        groups.layer_slot[layer_idx] if layer_idx < len(groups.layer_slot) else None, groups.group_size,
-                        value, [shape for _, shape in groups.slot_shapes])
+                        groups.layer_tensor[layer_idx] if layer_idx < len(groups.layer_tensor) else None, groups.group_size,
+                        value, [shape for _, shape in groups.tensor_shapes])
     group = groups.layer_group[layer_idx] if layer_idx < len(groups.layer_group) else 0
     if group < 0:
         raise ValueError(f"layer {layer_idx} wrote K/V but its kind keeps none in the pool (hf_paged.patches."

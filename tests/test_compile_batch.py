@@ -54,7 +54,7 @@ def test_compiled_generate_preallocates_a_capped_pool():
     model = enable_paged_attention(tiny_model("llama", num_hidden_layers=1), backend="torch")
     pool = BlockPool(block_size=4, num_blocks=64)
     generate(model, left_padded([3]), PagedCache(model.config, pool=pool), max_new_tokens=2)
-    assert not pool.preallocated and pool.rows < 65
+    assert not pool.preallocated and pool.tensor_blocks < 65
     generate(model, left_padded([5, 9]), PagedCache(model.config, pool=pool), max_new_tokens=4,
              compile_config=compile_config())
     assert unique_graphs() >= 1

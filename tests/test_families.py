@@ -172,10 +172,10 @@ def test_gemma4_layer_shapes_and_accounting():
         k, v = pool.layer_kv(i)
         assert k.shape[2:] == (layer.num_kv_heads, layer.key_dim) and v.shape[2:] == (layer.num_kv_heads,
                                                                                       layer.value_dim)
-    per_block = pool.block_id_bytes([s for _, s in cache.groups.slot_shapes], torch.float32)
+    per_block = pool.block_id_bytes([s for _, s in cache.groups.tensor_shapes], torch.float32)
     assert per_block == pool.bytes_per_block_id()
     allocated = sum(t.numel() * t.element_size() for t in (*pool.key_caches.values(), *pool.value_caches.values()))
-    assert allocated == pool.bytes_reserved() == pool.rows * per_block
+    assert allocated == pool.bytes_reserved() == pool.tensor_blocks * per_block
     assert cache.memory_stats().bytes_reserved == allocated
 
 
@@ -184,7 +184,7 @@ def test_max_memory_sizing_uses_every_layers_shape():
     model = enable_paged_attention(tiny_family_model("gemma4_text", seed=1), backend="torch")
     cache = PagedCache(model.config, block_size=BLOCK, max_memory="64KiB")
     generate(model, left_padded([5], seed=1), cache, max_new_tokens=2)
-    per_block = cache.pool.block_id_bytes([s for _, s in cache.groups.slot_shapes], torch.float32)
+    per_block = cache.pool.block_id_bytes([s for _, s in cache.groups.tensor_shapes], torch.float32)
     assert cache.pool.allocator.max_blocks == 64 * 1024 // per_block - 1
     pool = BlockPool(block_size=BLOCK, max_memory="64KiB")
     init_continuous_batching(model, pool=pool)
@@ -398,8 +398,8 @@ def test_gemma4_reuse_layers_hold_no_blocks_and_no_tensors():
         generate(model, inputs, cache, max_new_tokens=6)
         pool, stats = cache.pool, cache.memory_stats()
         allocated = sum(t.numel() * t.element_size() for t in (*pool.key_caches.values(), *pool.value_caches.values()))
-        assert allocated == stats.bytes_reserved == pool.rows * pool.block_id_bytes(
-            [s for _, s in cache.groups.slot_shapes], torch.float32)
+        assert allocated == stats.bytes_reserved == pool.tensor_blocks * pool.block_id_bytes(
+            [s for _, s in cache.groups.tensor_shapes], torch.float32)
         held[name] = (sorted(pool.layer_shapes), sorted(tuple(k.shape[1:]) for k in pool.key_caches.values()),
                       stats.bytes_reserved, stats.blocks_in_use, [cache.block_tables(g) for g in
                                                                   range(cache.groups.num_groups)])

@@ -46,7 +46,7 @@ def test_fp8_pool_bytes_per_token_vs_bf16():
     # half the bytes of bf16, plus one bf16 scale per token, KV head, K and V: 2 bytes beside head_dim fp8 bytes
     assert per_token[FP8] == per_token[None] / 2 * (1 + 2 / head_dim)
     reserved = cache.pool.bytes_reserved()
-    assert reserved == cache.memory_stats().bytes_reserved == (cache.pool.rows * per_token[FP8] * 16)
+    assert reserved == cache.memory_stats().bytes_reserved == (cache.pool.tensor_blocks * per_token[FP8] * 16)
 
 
 @pytest.mark.skipif(not ops.triton_available(), reason="triton is not importable here")
@@ -156,10 +156,10 @@ def test_pool_growth_keeps_scales():
     cache = PagedCache(model.config, pool=pool)
     forward(model, left_padded([6], seed=24)["input_ids"], cache)
     recorded = _slots_kv(cache, 0, 6)
-    rows = pool.rows
+    rows = pool.tensor_blocks
     other = PagedCache(model.config, pool=pool)
     forward(model, left_padded([40], seed=25)["input_ids"], other)  # needs more blocks: the tensors grow
-    assert pool.rows > rows and pool.layer_scales(0)[0].shape[0] == pool.rows == pool.key_caches[0].shape[0]
+    assert pool.tensor_blocks > rows and pool.layer_scales(0)[0].shape[0] == pool.tensor_blocks == pool.key_caches[0].shape[0]
     assert all(torch.equal(a, b) for a, b in zip(_slots_kv(cache, 0, 6), recorded))
 
 

@@ -436,7 +436,7 @@ def test_engine_under_a_byte_cap_counts_the_states():
         assert reqs[rid].status == RequestStatus.FINISHED, (rid, reqs[rid].error)
         check_tokens(rid, reqs[rid].generated, expected[rid], TIES)
     states = pool.states.bytes_reserved()
-    assert states == pool.states.capacity * pool.states.bytes_per_slot() > 0
+    assert states == pool.states.capacity * pool.states.bytes_per_cell() > 0
     assert pool.allocator.max_blocks == (cap - states) // pool.bytes_per_block_id() - 1
     assert pool.allocator.blocks_in_use == 0 and pool.states.in_use == 0
     kv = manager._core.runner.kv
@@ -447,7 +447,7 @@ def test_engine_under_a_byte_cap_counts_the_states():
     per_block, states = pool.bytes_per_block_id(), pool.states.bytes_reserved()
     assert len(opened) == pool.states.capacity
     assert (pool.allocator.capacity + 1) * per_block + states <= cap
-    assert (pool.allocator.capacity + 1) * per_block + states + pool.states.bytes_per_slot() > cap
+    assert (pool.allocator.capacity + 1) * per_block + states + pool.states.bytes_per_cell() > cap
     for row in opened:
         kv.free(row)
     assert pool.states.in_use == 0

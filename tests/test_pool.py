@@ -92,7 +92,7 @@ def test_scratch_block_is_the_last_row_as_the_pool_grows(paged_model):
         generate(paged_model, left_padded([length]), PagedCache(paged_model.config, pool=pool), max_new_tokens=2)
         assert pool.scratch_block == pool.allocator.capacity == next(iter(pool.key_caches.values())).shape[0] - 1
     pool.preallocate()
-    assert pool.scratch_block == 64 and pool.rows == 65
+    assert pool.scratch_block == 64 and pool.tensor_blocks == 65
 
 
 @pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])

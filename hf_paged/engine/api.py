@@ -762,11 +762,11 @@ def _decode_graphs(wanted: bool | None, device, pool, max_rows: int):
 
 
 def _cap_pool(pool, config, dtype, groups) -> None:
-    """A ``max_memory`` pool gets its block cap now, from the model's per-layer K/V shapes (``groups.slot_shapes``,
+    """A ``max_memory`` pool gets its block cap now, from the model's per-layer K/V shapes (``groups.tensor_shapes``,
     from ``hf_paged.patches.kv_geometry``), before any block is taken."""
     if pool.max_memory is None or pool.allocator.max_blocks is not None:
         return
-    pool.apply_memory_cap_for([shape for _, shape in groups.slot_shapes], dtype)
+    pool.apply_memory_cap_for([shape for _, shape in groups.tensor_shapes], dtype)
 
 
 def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool = True,

@@ -133,14 +133,14 @@ class StateCheckpoints:
             self.slots.move_to_end(key)
             return
         try:
-            (held,) = self.pool.take_state_slots(1)
+            (held,) = self.pool.take_state_cells(1)
         except OutOfStateMemoryError:
             return
         self.pool.states.copy([held], [slot])
         self.slots[key] = held
         while len(self.slots) > self.max_entries:
             _, old = self.slots.popitem(last=False)
-            self.pool.give_back_state_slots([old])
+            self.pool.give_back_state_cells([old])
 
     def restore(self, key: bytes, slot: int) -> None:
         """``slot`` takes the states of the checkpoint ``key``."""
@@ -151,10 +151,10 @@ class StateCheckpoints:
         """Give back the least recently used checkpoint (not ``keep``, the one about to be restored)."""
         for key in self.slots:
             if key != keep:
-                self.pool.give_back_state_slots([self.slots.pop(key)])
+                self.pool.give_back_state_cells([self.slots.pop(key)])
                 return
         raise OutOfStateMemoryError("no state checkpoint to give up")
 
     def clear(self) -> None:
         slots, self.slots = list(self.slots.values()), OrderedDict()
-        self.pool.give_back_state_slots(slots)
+        self.pool.give_back_state_cells(slots)

@@ -53,12 +53,15 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _POOL_DTYPES = _FLOAT_DTYPES + (torch.uint8,)  # uint8: float8 e4m3fn bits, with k_scale / v_scale
 
 
+# The Triton kernels are imported on first use, not at the top: triton is optional and importing triton_kernels
+# without it raises ImportError (triton_available() reports that as False); and triton fixes interpreter or compiler
+# (TRITON_INTERPRET) when the kernels are defined, which must not happen at `import hf_paged`.
 _TRITON_MODULE = __name__ + ".triton_kernels"
 
 
 def _triton_kernels():
-    """The Triton kernels module, imported on first use (triton is optional); found in ``sys.modules`` after that,
-    which costs far less per call than an import statement."""
+    """The Triton kernels module, imported on first use; found in ``sys.modules`` after that, which costs far less
+    per call than an import statement."""
     module = sys.modules.get(_TRITON_MODULE)
     if module is None:
         from . import triton_kernels as module
@@ -368,8 +371,8 @@ def paged_attention_unchecked(query, key_cache, value_cache, meta: AttentionMeta
     ``backend`` is ``"torch"`` or ``"triton"``; ``seq_lens`` and ``query_start_loc`` contiguous. The model path and
     the custom op call the backends through here.
 
-    ``meta.plan`` (torch backend): a :class:`~hf_paged.ops.reference.TorchAttentionPlan` shared by the layers of a
-    step. ``reuse_partials`` (Triton): split-KV scratch kept per device and shape (eager calls only).
+    ``meta.plan`` (torch backend): the step's read layout (:class:`~hf_paged.ops.reference.ReadLayout`), shared by
+    the layers of a step. ``reuse_partials`` (Triton): split-KV scratch kept per device and shape (eager calls only).
     """
     if backend == "triton":
         return _triton_kernels().paged_attention_triton(

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # for the annotation only: reference.py imports this module
-    from .reference import TorchAttentionPlan
+    from .reference import ReadLayout
 
 
 @dataclass
@@ -34,13 +34,13 @@ class AttentionMetadata:
     max_query_len: int | None = None  # host-side maxima (None: read from the tensors, a device sync)
     max_seq_len: int | None = None  # may be a bucketed bound above every seq_lens, up to W * block_size
     sliding_window: int | None = None
-    plan: "TorchAttentionPlan | None" = None  # the torch backend's gather plan (hf_paged.ops.reference), once per step
+    plan: "ReadLayout | None" = None  # the torch backend's read layout (hf_paged.ops.reference), once per step
     chunk: int | None = None  # chunked attention: a query sees its own chunk of this many positions
 
     def moved(self, put) -> "AttentionMetadata":
         """The same metadata with each tensor replaced by ``put(name, tensor)`` (moved to a device, or staged in a
         step buffer)."""
-        plan = None if self.plan is None else self.plan.moved(lambda name, t: put("plan." + name, t))
+        layout = None if self.plan is None else self.plan.moved(lambda name, t: put("layout." + name, t))
         return replace(self, block_tables=put("block_tables", self.block_tables),
                        seq_lens=put("seq_lens", self.seq_lens),
-                       query_start_loc=put("query_start_loc", self.query_start_loc), plan=plan)
+                       query_start_loc=put("query_start_loc", self.query_start_loc), plan=layout)

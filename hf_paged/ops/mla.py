@@ -31,11 +31,12 @@ from .metadata import AttentionMetadata
 from .reference import AttentionPart, dequantize_fp8, plan_torch_attention
 
 
+# Imported on first use, not at the top: triton is optional and triton_mla imports it (ImportError without it).
 _TRITON_MLA = __name__.rsplit(".", 1)[0] + ".triton_mla"
 
 
 def _triton_mla():
-    """The Triton MLA kernel's module, imported on first use (triton is optional), from ``sys.modules`` after."""
+    """The Triton MLA kernel's module, imported on first use, from ``sys.modules`` after."""
     module = sys.modules.get(_TRITON_MLA)
     if module is None:
         from . import triton_mla as module
@@ -92,7 +93,7 @@ def mla_attention_torch(q_lat: torch.Tensor, q_rot: torch.Tensor, latent_cache: 
         q_lat: ``[N, H, R]`` absorbed queries (:func:`absorb_query`); ``q_rot``: ``[N, H, P]`` rotated queries.
         latent_cache: ``[num_blocks, block_size, 1, R]``; rope_cache: ``[num_blocks, block_size, 1, P]`` (float, or
             uint8 fp8 bits with ``latent_scale``/``rope_scale`` ``[num_blocks, block_size, 1]`` bfloat16).
-        meta: block tables, lengths, query starts (and the step's torch plan, built here when None).
+        meta: block tables, lengths, query starts (and the step's read layout, ``meta.plan``, built here when None).
         scale: the softmax scale of the model (``qk_head_dim ** -0.5``, times any YaRN factor).
 
     Returns:
@@ -104,15 +105,15 @@ def mla_attention_torch(q_lat: torch.Tensor, q_rot: torch.Tensor, latent_cache: 
     num_tokens, num_heads, rank = q_lat.shape
     if num_tokens == 0:
         return q_lat.new_empty(q_lat.shape)
-    plan = meta.plan
-    if plan is None:  # a caller's pool may hold NaN in unwritten slots: zero them
-        plan = plan_torch_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, latent_cache.shape[1],
-                                    sliding_window=meta.sliding_window, max_seq_len=meta.max_seq_len,
-                                    zero_unowned=True)
+    layout = meta.plan
+    if layout is None:  # a caller's pool may hold NaN in unwritten slots: zero them
+        layout = plan_torch_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, latent_cache.shape[1],
+                                      sliding_window=meta.sliding_window, max_seq_len=meta.max_seq_len,
+                                      zero_unowned=True)
     dtype = q_lat.dtype
     softmax_dtype = torch.promote_types(dtype, torch.float32)
     outputs = []
-    for part in plan.parts:
+    for part in layout.parts:
         rows, queries = part.sizes()
         if part.q_index is not None:
             ql, qr = q_lat.index_select(0, part.q_index), q_rot.index_select(0, part.q_index)
@@ -137,7 +138,7 @@ def mla_attention_torch(q_lat: torch.Tensor, q_rot: torch.Tensor, latent_cache: 
         outputs.append((out, part.q_index))
     if len(outputs) == 1 and outputs[0][0].shape[0] == num_tokens:
         return outputs[0][0]
-    if plan.ordered:
+    if layout.ordered:
         return torch.cat([out for out, _ in outputs])
     out = q_lat.new_zeros(q_lat.shape)
     for part, index in outputs:

@@ -143,8 +143,9 @@ class AttentionPart:
 
 
 @dataclass
-class TorchAttentionPlan:
-    """How :func:`paged_attention_torch` reads one batch: built once per step and shared by its layers.
+class ReadLayout:
+    """The torch backend's *read layout*: how :func:`paged_attention_torch` reads one batch, built once per step
+    (:func:`plan_torch_attention`) and shared by its layers.
 
     Rows are split into :class:`AttentionPart` s so that no row is padded to another's query count, nor a decode row
     to a much longer context: the rows with one query by context (power-of-two ranges of blocks, see
@@ -158,64 +159,65 @@ class TorchAttentionPlan:
     Every field is a tensor, an int or None (the step planner moves the tensors to the model's device, :meth:`moved`).
     A compiled step (``always_mask``) keeps one part per query count and carries every size the attention needs in a
     tensor's shape (a compiled graph sees no varying Python int): see :meth:`op_arguments` and
-    :meth:`from_op_arguments`, through which the plan crosses the custom-op boundary.
+    :meth:`from_op_arguments`, through which the layout crosses the custom-op boundary.
     """
 
     parts: list[AttentionPart] = field(default_factory=list)
     ordered: bool = True
 
-    def moved(self, put) -> "TorchAttentionPlan":
+    def moved(self, put) -> "ReadLayout":
         """A copy whose tensors are ``put(name, tensor)`` (e.g. moved to a device or staged in a step buffer)."""
         def move(part, prefix):
             return AttentionPart(**{n: put(prefix + n, v) if isinstance(v, torch.Tensor) else v
                                     for n, v in vars(part).items()})
 
-        return TorchAttentionPlan([move(part, f"parts.{i}.") for i, part in enumerate(self.parts)], self.ordered)
+        return ReadLayout([move(part, f"parts.{i}.") for i, part in enumerate(self.parts)], self.ordered)
 
     @staticmethod
-    def op_arguments(plan: "TorchAttentionPlan | None") -> tuple[list, list[int]]:
+    def op_arguments(layout: "ReadLayout | None") -> tuple[list, list[int]]:
         """``(tensors, ints)`` for the op's schema: each part's tensors (``AttentionPart.TENSORS`` order); the ints
-        ``[ordered, then per part: run, q_start, num_rows, queries]`` (-1: none). No plan (the Triton backend): two
+        ``[ordered, then per part: run, q_start, num_rows, queries]`` (-1: none). No layout (the Triton backend): two
         empty lists."""
-        if plan is None:
+        if layout is None:
             return [], []
-        tensors, ints = [], [int(plan.ordered)]
-        for part in plan.parts:
+        tensors, ints = [], [int(layout.ordered)]
+        for part in layout.parts:
             tensors += [getattr(part, n) for n in AttentionPart.TENSORS]
             ints += [-1 if part.run is None else part.run, part.q_start, part.num_rows, part.queries]
         return tensors, ints
 
     @classmethod
-    def from_op_arguments(cls, tensors, ints) -> "TorchAttentionPlan | None":
+    def from_op_arguments(cls, tensors, ints) -> "ReadLayout | None":
         if not ints:
             return None
-        plan = cls(ordered=bool(ints[0]))
+        layout = cls(ordered=bool(ints[0]))
         width = len(AttentionPart.TENSORS)
         for i in range(len(tensors) // width):
             fields = dict(zip(AttentionPart.TENSORS, tensors[i * width: (i + 1) * width]))
             run, q_start, num_rows, queries = ints[1 + 4 * i: 5 + 4 * i]
-            plan.parts.append(AttentionPart(**fields, num_rows=num_rows, queries=queries, q_start=q_start,
-                                            run=None if run < 0 else run))
-        return plan
+            layout.parts.append(AttentionPart(**fields, num_rows=num_rows, queries=queries, q_start=q_start,
+                                              run=None if run < 0 else run))
+        return layout
 
 
 def plan_torch_attention(
     block_tables, seq_lens, query_start_loc, block_size: int, *, sliding_window: int | None = None,
     max_seq_len: int | None = None, always_mask: bool = False, zero_unowned: bool = False, chunk: int | None = None,
-) -> TorchAttentionPlan:
-    """Index and mask tensors for :func:`paged_attention_torch`, built once per step and shared by its layers.
+) -> ReadLayout:
+    """The read layout (:class:`ReadLayout`: index and mask tensors) of :func:`paged_attention_torch`, built once per
+    step and shared by its layers.
 
     ``max_seq_len`` may exceed every ``seq_lens`` entry (a bucketed width, up to ``block_tables.shape[1] *
     block_size``), and table columns past a sequence's blocks may hold any valid block id (e.g. 0): positions at or
     past ``seq_lens[s]`` are masked, so what those slots hold never reaches the output unless it is NaN/inf. It sets
-    the width of a plan with a single part (every row read as wide).
+    the width of a layout with a single part (every row read as wide).
 
     ``always_mask``: one part per query count, every mask and index built even where a causal call or a slice would
-    do, and blocks never read as views (a compiled step's plan then holds the same tensors, of shapes fixed by the
+    do, and blocks never read as views (a compiled step's layout then holds the same tensors, of shapes fixed by the
     step's sizes, every step). ``zero_unowned``: also mark the slots no sequence wrote (a caller's pool; hf_paged's
     own pools hold zeros there). ``chunk=C``: chunked attention (Llama 4), a query at position ``p`` sees positions
-    ``floor(p / C) * C .. p`` only. Reads ``seq_lens`` and ``query_start_loc`` on the host (they are host tensors in
-    a step plan).
+    ``floor(p / C) * C .. p`` only. Reads ``seq_lens`` and ``query_start_loc`` on the host (they are host tensors
+    when a step is planned).
     """
     if max_seq_len is not None and cdiv(max_seq_len, block_size) > block_tables.shape[1]:
         raise ValueError(
@@ -234,12 +236,12 @@ def plan_torch_attention(
         groups.append((q, [r for r, c in enumerate(counts) if c == q]))
     # ordered: the parts' queries, in turn, are the packed batch as it is (a compiled step: only a single part)
     ordered = [r for _, rows in groups for r in rows] == [r for r, c in enumerate(counts) if c > 0]
-    plan = TorchAttentionPlan(ordered=ordered and (not always_mask or len(groups) == 1))
-    context = dict(lens=lens, starts=starts, ordered=plan.ordered, block_tables=block_tables, block_size=block_size,
+    layout = ReadLayout(ordered=ordered and (not always_mask or len(groups) == 1))
+    context = dict(lens=lens, starts=starts, ordered=layout.ordered, block_tables=block_tables, block_size=block_size,
                    window=sliding_window, chunk=chunk, always_mask=always_mask, zero_unowned=zero_unowned)
     for q, rows in groups:  # a single part may take the step's (bucketed) width
-        plan.parts.append(_part(rows, q, max_seq_len if len(groups) == 1 else None, **context))
-    return plan
+        layout.parts.append(_part(rows, q, max_seq_len if len(groups) == 1 else None, **context))
+    return layout
 
 
 def _by_context(rows: list[int], lens: list[int], block_size: int) -> list[list[int]]:
@@ -339,7 +341,7 @@ def paged_attention_torch(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Gather each part's blocks (``meta.plan``, a :class:`TorchAttentionPlan`; built here when None), then one
+    """Gather each part's blocks (``meta.plan``: the step's :class:`ReadLayout`; built here when None), then one
     batched SDPA call per part: decode rows with the query heads of each KV head as their queries, rows with more
     queries causal (with a mask where a history or a window needs one).
 
@@ -349,22 +351,22 @@ def paged_attention_torch(
     num_tokens, num_q_heads, head_dim = query.shape
     if num_tokens == 0:
         return query.new_empty(query.shape)
-    plan = meta.plan
-    if plan is None:
+    layout = meta.plan
+    if layout is None:
         # A caller's pool may hold NaN in slots no sequence owns (torch.empty); masked scores still multiply them,
         # so zero them. hf_paged's own pools start zeroed and only hold written tokens, so the model path skips it.
-        plan = plan_torch_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, key_cache.shape[1],
-                                    sliding_window=meta.sliding_window, chunk=meta.chunk, max_seq_len=meta.max_seq_len,
-                                    zero_unowned=True)
+        layout = plan_torch_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, key_cache.shape[1],
+                                      sliding_window=meta.sliding_window, chunk=meta.chunk,
+                                      max_seq_len=meta.max_seq_len, zero_unowned=True)
     explicit = softcap is not None or sinks is not None
     kv_dtype = torch.float32 if explicit else query.dtype
     features = (scale, softcap, sinks, explicit)
     outputs = []  # (output [n, Hq, D], its queries' index in the packed batch or None)
-    for part in plan.parts:
+    for part in layout.parts:
         rows, queries = part.sizes()
         if part.q_index is not None:
             q = query.index_select(0, part.q_index)
-        elif len(plan.parts) == 1 and part.q_start == 0:  # the whole batch (a step's only part starts at 0)
+        elif len(layout.parts) == 1 and part.q_start == 0:  # the whole batch (a step's only part starts at 0)
             q = query
         else:
             q = query[part.q_start: part.q_start + rows * queries]  # [Sx * Q, Hq, D]
@@ -377,7 +379,7 @@ def paged_attention_torch(
         outputs.append((out, part.q_index))
     if len(outputs) == 1 and outputs[0][0].shape[0] == num_tokens:
         return outputs[0][0]
-    if plan.ordered:
+    if layout.ordered:
         return torch.cat([out for out, _ in outputs])
     out = query.new_zeros(query.shape)  # [num_tokens, Hq, D]
     for part, index in outputs:

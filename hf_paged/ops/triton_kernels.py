@@ -5,12 +5,12 @@ Layout: ``key_cache``/``value_cache`` are ``[num_blocks, block_size, num_kv_head
 Three kernels, one job each:
 
 * ``_decode_kernel``: one query per sequence. A program owns one (sequence, KV head, KV split); the query heads of
-  the GQA group are the rows of its tile, so each K/V tile is loaded once for the whole group. With more than one
-  split (flash-decoding) every program covers a slice of the context and ``_merge_splits_kernel`` combines the
+  the GQA group fill its tile's first dimension, so each K/V tile is loaded once for the whole group. With more than
+  one split (flash-decoding) every program covers a slice of the context and ``_merge_splits_kernel`` combines the
   partial results by their log-sum-exp.
 * ``_prefill_kernel``: many queries per sequence, with cached history before them (prefill, chunked prefill, extend,
-  speculative verification). A program owns one (query tile, KV head, sequence); rows are (query, head-in-group)
-  pairs, and the KV loop stops at the tile's causal limit and starts at its window start.
+  speculative verification). A program owns one (query tile, KV head, sequence); the tile's entries are (query,
+  head-in-group) pairs, and the KV loop stops at the tile's causal limit and starts at its window start.
 * ``_write_kv_kernel``: scatter new K/V into the pool through ``slot_mapping``.
 
 Both attention kernels share ``_attend_kv_range``: block ids are loaded as a vector, one per KV position, so the KV
@@ -41,6 +41,7 @@ imported: triton decides interpreter or compiler when the kernels are defined).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -138,21 +139,21 @@ def _fp8_scale(amax):
 
 @triton.jit
 def _add_sink(acc, m_i, l_i, sink):
-    """Fold one logit per row (``sink``, log2 units) into the softmax denominator; it adds no value."""
+    """Fold one logit per tile entry (``sink``, log2 units) into the softmax denominator; it adds no value."""
     m_f = tl.maximum(m_i, sink)  # [BLOCK_M], finite: the sink is
-    alpha = tl.exp2(m_i - m_f)  # 0 for a row that saw no key
+    alpha = tl.exp2(m_i - m_f)  # 0 for an entry that saw no key
     return acc * alpha[:, None], l_i * alpha + tl.exp2(sink - m_f)
 
 
 @triton.jit
 def _attend_kv_range(
     acc,  # [BLOCK_M, HEAD_DIM_P] fp32, running sum of p @ V (not yet divided by l)
-    m_i,  # [BLOCK_M] fp32, running row max of the scores (log2 units)
-    l_i,  # [BLOCK_M] fp32, running row sum of exp2(score - m_i)
-    q,  # [BLOCK_M, HEAD_DIM_P], one query row per tile row
-    q_pos,  # [BLOCK_M] int32, position of each row's query in its sequence
-    q_lo,  # [BLOCK_M] int32, first position each row's query sees (window start, chunk start, or 0)
-    kv_lo,  # first KV position any row of the tile may need
+    m_i,  # [BLOCK_M] fp32, running max of each entry's scores (log2 units)
+    l_i,  # [BLOCK_M] fp32, running sum of each entry's exp2(score - m_i)
+    q,  # [BLOCK_M, HEAD_DIM_P], one query head per tile entry
+    q_pos,  # [BLOCK_M] int32, position of each entry's query in its sequence
+    q_lo,  # [BLOCK_M] int32, first position each entry's query sees (window start, chunk start, or 0)
+    kv_lo,  # first KV position any entry of the tile may need
     kv_hi,  # one past the last such position
     block_table_ptr,  # this sequence's row of block_tables
     stride_bt_block,
@@ -220,7 +221,7 @@ def _attend_kv_range(
         # Online softmax update, step by step:
         # 1. the new running max includes this tile's scores;
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
-        # 2. a row that has seen no visible key yet still has max -inf; subtract 0 instead so that
+        # 2. an entry that has seen no visible key yet still has max -inf; subtract 0 instead so that
         #    exp2(-inf - -inf) = NaN never happens (its p and alpha are then exactly 0);
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         # 3. rescale what was accumulated under the old max;
@@ -275,7 +276,7 @@ def _decode_kernel(
     stride_cd,
     stride_st,  # the scale caches' stride per slot (num_kv_heads)
     GROUP: tl.constexpr,  # query heads per KV head
-    BLOCK_M: tl.constexpr,  # rows of the tile: GROUP padded to a power of two, at least 16
+    BLOCK_M: tl.constexpr,  # the tile's query heads: GROUP padded to a power of two, at least 16
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -309,12 +310,12 @@ def _decode_kernel(
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_P)
-    row_ok = offs_m < GROUP
+    m_ok = offs_m < GROUP
     d_ok = offs_d < HEAD_DIM
     q_head = kv_head * GROUP + offs_m  # [BLOCK_M]
 
     q_off = q_start.to(tl.int64) * stride_qt + q_head[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(query_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
+    q = tl.load(query_ptr + q_off, mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -328,20 +329,20 @@ def _decode_kernel(
         BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, USE_SOFTCAP, KV_FP8, FP8_NATIVE, DOT_FP32, DOT_PRECISION,
     )
     if USE_SINKS:
-        sink = tl.load(sinks_ptr + q_head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634  # [BLOCK_M]
+        sink = tl.load(sinks_ptr + q_head, mask=m_ok, other=0.0).to(tl.float32) * 1.4426950408889634  # [BLOCK_M]
         acc, l_i = _add_sink(acc, m_i, l_i, sink)
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)  # a row that saw no key (empty split) outputs 0
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # an entry that saw no key (empty split) outputs 0
     o = acc / l_safe[:, None]  # [BLOCK_M, HEAD_DIM_P]
     if SPLIT_KV:
-        row = (seq.to(tl.int64) * num_q_heads + q_head) * num_splits + split  # [BLOCK_M]
+        idx = (seq.to(tl.int64) * num_q_heads + q_head) * num_splits + split  # [BLOCK_M]
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(partial_lse_ptr + row, lse, mask=row_ok)
-        tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(partial_lse_ptr + idx, lse, mask=m_ok)
+        tl.store(partial_out_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=m_ok[:, None] & d_ok[None, :])
     else:
         o_off = q_start.to(tl.int64) * stride_ot + q_head[:, None].to(tl.int64) * stride_oh
         o_off += offs_d[None, :] * stride_od  # [BLOCK_M, HEAD_DIM_P]
-        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -371,10 +372,10 @@ def _merge_splits_kernel(
     offs_d = tl.arange(0, HEAD_DIM_P)
     s_ok = offs_s < num_splits
     d_ok = offs_d < HEAD_DIM
-    row = (seq.to(tl.int64) * num_q_heads + q_head) * num_splits + offs_s  # [SPLITS_P]
-    lse = tl.load(partial_lse_ptr + row, mask=s_ok, other=float("-inf"))  # [SPLITS_P]
+    idx = (seq.to(tl.int64) * num_q_heads + q_head) * num_splits + offs_s  # [SPLITS_P]
+    lse = tl.load(partial_lse_ptr + idx, mask=s_ok, other=float("-inf"))  # [SPLITS_P]
     o_mask = s_ok[:, None] & d_ok[None, :]
-    o = tl.load(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=o_mask, other=0.0)  # [SPLITS_P, D_P]
+    o = tl.load(partial_out_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=o_mask, other=0.0)  # [SPLITS_P, D_P]
 
     # Each split's output is already normalised by its own sum; weight it by its share of the total sum. The sink
     # (one logit per head, no value) joins the total once, here.
@@ -428,7 +429,7 @@ def _prefill_kernel(
     stride_st,  # the scale caches' stride per slot (num_kv_heads)
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_P: tl.constexpr,  # GROUP padded to a power of two
-    BLOCK_Q: tl.constexpr,  # queries per tile; the tile has BLOCK_Q * GROUP_P rows
+    BLOCK_Q: tl.constexpr,  # queries per tile; the tile has BLOCK_Q * GROUP_P (query, head) entries
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -452,17 +453,17 @@ def _prefill_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len  # cached history before the new queries
 
-    # Row r of the tile is query q_tile * BLOCK_Q + r // GROUP_P, head r % GROUP_P of the group.
+    # Entry m of the tile is query q_tile * BLOCK_Q + m // GROUP_P, head m % GROUP_P of the group.
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_P)
     q_idx = q_tile * BLOCK_Q + offs_m // GROUP_P  # [BLOCK_M], index among this sequence's queries
     head_in_group = offs_m % GROUP_P
-    row_ok = (q_idx < q_len) & (head_in_group < GROUP)
+    m_ok = (q_idx < q_len) & (head_in_group < GROUP)
     d_ok = offs_d < HEAD_DIM
     q_head = kv_head * GROUP + head_in_group  # [BLOCK_M]
     q_token = (q_start + q_idx).to(tl.int64)  # [BLOCK_M]
     q_off = q_token[:, None] * stride_qt + q_head[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(query_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
+    q = tl.load(query_ptr + q_off, mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
     q_pos = context_len + q_idx  # [BLOCK_M]
 
     # KV tiles this query tile can see: from the first query's window (or chunk) start to the last query's own
@@ -484,12 +485,12 @@ def _prefill_kernel(
         BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_P, USE_SOFTCAP, KV_FP8, FP8_NATIVE, DOT_FP32, DOT_PRECISION,
     )
     if USE_SINKS:
-        sink = tl.load(sinks_ptr + q_head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634  # [BLOCK_M]
+        sink = tl.load(sinks_ptr + q_head, mask=m_ok, other=0.0).to(tl.float32) * 1.4426950408889634  # [BLOCK_M]
         acc, l_i = _add_sink(acc, m_i, l_i, sink)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [BLOCK_M, HEAD_DIM_P]
     o_off = q_token[:, None] * stride_ot + q_head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od
-    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -578,7 +579,8 @@ class LaunchChoice:
 
 
 def _tile_config(head_dim_p: int, element_size: int) -> tuple[int, int, int]:
-    """(target query rows per prefill tile, KV positions per tile, num_warps) for a head size and input width.
+    """(target (query, head) entries per prefill tile, KV positions per tile, num_warps) for a head size and input
+    width.
 
     Picked so that sm_90 builds neither spill nor exceed shared memory (checked by compiling ahead of time); not tuned
     by measurement yet: bench/kernels.py is where that happens.
@@ -605,8 +607,6 @@ def _triton_type(dtype: torch.dtype) -> str:
 
 def _signature(kernel_name: str, constexprs: dict, query_dtype: torch.dtype, kv_dtype: torch.dtype) -> dict:
     """Triton type of every parameter of ``kernel_name`` (see ``LaunchChoice``)."""
-    import inspect
-
     kernel = globals()[kernel_name]
     names = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
     fixed = {
@@ -699,7 +699,7 @@ def launch_choices(
 
     head_dim_p = max(16, _next_pow2(head_dim))
     dot_fp32, dot_precision = _dot_settings(query_dtype, interpreted)
-    rows, tile_n, num_warps = _tile_config(head_dim_p, torch.empty((), dtype=query_dtype).element_size())
+    tile_m, tile_n, num_warps = _tile_config(head_dim_p, torch.empty((), dtype=query_dtype).element_size())
     common = dict(
         GROUP=group, BLOCK_SIZE=block_size, TILE_N=tile_n, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         USE_SOFTCAP=bool(softcap), KV_FP8=kv_fp8, FP8_NATIVE=fp8_native, DOT_FP32=dot_fp32,
@@ -707,11 +707,12 @@ def launch_choices(
     )
     if kind == "prefill":
         group_p = _next_pow2(group)
-        # ~`rows` rows per tile (queries x heads of the group), at least 16 for tl.dot, no more queries than needed.
-        block_q = max(1, rows // group_p)
+        # ~`tile_m` entries per tile (queries x heads of the group), at least 16 for tl.dot, no more queries than
+        # needed.
+        block_q = max(1, tile_m // group_p)
         if max_query_len is not None:
             block_q = min(block_q, max(_next_pow2(max_query_len), max(1, 16 // group_p)))
-        # Eight heads per query fill the tile's rows with the widest group: halving the KV tile keeps the scores
+        # Eight heads per query fill the tile with the widest group: halving the KV tile keeps the scores
         # and the accumulator in registers (found by `python -m hf_paged check-kernels`: 8-16 B spilled otherwise).
         prefill_tile_n = tile_n // 2 if group_p == 8 else tile_n
         constexprs = dict(common, TILE_N=prefill_tile_n, GROUP_P=group_p, BLOCK_Q=block_q, USE_SINKS=bool(sinks))

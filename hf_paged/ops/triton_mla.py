@@ -4,10 +4,10 @@ Layout: ``latent_cache [num_blocks, block_size, 1, R]`` and ``rope_cache [num_bl
 head": the latent and the shared rotated key of each token); queries ``q_lat [N, H, R]`` (absorbed through the key
 half of ``kv_b_proj``) and ``q_rot [N, H, P]``; output ``[N, H, R]``, the softmax-weighted latent sum per head.
 
-One kernel, ``_mla_kernel``, for decode, prefill and extend over a varlen batch. A program owns one (sequence, tile
-of ``BLOCK_Q`` queries, group of ``BLOCK_H`` heads); its ``BLOCK_M = BLOCK_Q * BLOCK_H`` rows are (query, head) pairs
-(row ``r``: query ``r // BLOCK_H``, head ``r % BLOCK_H``). Every head shares the one latent, so each KV tile is
-loaded once for all the rows and serves twice: as the key (with the rope part) and as the value. The KV loop stops at
+One kernel, ``_mla_kernel``, for decode, prefill and extend over a varlen batch. A program owns one (sequence, tile of
+``BLOCK_Q`` queries, group of ``BLOCK_H`` heads); its tile's ``BLOCK_M = BLOCK_Q * BLOCK_H`` entries are (query, head)
+pairs (entry ``m``: query ``m // BLOCK_H``, head ``m % BLOCK_H``). Every head shares the one latent, so each KV tile is
+loaded once for all the entries and serves twice: as the key (with the rope part) and as the value. The KV loop stops at
 the tile's causal limit. Block ids are loaded as a vector, one per KV position (the tile size does not depend on the
 block size); addresses in int64.
 
@@ -15,7 +15,7 @@ block size); addresses in int64.
 for the rotated key (``[num_blocks, block_size, 1]``): the latent scale multiplies the latent part of the score and
 the probability before ``p @ c``, the rope scale the rope part of the score.
 
-Tiles: ``BLOCK_M`` 16 rows at DeepSeek-V3's rank 512 (the fp32 accumulator ``[16, 512]`` fits in registers with 8
+Tiles: ``BLOCK_M`` 16 entries at DeepSeek-V3's rank 512 (the fp32 accumulator ``[16, 512]`` fits in registers with 8
 warps, no spills on sm_80/sm_90: ``python -m hf_paged check-kernels --only mla``); decode takes 16 heads per program,
 prefill as many queries as fit next to the heads. Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1``.
 """
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 __all__ = ["mla_attention_triton", "mla_launch", "MlaLaunch"]
 
 _LOG2E = 1.4426950408889634
-_ROWS = 16  # BLOCK_M: (query, head) rows per program
+_TILE_M = 16  # BLOCK_M: (query, head) entries per program
 
 
 @triton.jit
@@ -99,9 +99,9 @@ def _mla_kernel(
     history = seq_len - q_len  # positions before the first query
 
     offs_m = tl.arange(0, BLOCK_M)
-    q_idx = q_tile * BLOCK_Q + offs_m // BLOCK_H  # [BLOCK_M] query of each row, within the sequence
+    q_idx = q_tile * BLOCK_Q + offs_m // BLOCK_H  # [BLOCK_M] query of each entry, within the sequence
     head = head_group * BLOCK_H + offs_m % BLOCK_H  # [BLOCK_M]
-    row_ok = (q_idx < q_len) & (head < num_heads)
+    m_ok = (q_idx < q_len) & (head < num_heads)
     q_pos = history + q_idx  # [BLOCK_M]
     token = (q_start + q_idx).to(tl.int64)
 
@@ -110,13 +110,13 @@ def _mla_kernel(
     r_ok = offs_r < RANK
     p_ok = offs_p < ROPE
     q_lat = tl.load(q_lat_ptr + token[:, None] * stride_lt + head[:, None].to(tl.int64) * stride_lh + offs_r[None, :],
-                    mask=row_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_M, RANK_P]
+                    mask=m_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_M, RANK_P]
     q_rot = tl.load(q_rot_ptr + token[:, None] * stride_rt + head[:, None].to(tl.int64) * stride_rh + offs_p[None, :],
-                    mask=row_ok[:, None] & p_ok[None, :], other=0.0)  # [BLOCK_M, ROPE_P]
+                    mask=m_ok[:, None] & p_ok[None, :], other=0.0)  # [BLOCK_M, ROPE_P]
 
     acc = tl.zeros([BLOCK_M, RANK_P], dtype=tl.float32)  # running sum of p @ c (not yet divided by l)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max (log2 units)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s - m_i)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max per entry (log2 units)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum per entry of exp2(s - m_i)
 
     kv_hi = history + tl.minimum(q_len, q_tile * BLOCK_Q + BLOCK_Q)  # the tile's last query sees up to itself
     kv_lo = 0
@@ -153,7 +153,7 @@ def _mla_kernel(
         visible = kv_ok[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
 
-        # Online softmax: the new running max; a row that has seen no visible key keeps -inf and subtracts 0 (its
+        # Online softmax: the new running max; an entry that has seen no visible key keeps -inf and subtracts 0 (its
         # p and alpha are then exactly 0, never NaN); rescale the old sums; add this tile's.
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -165,15 +165,15 @@ def _mla_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(c.dtype), c, DOT_FP32, DOT_PRECISION)  # [BLOCK_M, RANK_P]
         m_i = m_new
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)  # a row that saw no key (an empty split) outputs 0
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # an entry that saw no key (an empty split) outputs 0
     o = acc / l_safe[:, None]
     if SPLIT_KV:  # normalised partial output and its log-sum-exp; _merge_splits_kernel weighs the splits
-        row = (seq.to(tl.int64) * num_heads + head) * num_splits + split  # [BLOCK_M]
-        tl.store(partial_lse_ptr + row, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
-        tl.store(partial_out_ptr + row[:, None] * RANK + offs_r[None, :], o, mask=row_ok[:, None] & r_ok[None, :])
+        idx = (seq.to(tl.int64) * num_heads + head) * num_splits + split  # [BLOCK_M]
+        tl.store(partial_lse_ptr + idx, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=m_ok)
+        tl.store(partial_out_ptr + idx[:, None] * RANK + offs_r[None, :], o, mask=m_ok[:, None] & r_ok[None, :])
     else:
         o_off = token[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_r[None, :]
-        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
+        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
 
 
 @dataclass(frozen=True)
@@ -190,12 +190,12 @@ class MlaLaunch:
 def mla_launch(num_seqs: int, max_query_len: int, num_heads: int, rank: int, rope: int, block_size: int,
                query_dtype: torch.dtype, fp8: bool, capability: int, interpreted: bool, max_seq_len: int | None = None,
                num_sms: int = 132, num_splits: int | None = None) -> MlaLaunch:
-    """Tiles, warps and stages: ``_ROWS`` rows of (query, head); decode rows are heads, prefill rows as many queries
-    as fit beside ``min(num_heads, _ROWS)`` heads; KV tiles of 32 positions (16 at ranks above 256 in fp32). Decode
-    splits the context (``choose_num_kv_splits`` over sequences x head groups, given ``max_seq_len``) when too few
-    programs would fill the GPU; ``num_splits`` forces a count."""
-    block_h = min(_next_pow2(num_heads), _ROWS)
-    block_q = 1 if max_query_len == 1 else max(1, _ROWS // block_h)
+    """Tiles, warps and stages: ``_TILE_M`` entries of (query, head); decode entries are heads, prefill entries as
+    many queries as fit beside ``min(num_heads, _TILE_M)`` heads; KV tiles of 32 positions (16 at ranks above 256 in
+    fp32). Decode splits the context (``choose_num_kv_splits`` over sequences x head groups, given ``max_seq_len``) when
+    too few programs would fill the GPU; ``num_splits`` forces a count."""
+    block_h = min(_next_pow2(num_heads), _TILE_M)
+    block_q = 1 if max_query_len == 1 else max(1, _TILE_M // block_h)
     rank_p, rope_p = max(16, _next_pow2(rank)), max(16, _next_pow2(rope))
     wide = rank_p * (4 if query_dtype == torch.float32 else 2) > 1024  # fp32 at rank 512: halve the KV tile
     dot_fp32, precision = _dot_settings(query_dtype, interpreted)

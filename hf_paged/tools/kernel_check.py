@@ -3,7 +3,7 @@
     python -m hf_paged check-kernels                 # CI: defaults + the slice, sm_80 and sm_90; non-zero on a problem
     python -m hf_paged check-kernels --full          # the whole product (hours: see "What is built")
     python -m hf_paged check-kernels --only "prefill fp32"   # configurations whose label matches
-    python -m hf_paged check-kernels --problems      # print only rows that spill or fail
+    python -m hf_paged check-kernels --problems      # print only the builds that spill or fail
     python -m hf_paged check-kernels --kernels-module /tmp/try/triton_kernels.py --allow-spills   # explore a copy
 
 How: each configuration (kernel x dtype x head_dim x GQA group x block_size x split-KV) is pushed through the real
@@ -26,13 +26,13 @@ checked for build errors and shared memory, and their spills are listed.
     * The CI set (the default run, ~210 builds): every dtype (fp16, bf16, fp32) x head dim (64, 80, 96, 128, 256) at
       block_size 16 through every kernel: decode, decode with split-KV and its merge (3 splits: SPLITS_P 4), prefill
       (a 512-query prompt), the KV write (8 KV heads). The GQA group is rotated over those 15 shapes (1, 2, ..., 8,
-      1, ...), so every group meets every kernel: the group changes row masks and head indices, not the tile shape
-      (decode: 16 rows for groups 1-8; prefill: 64 rows of BLOCK_Q x GROUP_P). Plus the shapes of models users run
-      (``MODEL_SHAPES``: Llama-3.2-1B, Llama-3.1-8B, Qwen2.5-7B, Gemma2 with soft-capping, gpt-oss with sinks,
-      SmolLM2), and an opt-in slice at bf16, d128, group 4: fp8 KV, block sizes 8 and 128, 32 splits (SPLITS_P 32),
-      a 4-query extend (a smaller BLOCK_Q). And MLA's latent attention (``hf_paged.ops.triton_mla``) at
-      DeepSeek-V3's shape (rank 512, rope 64, 128 heads): decode (also split-KV with its merge) and a 512-query
-      prefill in bf16 and fp16 (defaults), fp32 and an fp8 pool (opt-in).
+      1, ...), so every group meets every kernel: the group changes tile masks and head indices, not the tile shape
+      (decode: 16 query heads for groups 1-8; prefill: 64 (query, head) entries of BLOCK_Q x GROUP_P). Plus the
+      shapes of models users run (``MODEL_SHAPES``: Llama-3.2-1B, Llama-3.1-8B, Qwen2.5-7B, Gemma2 with soft-capping,
+      gpt-oss with sinks, SmolLM2), and an opt-in slice at bf16, d128, group 4: fp8 KV, block sizes 8 and 128, 32 splits
+      (SPLITS_P 32), a 4-query extend (a smaller BLOCK_Q). And MLA's latent attention (``hf_paged.ops.triton_mla``) at
+      DeepSeek-V3's shape (rank 512, rope 64, 128 heads): decode (also split-KV with its merge) and a 512-query prefill
+      in bf16 and fp16 (defaults), fp32 and an fp8 pool (opt-in).
     * ``--full`` (~8,500 builds: hours on 2 cores): dtype x head dim x group 1-8 x block size 8-128 x {decode, split
       decode, prefill of 512 and of 4 queries}, fp8 KV for fp16/bf16, every merge width (SPLITS_P 2-32), KV writes for
       1-32 KV heads, soft-capping and sinks in every dtype.
@@ -60,7 +60,13 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from ..allocator import cdiv
+from ..ops.metadata import AttentionMetadata
+
+# triton is imported inside the functions that use it: it is optional, and a worker must clear TRITON_INTERPRET
+# (_worker_init) before triton is first imported, since triton picks interpreter or compiler at import.
 
 KERNELS_MODULE = "hf_paged.ops.triton_kernels"
 MLA_MODULE = "hf_paged.ops.triton_mla"  # MLA's latent attention: configurations of kind "mla_decode" / "mla_prefill"
@@ -333,8 +339,6 @@ def load_module(ref: str):
 
 def _meta_inputs(config: Config) -> dict:
     """Meta tensors laid out like a real batch of ``config``: contiguous, as the model and the pool produce them."""
-    import torch
-
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[config.dtype]
     kv_dtype = torch.uint8 if config.kv_dtype == "fp8" else dtype
     num_seqs, num_kv_heads, head_dim = 4, config.num_kv_heads, config.head_dim
@@ -372,8 +376,6 @@ def _launch(module, config: Config) -> None:
         features["softcap"] = 30.0
     if config.sinks:
         features["sinks"] = t["sinks"]
-    from hf_paged.ops.metadata import AttentionMetadata
-
     meta = AttentionMetadata(t["block_tables"], t["seq_lens"], t["query_start_loc"], config.query_len, CONTEXT_LEN)
     module.paged_attention_triton(t["query"], t["key_cache"], t["key_cache"], meta, config.head_dim**-0.5,
                                   num_kv_splits=config.splits if config.kind == "decode" else None, **features)
@@ -381,10 +383,6 @@ def _launch(module, config: Config) -> None:
 
 def _launch_mla(module, config: Config) -> None:
     """The MLA launcher on meta tensors: absorbed queries, a latent and a rope cache of one head, block tables."""
-    import torch
-
-    from hf_paged.ops.metadata import AttentionMetadata
-
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[config.dtype]
     kv_dtype = torch.uint8 if config.kv_dtype == "fp8" else dtype
     num_seqs, heads, rank = 4, config.group, config.head_dim
@@ -425,7 +423,7 @@ def _recording(module, arch: int):
     if hasattr(module, "launch_choices") and "_capability" not in saved:
         raise RuntimeError(f"{module.__name__} has launch_choices but no _capability(device): the check pins the "
                            "target's compute capability through it; update kernel_check._recording to the new name.")
-    clear = getattr(module, "clear_launch_plans", lambda: None)  # cached plans hold the capability they were made for
+    clear = getattr(module, "clear_launch_plans", lambda: None)  # cached launches hold the capability made for
     try:
         for name, value in stand_ins.items():
             if name in saved:
@@ -610,8 +608,9 @@ class Report:
         return out
 
 
-def plan(captured: list[tuple[Config, int, list[Variant]]]) -> list[Build]:
-    """One ``Build`` per distinct (variant, arch), marked default when any default configuration launches it."""
+def build_list(captured: list[tuple[Config, int, list[Variant]]]) -> list[Build]:
+    """The build list: one ``Build`` per distinct (variant, arch), marked default when any default configuration
+    launches it."""
     seen: dict[tuple[Variant, int], Build] = {}
     for config, arch, variants in captured:
         for v in variants:
@@ -627,16 +626,17 @@ def _cost(build: Build) -> int:
 
 
 def run_builds(builds: list[Build], jobs: int, cache_dir: Path, progress=None) -> list[Build]:
-    """Compile every planned build in ``jobs`` worker processes (spawned without ``TRITON_INTERPRET``)."""
+    """Compile every build of the build list ``builds`` in ``jobs`` worker processes (spawned without
+    ``TRITON_INTERPRET``)."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     order = sorted(builds, key=_cost)  # biggest first: the pool ends evenly
     done = []
     with _workers(jobs, cache_dir) as pool:
         futures = {pool.submit(build_variant, b.variant, b.arch): b for b in order}
         for i, future in enumerate(as_completed(futures), 1):
-            planned = futures[future]
+            listed = futures[future]
             b = future.result()
-            b.default, b.configs = planned.default, planned.configs
+            b.default, b.configs = listed.default, listed.configs
             done.append(b)
             if progress:
                 progress(i, len(order), b)
@@ -653,13 +653,13 @@ def check(captured, jobs: int = 2, cache_dir: Path | None = None, allow_spills: 
           progress=None) -> Report:
     """Build each distinct variant of ``captured`` (``[(Config, arch, [Variant, ...]), ...]``) once and judge it."""
     start = time.perf_counter()
-    builds = run_builds(plan(captured), jobs, cache_dir or default_cache_dir(), progress)
+    builds = run_builds(build_list(captured), jobs, cache_dir or default_cache_dir(), progress)
     return Report(builds, len({c for c, _, _ in captured}), time.perf_counter() - start, allow_spills)
 
 
 def _worker_cpu_seconds() -> float:
     """CPU time of the finished worker processes and their ptxas runs (a load-independent cost of the check)."""
-    import resource
+    import resource  # here, not at the top: a Unix-only module, and only this report needs it
 
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
