@@ -125,14 +125,29 @@ class EngineCore:
         (with its forks not made yet)."""
         if request.is_finished:
             return []
-        return self._end(request, RequestStatus.CANCELLED)
+        return self.end(request, RequestStatus.CANCELLED)
+
+    def end(self, req: Request, status: RequestStatus, keep: int | None = None) -> list[Request]:
+        """End ``req`` with ``status`` (and its forks not made yet, with the same status and error); its blocks go
+        back to the pool (``keep``: after a failed forward, the tokens its row holds validly; see
+        ``Scheduler.finish``). Returns the requests that ended."""
+        now = time.perf_counter()
+        self.scheduler.finish(req, status, keep=keep)
+        req.end_time = now
+        ended = [req]
+        if not req.forked:
+            for child in req.children:
+                if not child.is_finished:
+                    child.status, child.error, child.end_time = status, req.error, now
+                    ended.append(child)
+        return ended
 
     def fail_all(self, error: str) -> list[Request]:
         """End every waiting and running request as failed (the engine cannot go on)."""
         ended = []
         for req in [*self.scheduler.running, *self.scheduler.waiting]:
             req.error = error
-            ended += self._end(req, RequestStatus.FAILED, keep=req.num_computed)
+            ended += self.end(req, RequestStatus.FAILED, keep=req.num_computed)
         return ended
 
     @property
@@ -231,12 +246,12 @@ class EngineCore:
             if req.matcher is not None and req.finish_reason is None:
                 if not req.matcher.accept(token):
                     req.error = f"the sampled token {token} does not continue the request's grammar"
-                    self._end(req, RequestStatus.FAILED)
+                    self.end(req, RequestStatus.FAILED)
                     continue
                 if req.matcher.is_terminated:  # the grammar's text is complete: nothing more may follow
                     req.finish_reason = "stop"
             if req.finish_reason is not None:
-                self._end(req, RequestStatus.FINISHED)
+                self.end(req, RequestStatus.FINISHED)
         return reqs
 
     @staticmethod
@@ -262,23 +277,10 @@ class EngineCore:
                 continue
             req.error = message
             # keep: what the row held validly before this step (its new blocks may be half written)
-            ended += self._end(req, RequestStatus.FAILED, keep=None if computed else chunk.start)
+            ended += self.end(req, RequestStatus.FAILED, keep=None if computed else chunk.start)
         return ended
 
     def _preempt_last(self) -> None:
         running = self.scheduler.running
         if running:
             self.scheduler.preempt(running[-1])
-
-    def _end(self, req: Request, status: RequestStatus, keep: int | None = None) -> list[Request]:
-        """End ``req`` (and its forks not made yet, with the same status and error)."""
-        now = time.perf_counter()
-        self.scheduler.finish(req, status, keep=keep)
-        req.end_time = now
-        ended = [req]
-        if not req.forked:
-            for child in req.children:
-                if not child.is_finished:
-                    child.status, child.error, child.end_time = status, req.error, now
-                    ended.append(child)
-        return ended

@@ -62,12 +62,10 @@ def tp_loader(tp_plan: str):
 
 def _stop_server_on_engine_error(manager, server) -> None:
     """Rank 0: when the engine stops on an error (a lost rank), make uvicorn exit."""
-    thread = None
-    while thread is None and not server.should_exit:
-        thread = manager._thread
+    while not manager.started and not server.should_exit:
         threading.Event().wait(0.1)
-    if thread is not None:
-        thread.join()
+    if manager.started:
+        manager.join()
     if manager.error is not None:
         log.error("the tensor-parallel engine stopped: %s; the server exits in %.0f s", manager.error, LINGER_S)
         threading.Event().wait(LINGER_S)  # /health answers 503 with the reason meanwhile
@@ -89,7 +87,7 @@ def serve(args, build) -> int:
         manager.start()
         for _ in manager:  # results are rank 0's to hand out: read and drop them here, until the engine stops
             pass
-        manager._thread.join()
+        manager.join()
         code = _exit_code(manager, rank)
         _leave(code)
         return code
@@ -105,8 +103,7 @@ def serve(args, build) -> int:
     threading.Thread(target=_stop_server_on_engine_error, args=(manager, server), daemon=True,
                      name="hf_paged-tp-watch").start()
     server.run()
-    if manager._thread is not None:
-        manager._thread.join()
+    manager.join()
     code = _exit_code(manager, rank)
     _leave(code)
     return code
