@@ -1,8 +1,9 @@
-"""One engine step: schedule, run the forward, sample, record. Single-threaded: the manager's engine thread calls it.
+"""One engine step: schedule, run the forward, sample, record. Single-threaded: the engine thread (``loop.py``) runs
+the steps, and the handoff (``handoff.py``) adds, cancels and ends requests between them.
 
 A request's path: ``add`` -> waiting -> admitted by the scheduler (a row on the pool) -> chunks through forwards
 (``runner.run``) -> a token sampled whenever its chunk reaches the end of its known tokens -> finished, cancelled or
-failed (its blocks back to the pool). ``step`` returns the requests that got a token or ended, for the manager to
+failed (its blocks back to the pool). ``step`` returns the requests that got a token or ended, for the engine thread to
 hand out.
 """
 
@@ -31,7 +32,7 @@ class StepTimes:
     plan: float = 0.0  # building the step's inputs (packing and the planner)
     forward: float = 0.0
     sample: float = 0.0
-    output: float = 0.0  # handing results out (the manager adds to it)
+    output: float = 0.0  # handing results out (the engine loop adds to it)
 
     @property
     def host(self) -> float:
@@ -198,7 +199,7 @@ class EngineCore:
         self.times.forward += getattr(self.runner, "forward_time", 0.0)
 
     def _record_prompt_logprobs(self, batch: Batch, logits) -> None:
-        """``logits`` ``[m, vocab]``: the rows of the batch's ``prompt_positions``, chunk by chunk (see ``pack``)."""
+        """``logits`` ``[m, vocab]``: those at the batch's ``prompt_positions``, chunk by chunk (see ``pack``)."""
         wanting = [(c, c.prompt_positions) for c in batch.chunks if c.prompt_positions]
         if not wanting:
             return
@@ -216,20 +217,20 @@ class EngineCore:
         chunks = [c for c in batch.chunks if c.sample]
         if not chunks:
             return []
-        reqs, rows = [], []
+        reqs, sources = [], []  # the requests sampled, and the index of the logits each draws from
         for i, chunk in enumerate(chunks):
             req = chunk.request
             reqs.append(req)
-            rows.append(i)
+            sources.append(i)
             if req.children and not req.forked:  # its prompt is in: the forks start here, each drawing its own token
                 req.forked = True
                 for child in req.children:
                     if not child.is_finished:
                         self.scheduler.add_fork(req, child)
                         reqs.append(child)
-                        rows.append(i)
-        if len(rows) != len(chunks):
-            logits = logits[torch.tensor(rows, device=logits.device)]  # [k + forks, vocab]
+                        sources.append(i)
+        if len(sources) != len(chunks):
+            logits = logits[torch.tensor(sources, device=logits.device)]  # [k + forks, vocab]
         bitmask, constrained = self._bitmask(reqs, logits.shape[-1])
         result = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs],
                               [r.tokens for r in reqs], [r.num_generated for r in reqs], bitmask, constrained)
@@ -256,7 +257,8 @@ class EngineCore:
 
     @staticmethod
     def _bitmask(reqs: list[Request], vocab: int):
-        """``(int32 [r, words] allowed tokens, rows)`` of the requests with a grammar; ``(None, None)`` if none."""
+        """``(int32 [r, words] allowed tokens, their indices in reqs)`` of the r requests with a grammar; ``(None, None)``
+        if none."""
         constrained = [i for i, r in enumerate(reqs) if r.matcher is not None]
         if not constrained:
             return None, None
