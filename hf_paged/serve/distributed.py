@@ -24,6 +24,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import uvicorn
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from .. import embedded
 
 log = logging.getLogger("hf_paged.serve")
 LINGER_S = 2.0  # after a lost rank, rank 0 keeps answering /health (503, with the reason) this long before exiting
@@ -46,10 +50,6 @@ def tp_loader(tp_plan: str):
     """``load(path, dtype) -> (model, tokenizer)`` with the model sharded by ``tp_plan`` over the process group."""
 
     def load(path, dtype):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from .. import embedded
-
         path = path if path is not None else embedded.local_model_dir()
         tokenizer = AutoTokenizer.from_pretrained(path)
         if tokenizer.pad_token is None:
@@ -74,8 +74,6 @@ def _stop_server_on_engine_error(manager, server) -> None:
 
 def serve(args, build) -> int:
     """Run rank ``RANK`` of the server; ``build(args, load=...)`` is ``hf_paged.serve.cli.build``."""
-    import uvicorn
-
     init_process_group(args.tp_timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     print(f"hf_paged serve: tensor-parallel rank {rank}/{world}, pid {os.getpid()}", flush=True)
