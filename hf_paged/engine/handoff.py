@@ -56,12 +56,14 @@ class Handoff:
 
     User threads (through :class:`~hf_paged.engine.manager.ContinuousBatchingManager`) call :meth:`start`,
     :meth:`stop`, :meth:`cancel_rest`, :meth:`join`, :meth:`add`, :meth:`cancel`, :meth:`get_result`,
-    :meth:`deltas` and the read-only queries. The engine thread (``loop.py``) calls :meth:`take_requests`,
-    :meth:`deliver` and :meth:`engine_failed`; under tensor parallelism :meth:`take_events` (rank 0) and
-    :meth:`apply_events` instead of :meth:`take_requests`.
+    :meth:`deltas` and the read-only queries; the manager's finalizer calls :meth:`abandon`. The engine thread
+    (``loop.py``) calls :meth:`take_requests`, :meth:`deliver` and :meth:`engine_failed`; under tensor parallelism
+    :meth:`take_events` (rank 0) and :meth:`apply_events` instead of :meth:`take_requests`.
 
-    Locking rule: one lock guards every field here; each public method takes it itself and returns with it released,
-    so no caller ever holds it. The engine thread calls in only between steps, never while the model runs; what a
+    Locking rule: one lock guards every field here; each method that changes the state or waits on it takes the lock
+    itself and returns with it released, so no caller ever holds it (the read-only queries ``started``,
+    ``is_running``, ``error``, ``stopped``, ``has_unread``, ``sizes`` and :meth:`join` read single fields without it,
+    a snapshot). The engine thread calls in only between steps, never while the model runs; what a
     method does to the engine (adding, cancelling, failing requests in ``core``) it does under the lock, so a user
     thread sees the queues and the engine agree. Methods that end requests return :class:`Delivery` lists: the
     caller hands them to :func:`call_back`, outside the lock, so a callback may call back into the manager.
