@@ -11,7 +11,8 @@ from .attention import disable_paged_attention, enable_paged_attention, is_paged
 from .cache import PagedCache
 from .embedded import local_model_dir as embedded_model_dir
 from .engine import EngineStats, GenerationOutput, QueueFullError, RequestStatus, RequestTooLargeError
-from .engine.api import ContinuousBatchingManager, generate_batch, init_continuous_batching
+from .engine.factory import generate_batch, init_continuous_batching
+from .engine.manager import ContinuousBatchingManager
 from .errors import CacheFileError, OutOfBlocksError
 from .pool import BlockPool, parse_memory
 from .stats import MemoryStats

@@ -19,7 +19,7 @@ from transformers import DynamicCache
 
 from . import compat, embedded, ops
 from .allocator import cdiv
-from .engine.api import init_continuous_batching
+from .engine.factory import init_continuous_batching
 from .pool import BlockPool
 from .attention import disable_paged_attention, enable_paged_attention
 from .cache import PagedCache

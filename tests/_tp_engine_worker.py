@@ -83,7 +83,7 @@ def main_run(model, job: dict, rank: int) -> dict:
         seen = outputs(manager, None)
     stats = manager.stats()
     mine = pool.memory_stats()
-    return {"outputs": seen, "follower_refused": refused, "error": manager._error,
+    return {"outputs": seen, "follower_refused": refused, "error": manager.error,
             "preemptions": stats.preemptions, "prefix_hit_tokens": stats.prefix_hit_tokens, "steps": stats.steps,
             "bytes_per_block": mine.bytes_per_block,
             "all_ranks_bytes_per_block": manager.memory_stats(all_ranks=True).bytes_per_block,
@@ -123,7 +123,7 @@ def failing_run(model, job: dict, rank: int) -> dict:
                 seen.update(outputs(manager, [rid]))
     if rank != 0:
         seen = outputs(manager, None)
-    return {"outputs": seen, "error": manager._error, "seconds": time.monotonic() - start}
+    return {"outputs": seen, "error": manager.error, "seconds": time.monotonic() - start}
 
 
 def fp8_run(model, job: dict, rank: int) -> dict:
@@ -140,7 +140,7 @@ def fp8_run(model, job: dict, rank: int) -> dict:
             seen = outputs(manager, [s["id"] for s in specs])
     if rank != 0:
         seen = outputs(manager, None)
-    return {"outputs": seen, "error": manager._error}
+    return {"outputs": seen, "error": manager.error}
 
 
 def diverged_run(model, job: dict, rank: int) -> dict:
@@ -153,11 +153,11 @@ def diverged_run(model, job: dict, rank: int) -> dict:
     if rank == 0:
         manager.add_request(list(range(3, 23)), request_id="long", max_new_tokens=4)  # 20 tokens: chunked apart
         seen = outputs(manager, ["long"])
-    manager._thread.join(timeout=job["timeout_s"])
+    stopped = manager.join(timeout=job["timeout_s"])
     if rank != 0:
         seen = outputs(manager, None)
-    return {"outputs": seen, "error": manager._error, "seconds": time.monotonic() - start,
-            "stopped": not manager._thread.is_alive()}
+    return {"outputs": seen, "error": manager.error, "seconds": time.monotonic() - start,
+            "stopped": stopped}
 
 
 def generate_batch_run(model, job: dict) -> dict:

@@ -16,7 +16,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from helpers.engine_shadow import VOCAB, expected_tokens, one_thread, shadow_engine
-from hf_paged.engine.api import ContinuousBatchingManager
+from hf_paged.engine.manager import ContinuousBatchingManager
 from hf_paged.engine.options import from_continuous_batching_config
 from hf_paged.engine.outputs import GenerationOutput, QueueFullError, RequestStatus, RequestTooLargeError
 
@@ -187,7 +187,7 @@ def test_stop_drains_or_cancels_and_every_request_ends():
     ids = manager.add_requests([prompt_of(5, i) for i in range(6)], max_new_tokens=6)
     manager.start()
     manager.stop(drain=True)
-    assert not manager.is_running() and not manager._thread.is_alive()
+    assert not manager.is_running() and manager.join(timeout=0)
     outs = [manager.get_result(i) for i in ids]
     assert all(o.status == RequestStatus.FINISHED for o in outs)
     with pytest.raises(RuntimeError, match="stopped"):
@@ -246,9 +246,10 @@ def test_failing_forward_fails_only_its_step_and_the_engine_goes_on():
 def test_dropped_manager_ends_its_thread_and_frees_its_pool():
     """A manager dropped without stop(): its engine thread ends and its pool is freed (weak reference)."""
     manager = shadow_manager()
+    before = set(threading.enumerate())
     manager.start()
     manager.add_request(prompt_of(5, 1), max_new_tokens=3)
-    thread = manager._thread
+    (thread,) = [t for t in set(threading.enumerate()) - before if t.name == "hf_paged-engine"]
     pool = weakref.ref(manager.pool)
     del manager
     gc.collect()

@@ -5,7 +5,11 @@
 - ``runner.py``: one packed forward per step through the shared step planner;
 - ``sampling.py``: per-request sampling;
 - ``core.py``: one step (schedule, run, sample, record);
-- ``api.py``: ``init_continuous_batching``, ``generate_batch``, the manager and its engine thread;
+- ``handoff.py``: what user threads and the engine thread pass each other (requests in, results out, stop), and its
+  locking rule;
+- ``loop.py``: the engine thread (single-process, and tensor-parallel over ``distributed.py``'s channel);
+- ``manager.py``: ``ContinuousBatchingManager``, the user-facing API;
+- ``factory.py``: ``init_continuous_batching`` (builds the engine for a model) and ``generate_batch``;
 - ``outputs.py``: what comes back (``GenerationOutput``, ``RequestStatus``, ``EngineStats``) and the errors.
 """
 

@@ -1,8 +1,9 @@
-"""One engine step: schedule, run the forward, sample, record. Single-threaded: the manager's engine thread calls it.
+"""One engine step: schedule, run the forward, sample, record. Single-threaded: the engine thread (``loop.py``) runs
+the steps, and the handoff (``handoff.py``) adds, cancels and ends requests between them.
 
 A request's path: ``add`` -> waiting -> admitted by the scheduler (a row on the pool) -> chunks through forwards
 (``runner.run``) -> a token sampled whenever its chunk reaches the end of its known tokens -> finished, cancelled or
-failed (its blocks back to the pool). ``step`` returns the requests that got a token or ended, for the manager to
+failed (its blocks back to the pool). ``step`` returns the requests that got a token or ended, for the engine thread to
 hand out.
 """
 
@@ -31,7 +32,7 @@ class StepTimes:
     plan: float = 0.0  # building the step's inputs (packing and the planner)
     forward: float = 0.0
     sample: float = 0.0
-    output: float = 0.0  # handing results out (the manager adds to it)
+    output: float = 0.0  # handing results out (the engine loop adds to it)
 
     @property
     def host(self) -> float:
@@ -125,14 +126,29 @@ class EngineCore:
         (with its forks not made yet)."""
         if request.is_finished:
             return []
-        return self._end(request, RequestStatus.CANCELLED)
+        return self.end(request, RequestStatus.CANCELLED)
+
+    def end(self, req: Request, status: RequestStatus, keep: int | None = None) -> list[Request]:
+        """End ``req`` with ``status`` (and its forks not made yet, with the same status and error); its blocks go
+        back to the pool (``keep``: after a failed forward, the tokens its row holds validly; see
+        ``Scheduler.finish``). Returns the requests that ended."""
+        now = time.perf_counter()
+        self.scheduler.finish(req, status, keep=keep)
+        req.end_time = now
+        ended = [req]
+        if not req.forked:
+            for child in req.children:
+                if not child.is_finished:
+                    child.status, child.error, child.end_time = status, req.error, now
+                    ended.append(child)
+        return ended
 
     def fail_all(self, error: str) -> list[Request]:
         """End every waiting and running request as failed (the engine cannot go on)."""
         ended = []
         for req in [*self.scheduler.running, *self.scheduler.waiting]:
             req.error = error
-            ended += self._end(req, RequestStatus.FAILED, keep=req.num_computed)
+            ended += self.end(req, RequestStatus.FAILED, keep=req.num_computed)
         return ended
 
     @property
@@ -183,7 +199,7 @@ class EngineCore:
         self.times.forward += getattr(self.runner, "forward_time", 0.0)
 
     def _record_prompt_logprobs(self, batch: Batch, logits) -> None:
-        """``logits`` ``[m, vocab]``: the rows of the batch's ``prompt_positions``, chunk by chunk (see ``pack``)."""
+        """``logits`` ``[m, vocab]``: those at the batch's ``prompt_positions``, chunk by chunk (see ``pack``)."""
         wanting = [(c, c.prompt_positions) for c in batch.chunks if c.prompt_positions]
         if not wanting:
             return
@@ -201,20 +217,20 @@ class EngineCore:
         chunks = [c for c in batch.chunks if c.sample]
         if not chunks:
             return []
-        reqs, rows = [], []
+        reqs, sources = [], []  # the requests sampled, and the index of the logits each draws from
         for i, chunk in enumerate(chunks):
             req = chunk.request
             reqs.append(req)
-            rows.append(i)
+            sources.append(i)
             if req.children and not req.forked:  # its prompt is in: the forks start here, each drawing its own token
                 req.forked = True
                 for child in req.children:
                     if not child.is_finished:
                         self.scheduler.add_fork(req, child)
                         reqs.append(child)
-                        rows.append(i)
-        if len(rows) != len(chunks):
-            logits = logits[torch.tensor(rows, device=logits.device)]  # [k + forks, vocab]
+                        sources.append(i)
+        if len(sources) != len(chunks):
+            logits = logits[torch.tensor(sources, device=logits.device)]  # [k + forks, vocab]
         bitmask, constrained = self._bitmask(reqs, logits.shape[-1])
         result = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs],
                               [r.tokens for r in reqs], [r.num_generated for r in reqs], bitmask, constrained)
@@ -231,17 +247,18 @@ class EngineCore:
             if req.matcher is not None and req.finish_reason is None:
                 if not req.matcher.accept(token):
                     req.error = f"the sampled token {token} does not continue the request's grammar"
-                    self._end(req, RequestStatus.FAILED)
+                    self.end(req, RequestStatus.FAILED)
                     continue
                 if req.matcher.is_terminated:  # the grammar's text is complete: nothing more may follow
                     req.finish_reason = "stop"
             if req.finish_reason is not None:
-                self._end(req, RequestStatus.FINISHED)
+                self.end(req, RequestStatus.FINISHED)
         return reqs
 
     @staticmethod
     def _bitmask(reqs: list[Request], vocab: int):
-        """``(int32 [r, words] allowed tokens, rows)`` of the requests with a grammar; ``(None, None)`` if none."""
+        """``(int32 [r, words] allowed tokens, their indices in reqs)`` of the r requests with a grammar; ``(None, None)``
+        if none."""
         constrained = [i for i, r in enumerate(reqs) if r.matcher is not None]
         if not constrained:
             return None, None
@@ -262,23 +279,10 @@ class EngineCore:
                 continue
             req.error = message
             # keep: what the row held validly before this step (its new blocks may be half written)
-            ended += self._end(req, RequestStatus.FAILED, keep=None if computed else chunk.start)
+            ended += self.end(req, RequestStatus.FAILED, keep=None if computed else chunk.start)
         return ended
 
     def _preempt_last(self) -> None:
         running = self.scheduler.running
         if running:
             self.scheduler.preempt(running[-1])
-
-    def _end(self, req: Request, status: RequestStatus, keep: int | None = None) -> list[Request]:
-        """End ``req`` (and its forks not made yet, with the same status and error)."""
-        now = time.perf_counter()
-        self.scheduler.finish(req, status, keep=keep)
-        req.end_time = now
-        ended = [req]
-        if not req.forked:
-            for child in req.children:
-                if not child.is_finished:
-                    child.status, child.error, child.end_time = status, req.error, now
-                    ended.append(child)
-        return ended

@@ -7,12 +7,14 @@ moments no other rank sees.
 
 Design: each rank runs its own :class:`~hf_paged.engine.core.EngineCore` (scheduler, pool of its local KV heads,
 sampler) and is fed the same *events* at the same step, as transformers' continuous batching does. Once per loop
-iteration rank 0 takes what its manager queued (new requests with their prompts and settings, cancellations, a stop),
-and broadcasts it as one :class:`Events` packet over a gloo (CPU) group; every rank, rank 0 included, applies exactly
-that packet, then runs one step. The scheduler is deterministic (FCFS, host integers only) and its prefix-cache keys
-are blake2b digests of the token ids (no salted ``hash``), so the same events give the same batches on every rank.
+iteration rank 0 takes what its manager queued (new requests with their prompts and settings, cancellations, a stop)
+from its :class:`~hf_paged.engine.handoff.Handoff`, and broadcasts it as one :class:`Events` packet over a gloo (CPU)
+group; every rank, rank 0 included, applies exactly that packet, then runs one step (the loop is
+``loop.run_tp_engine``; this module holds the channel, the packet and the checks). The scheduler is deterministic
+(FCFS, host integers only) and its prefix-cache keys are blake2b digests of the token ids (no salted ``hash``), so
+the same events give the same batches on every rank.
 Only events cross the wire (a few hundred bytes a step), never block tables or tensors; the alternative — rank 0
-schedules and broadcasts the plan — would need the followers' allocators driven from outside, a second code path
+schedules and broadcasts its schedule — would need the followers' allocators driven from outside, a second code path
 through the scheduler. Sampling is the same on every rank because greedy rows take the argmax of logits that are
 identical after the tensor-parallel gather, and sampled rows draw from a per-request ``torch.Generator``: an
 unseeded sampled request gets a seed drawn on rank 0, carried in its event.
@@ -33,11 +35,8 @@ packet every ``heartbeat_s`` so that followers waiting in the broadcast do not t
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import pickle
-import secrets
-import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -47,7 +46,6 @@ import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_HEARTBEAT_S = 1.0
-IDLE_WAIT = 0.005  # seconds every rank waits after a step that could run nothing
 
 
 @dataclass
@@ -184,120 +182,6 @@ class AgreeingRunner:
         return logits
 
 
-def _fresh_seed() -> int:
-    return secrets.randbits(63)
-
-
-def _events_locked(manager, core, signals) -> tuple[Events, list]:
-    """Rank 0: take the manager's queued requests and cancellations into a packet (under the manager's lock);
-    returns it with the requests it announces (added to this rank's engine once the packet is out)."""
-    ev, reqs = Events(), []
-    while manager._incoming:
-        req = manager._incoming.popleft()
-        params = req.params
-        if params.do_sample and params.seed is None:  # every rank must draw the same tokens: seed it here
-            params = dataclasses.replace(params, seed=_fresh_seed())
-            for i, r in enumerate((req, *req.children)):
-                r.params, r.generator = params, core.sampler.new_generator(params, i)
-        ev.new.append(NewRequest(req.request_id, list(req.tokens[: req.num_prompt]), params))
-        reqs.append(req)
-    manager._pending_new = reqs  # (failed by the engine thread if the broadcast fails)
-    ev.cancels = [req.request_id for req in manager._cancels]
-    manager._cancels.clear()
-    ev.cancel_all = signals.stop and not signals.drain
-    ev.stop = signals.stop
-    return ev, reqs
-
-
-def tp_engine_loop(manager_ref, core, lock, cond, signals, sync: TensorParallelSync, call_back) -> None:
-    """The engine thread of a tensor-parallel manager, on every rank (see the module's docstring). ``call_back``
-    hands a list of deliveries to the requests' callbacks (outside the lock)."""
-    known: dict[str, object] = {}  # requests this rank's engine holds, by id (followers look cancels up here)
-    try:
-        with torch.no_grad():
-            while True:
-                ev, reqs = None, []
-                with lock:
-                    manager = manager_ref()
-                    if sync.is_driver:
-                        if manager is None:
-                            signals.stop, signals.drain = True, False
-                            ev = Events(cancel_all=True, stop=True)
-                        else:
-                            if not core.has_work and not manager._incoming and not manager._cancels \
-                                    and not signals.stop:
-                                cond.wait(sync.heartbeat_s)
-                            ev, reqs = _events_locked(manager, core, signals)
-                    del manager
-                ev = sync.broadcast(ev)
-                deliveries = []
-                with lock:
-                    manager = manager_ref()
-                    if not sync.is_driver:
-                        reqs = [core.new_request(n.request_id, n.prompt, n.params) for n in ev.new]
-                        if manager is not None:
-                            for req in reqs:
-                                for r in (req, *req.children):
-                                    manager._live[r.request_id] = r
-                    for req in reqs:
-                        core.add(req)
-                        known[req.request_id] = req
-                        for child in req.children:
-                            known[child.request_id] = child
-                    if manager is not None:
-                        manager._pending_new = []
-                    ended = []
-                    for rid in ev.cancels:
-                        req = known.get(rid)
-                        if req is not None:
-                            ended += core.cancel(req)
-                    if ev.cancel_all:
-                        for req in [*core.scheduler.running, *core.scheduler.waiting]:
-                            ended += core.cancel(req)
-                    if manager is not None:
-                        deliveries = [manager._finish_locked(r) for r in ended]
-                        manager._waiting = len(core.scheduler.waiting)
-                    for r in ended:
-                        known.pop(r.request_id, None)
-                    if ev.stop and not core.has_work:
-                        if manager is not None:
-                            manager._stopped = True
-                            manager._waiting = 0
-                        cond.notify_all()
-                        del manager
-                        break
-                    del manager
-                call_back(deliveries)
-                if not core.has_work:
-                    continue
-                touched = core.step()
-                for r in touched:
-                    if r.is_finished:
-                        known.pop(r.request_id, None)
-                t0 = time.perf_counter()
-                with lock:
-                    manager = manager_ref()
-                    deliveries = manager._deliver_locked(touched) if manager is not None else []
-                    del manager
-                call_back(deliveries)
-                core.times.output += time.perf_counter() - t0
-                if core.runner.fatal is not None:  # (after handing out the step's failed requests)
-                    raise RuntimeError(core.runner.fatal)
-                if not core.last_batch_tokens and not touched:
-                    time.sleep(IDLE_WAIT)  # nothing could run (a shared pool held by others): every rank waits alike
-    except BaseException as err:  # a lost rank, diverged ranks, an engine bug: fail everything, keep the message
-        error = f"{type(err).__name__}: {err}"
-        with lock:
-            manager = manager_ref()
-            if manager is not None:
-                manager._engine_failed_locked(core, error)
-            else:
-                core.fail_all(f"the engine stopped: {error}")
-            cond.notify_all()
-        if not isinstance(err, Exception):
-            raise
-
-
 def agree_on_pool(pool, sync: TensorParallelSync) -> None:
     """Give every rank's pool the same block cap (the smallest): the schedulers count blocks, and a rank with more
     room than another would admit or preempt differently. A cap from free memory differs from rank to rank."""
@@ -324,5 +208,5 @@ def make_sync(model, tensor_parallel: bool | None, timeout_s: float, heartbeat_s
 
 
 __all__ = ["AgreeingRunner", "Events", "NewRequest", "RankFailure", "TensorParallelSync", "agree_on_pool",
-           "batch_digest", "check_broadcastable", "make_sync", "tp_engine_loop"]
+           "batch_digest", "check_broadcastable", "make_sync"]
 

@@ -32,7 +32,7 @@ class RequestKV:
         self.pool = pool
         self.allocator = pool.allocator
         self.groups = groups
-        self.state_layers = tuple(state_layers)  # hybrid models: each row also holds a state slot
+        self.state_layers = tuple(state_layers)  # hybrid models: each row also holds a state cell
         self.rows = Rows(pool, groups, bool(self.state_layers))
         self.block_size = self.allocator.block_size
         self.max_batch_tokens = max_batch_tokens
@@ -115,13 +115,13 @@ class RequestKV:
     # ------------------------------------------------------------------- rows
     def open(self, prefix_blocks: list[int] = (), tokens: list[int] = ()) -> Row | None:
         """A new row starting from ``prefix_blocks`` (from :meth:`match`), which hold the first tokens of ``tokens``;
-        None when a capped pool has no room for its state slot (hybrid models)."""
+        None when a capped pool has no room for its state cell (hybrid models)."""
         while True:
             try:
                 row = self.rows.new(list(prefix_blocks), list(tokens[: len(prefix_blocks) * self.block_size]))
                 break
             except OutOfStateMemoryError:
-                if not self.checkpoints:  # a request's slot before a checkpoint's
+                if not self.checkpoints:  # a request's state cell before a checkpoint's
                     return None
                 try:
                     self.checkpoints.evict(keep=self.prefix_keys(tokens, len(prefix_blocks))[-1] if prefix_blocks

@@ -368,8 +368,8 @@ class Sampler:
         """
         n, vocab = logits.shape
         if not len(params) == len(generators) == len(histories) == n:
-            raise ValueError(f"logits have {n} rows but {len(params)} params, {len(generators)} generators and "
-                             f"{len(histories)} histories were given; pass one of each per row")
+            raise ValueError(f"logits hold {n} requests' scores but {len(params)} params, {len(generators)} generators "
+                             f"and {len(histories)} histories were given; pass one of each per request")
         scores = _mask_min_tokens(logits.float(), params, num_generated)  # [n, vocab]
         if bitmask is not None:
             scores = apply_bitmask(scores, bitmask, bitmask_rows)

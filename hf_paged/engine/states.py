@@ -5,11 +5,11 @@ request's history through the block tables; a state layer's mixer (Gated DeltaNe
 instead run its convolution and recurrence straight across the packed tokens, one request's into the next. So each
 state layer's mixer is wrapped (:func:`install`): in a packed forward it runs once per group of requests with the
 same number of new tokens and the same start (first chunk or not), on a ``[R, n, hidden]`` batch of their tokens,
-with the requests' own states (:class:`~hf_paged.states.StateView` on their slots): a decode step's requests form one
-group, a chunk of prefill its own. Outside a packed forward (``generate()`` with a ``PagedCache``) the mixer runs as
-transformers wrote it.
+with the requests' own states (:class:`~hf_paged.states.StateView` on their state cells): a decode step's requests
+form one group, a chunk of prefill its own. Outside a packed forward (``generate()`` with a ``PagedCache``) the mixer
+runs as transformers wrote it.
 
-Each request's row holds a state slot from its admission to its end or preemption (``rows.py``); a request that
+Each request's row holds a state cell from its admission to its end or preemption (``rows.py``); a request that
 continues (a later prefill chunk, a decode step) reads the states its earlier chunks left; a first chunk (also after a
 preemption, which recomputes) starts from none.
 """
@@ -48,14 +48,14 @@ def segments(chunks) -> list[Segment]:
 
 
 class PackedStates:
-    """What a packed forward's state mixers read: its segments and the pool holding the rows' slots."""
+    """What a packed forward's state mixers read: its segments and the pool holding the rows' state cells."""
 
     def __init__(self, pool, segments: list[Segment], state_layers):
         self.pool, self.segments, self.state_layers = pool, segments, frozenset(state_layers)
 
 
 class _GroupCache:
-    """The cache a mixer is handed for one group of requests: the state contract of their slots."""
+    """The cache a mixer is handed for one group of requests: the state contract of their state cells."""
 
     def __init__(self, view: StateView):
         self.view = view
@@ -109,12 +109,13 @@ def run_groups(forward, hidden_states: torch.Tensor, packed: PackedStates) -> to
 
 
 class StateCheckpoints:
-    """Prefix caching for hybrid models: the states of a token prefix ending at a block boundary, kept in slots of
+    """Prefix caching for hybrid models: the states of a token prefix ending at a block boundary, kept in state cells of
     the store and keyed by that prefix's last block key (the allocator's chained hash of every token before it).
 
     A state is a function of the prefix's tokens alone, so a checkpoint never goes stale: a request whose prompt starts
     with cached K/V blocks restores the checkpoint of the longest of those prefixes that has one and computes only the
-    rest. At most ``max_entries`` are kept (least recently used first out); their slots count in the store's figures.
+    rest. At most ``max_entries`` are kept (least recently used first out); their state cells count in the store's
+    figures.
     """
 
     def __init__(self, pool, max_entries: int):

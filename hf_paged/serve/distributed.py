@@ -24,6 +24,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import uvicorn
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from .. import embedded
 
 log = logging.getLogger("hf_paged.serve")
 LINGER_S = 2.0  # after a lost rank, rank 0 keeps answering /health (503, with the reason) this long before exiting
@@ -46,10 +50,6 @@ def tp_loader(tp_plan: str):
     """``load(path, dtype) -> (model, tokenizer)`` with the model sharded by ``tp_plan`` over the process group."""
 
     def load(path, dtype):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from .. import embedded
-
         path = path if path is not None else embedded.local_model_dir()
         tokenizer = AutoTokenizer.from_pretrained(path)
         if tokenizer.pad_token is None:
@@ -62,12 +62,10 @@ def tp_loader(tp_plan: str):
 
 def _stop_server_on_engine_error(manager, server) -> None:
     """Rank 0: when the engine stops on an error (a lost rank), make uvicorn exit."""
-    thread = None
-    while thread is None and not server.should_exit:
-        thread = manager._thread
+    while not manager.started and not server.should_exit:
         threading.Event().wait(0.1)
-    if thread is not None:
-        thread.join()
+    if manager.started:
+        manager.join()
     if manager.error is not None:
         log.error("the tensor-parallel engine stopped: %s; the server exits in %.0f s", manager.error, LINGER_S)
         threading.Event().wait(LINGER_S)  # /health answers 503 with the reason meanwhile
@@ -76,8 +74,6 @@ def _stop_server_on_engine_error(manager, server) -> None:
 
 def serve(args, build) -> int:
     """Run rank ``RANK`` of the server; ``build(args, load=...)`` is ``hf_paged.serve.cli.build``."""
-    import uvicorn
-
     init_process_group(args.tp_timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     print(f"hf_paged serve: tensor-parallel rank {rank}/{world}, pid {os.getpid()}", flush=True)
@@ -89,7 +85,7 @@ def serve(args, build) -> int:
         manager.start()
         for _ in manager:  # results are rank 0's to hand out: read and drop them here, until the engine stops
             pass
-        manager._thread.join()
+        manager.join()
         code = _exit_code(manager, rank)
         _leave(code)
         return code
@@ -105,8 +101,7 @@ def serve(args, build) -> int:
     threading.Thread(target=_stop_server_on_engine_error, args=(manager, server), daemon=True,
                      name="hf_paged-tp-watch").start()
     server.run()
-    if manager._thread is not None:
-        manager._thread.join()
+    manager.join()
     code = _exit_code(manager, rank)
     _leave(code)
     return code

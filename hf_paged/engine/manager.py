@@ -1,0 +1,312 @@
+"""The user-facing :class:`ContinuousBatchingManager`: transformers' continuous-batching API over one engine thread,
+with any number of threads adding requests and reading results.
+
+Thread-safety: every public method may be called from any thread. The state those threads share with the engine
+thread is the :class:`~hf_paged.engine.handoff.Handoff`'s (its docstring states the locking rule); the manager
+checks and prepares requests outside it, and calls request callbacks outside its lock.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from functools import partial
+from typing import Iterator
+
+import torch
+
+from ..distributed import sum_over_ranks
+from .core import EngineCore
+from .distributed import check_broadcastable
+from .handoff import Handoff, call_back
+from .loop import run_engine, run_tp_engine
+from .outputs import EngineStats, GenerationOutput, RequestStatus
+from .sampling import SamplingParams
+
+DEFAULT_MAX_UNREAD = 100_000  # finished results kept until read; the oldest unread are dropped past it
+SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
+                 "eos_token_id", "stop_token_ids", "logprobs", "num_return_sequences", "ignore_eos", "min_tokens",
+                 "prompt_logprobs", "grammar")
+
+
+class ContinuousBatchingManager:
+    """Serves requests from many threads through one engine thread (made by :func:`init_continuous_batching`).
+
+    Method names and meanings follow transformers' ``ContinuousBatchingManager``: ``start``, ``stop``,
+    ``add_request``, ``add_requests``, ``get_result``, ``request_id_iter``, ``cancel_request``, context manager.
+    Two differences: ``get_result(request_id)`` waits for *that* request and never hands back (or requeues) another
+    request's result; a stream (``request_id_iter``) yields only the new tokens of each step.
+
+    Example::
+
+        with hf_paged.init_continuous_batching(model, max_batch_tokens=512) as manager:
+            rid = manager.add_request(prompt_ids, max_new_tokens=64)
+            print(manager.get_result(rid).generated_tokens)
+            print(manager.stats())
+    """
+
+    def __init__(self, core: EngineCore, generation_config=None, *, vocab_size: int | None = None,
+                 max_queue_size: int | None = None, max_unread_results: int = DEFAULT_MAX_UNREAD,
+                 default_options: dict | None = None, sync=None):
+        if max_queue_size is not None and (not isinstance(max_queue_size, int) or max_queue_size < 1):
+            raise ValueError(f"max_queue_size must be a positive int or None (unlimited), got {max_queue_size!r}.")
+        self._core = core
+        self.generation_config = generation_config
+        self.vocab_size = vocab_size
+        self.max_queue_size = max_queue_size
+        self._defaults = dict(default_options or {})
+        self._sync = sync  # tensor parallelism: the ranks' control channel (engine/distributed.py), else None
+        # The engine thread holds the handoff and the core, never the manager: a manager dropped without stop() is
+        # collected, its handoff is abandoned, the thread ends (cancelling what is left), then the pool is freed.
+        self._handoff = Handoff(core, max_unread_results)
+        self._finalizer = weakref.finalize(self, self._handoff.abandon)
+
+    @property
+    def max_unread_results(self) -> int:
+        """Finished results kept until read; past it the oldest unread are dropped."""
+        return self._handoff.max_unread_results
+
+    @max_unread_results.setter
+    def max_unread_results(self, value: int) -> None:
+        self._handoff.max_unread_results = value
+
+    # -------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start the engine thread (no-op if it runs). Requests added before ``start`` wait for it."""
+        if self._sync is None:
+            self._handoff.start(run_engine, self._handoff, self._core)
+        else:
+            self._handoff.start(run_tp_engine, self._handoff, self._core, self._sync)
+
+    def stop(self, block: bool = True, timeout: float | None = None, drain: bool = True) -> None:
+        """Stop serving. ``drain=True`` finishes the running and waiting requests first; ``drain=False`` cancels
+        them. With ``block``, waits for the engine thread: when ``timeout`` seconds pass while draining, what is
+        left is cancelled and the thread is joined (one more step at most). Every request ends with a final status;
+        ``add_request`` raises afterwards."""
+        handoff = self._handoff
+        call_back(handoff.stop(drain))
+        if not block or not handoff.started or handoff.on_engine_thread():  # (from a callback: no self-join)
+            return
+        if not handoff.join(timeout):
+            handoff.cancel_rest()
+            handoff.join()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the engine thread to end (after :meth:`stop`, or when the engine stopped on an error). Returns
+        True once it has ended (or was never started), False when ``timeout`` seconds passed first."""
+        return self._handoff.join(timeout)
+
+    @property
+    def started(self) -> bool:
+        """Whether :meth:`start` was called (the engine thread may have ended since)."""
+        return self._handoff.started
+
+    def __enter__(self) -> "ContinuousBatchingManager":
+        self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.stop(block=True, drain=exc_type is None)
+
+    def is_running(self) -> bool:
+        """Whether the engine thread is alive and not stopping."""
+        return self._handoff.is_running()
+
+    @property
+    def error(self) -> str | None:
+        """Why the engine stopped, if it stopped on an error (a lost tensor-parallel rank, an engine bug)."""
+        return self._handoff.error
+
+    def memory_stats(self, all_ranks: bool = False):
+        """The pool's :class:`~hf_paged.MemoryStats`. Under tensor parallelism each rank's pool holds its own KV
+        heads; ``all_ranks=True`` sums the byte figures over the ranks (a collective: call it on every rank at a
+        moment their pools agree, e.g. after ``stop()``; ``ValueError`` if their block counts differ)."""
+        stats = self.pool.memory_stats()
+        if all_ranks and self._sync is not None:
+            return sum_over_ranks(stats, group=self._sync.stats_group)
+        return stats
+
+    @property
+    def max_context(self) -> int | None:
+        """The most tokens (prompt + generated) one request may hold (the model's ``max_position_embeddings``, or
+        lower where its rotary embedding needs it)."""
+        return self._core.max_context
+
+    @property
+    def pool(self):
+        return self._core.kv.pool
+
+    # --------------------------------------------------------------- requests
+    def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
+                    streaming: bool = False, *, generation_config=None, do_sample=None, temperature=None,
+                    top_p=None, top_k=None, min_p=None, repetition_penalty=None, seed: int | None = None,
+                    eos_token_id=None, stop_token_ids: list[int] | None = None, logprobs: int | None = None,
+                    num_return_sequences: int | None = None, ignore_eos: bool | None = None,
+                    min_tokens: int | None = None, prompt_logprobs: int | None = None, grammar=None, callback=None,
+                    record_timestamps: bool | None = None) -> str:
+        """Queue one request; returns its id.
+
+        Args:
+            input_ids: the prompt's token ids (a list of ints or a 1-D tensor).
+            request_id: your id for it (default ``req_N``); must be unused.
+            max_new_tokens: the most tokens to generate (default: the generation config's).
+            streaming: read its tokens step by step with :meth:`request_id_iter`.
+            generation_config: settings for this request instead of the manager's; the keywords after it override
+                single settings (``seed`` makes a sampled request reproducible whatever shares its steps;
+                ``stop_token_ids`` end it like EOS; ``ignore_eos``: EOS does not end it (stop token ids still do);
+                ``min_tokens``: EOS / stop ids are masked until that many tokens were generated; ``logprobs``: None,
+                0 (the sampled token's) or k (plus the top k); ``prompt_logprobs``: None, or k: every prompt
+                token's log-probability, rank and the top k at its position, in ``GenerationOutput.prompt_logprobs``
+                / ``prompt_ranks`` / ``prompt_top_logprobs``. Such a request computes logits at every prompt
+                position through its prefill chunks; it takes from the prefix cache only the positions whose logits
+                it already has (after a preemption), so a cache hit never loses them. ``grammar``: a
+                :class:`~hf_paged.engine.structured.CompiledGrammar` the output must match (structured output: a
+                token bitmask each step; the request ends "stop" when the grammar's text is complete).
+            callback: called from the engine thread with each step's :class:`GenerationOutput` delta (keep it short).
+            record_timestamps: accepted for transformers' signature; timestamps are always recorded.
+
+        Raises:
+            QueueFullError: ``max_queue_size`` requests are already waiting.
+            RequestTooLargeError: the prompt + ``max_new_tokens`` could never fit the pool or the model's context.
+            ValueError: a bad prompt or setting (named), or a request id in use.
+            RuntimeError: the manager was stopped, or its engine failed.
+        """
+        return self._add([(input_ids, request_id)], max_new_tokens, streaming, generation_config, callback,
+                         dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                              repetition_penalty=repetition_penalty, seed=seed, eos_token_id=eos_token_id,
+                              stop_token_ids=stop_token_ids, logprobs=logprobs,
+                              num_return_sequences=num_return_sequences, ignore_eos=ignore_eos,
+                              min_tokens=min_tokens, prompt_logprobs=prompt_logprobs, grammar=grammar))[0]
+
+    def add_requests(self, inputs, max_new_tokens: int | None = None, streaming: bool = False, **options) -> list[str]:
+        """Queue several prompts with the same settings (all or none: every one is checked before any is queued).
+        Returns their ids, in order. Same options as :meth:`add_request`, but ``request_ids=`` (a list) instead of
+        ``request_id``."""
+        ids = options.pop("request_ids", None) or [None] * len(inputs)
+        if len(ids) != len(inputs):
+            raise ValueError(f"request_ids has {len(ids)} ids for {len(inputs)} prompts.")
+        generation_config = options.pop("generation_config", None)
+        callback = options.pop("callback", None)
+        options.pop("record_timestamps", None)
+        unknown = set(options) - set(SAMPLING_KEYS)
+        if unknown:
+            raise TypeError(f"add_requests got unexpected options {sorted(unknown)}.")
+        return self._add(list(zip(inputs, ids)), max_new_tokens, streaming, generation_config, callback, options)
+
+    def _add(self, items, max_new_tokens, streaming, generation_config, callback, sampling: dict) -> list[str]:
+        config = generation_config if generation_config is not None else self.generation_config
+        overrides = {**self._defaults, **{k: v for k, v in sampling.items() if v is not None}}
+        prepared = []
+        for input_ids, request_id in items:
+            prompt = self._prompt(input_ids)
+            params = SamplingParams.from_generation_config(config, prompt_length=len(prompt),
+                                                           max_new_tokens=max_new_tokens, **overrides)
+            self._core.check_fits(len(prompt), params.max_new_tokens)
+            if self._sync is not None:
+                check_broadcastable(params)
+            prepared.append((prompt, params, request_id))
+        self._check_driver()
+        new_request = partial(self._core.new_request, streaming=streaming, callback=callback)
+        return self._handoff.add(prepared, new_request, self.max_queue_size)
+
+    def _prompt(self, input_ids) -> list[int]:
+        if isinstance(input_ids, torch.Tensor):
+            if input_ids.dim() == 2 and input_ids.shape[0] == 1:
+                input_ids = input_ids[0]
+            if input_ids.dim() != 1:
+                raise ValueError(f"input_ids must be one prompt (a list of ints or a 1-D tensor), got a tensor of "
+                                 f"shape {tuple(input_ids.shape)}; use add_requests for several.")
+            input_ids = input_ids.tolist()
+        try:
+            prompt = [int(t) for t in input_ids]
+        except (TypeError, ValueError):
+            raise ValueError("input_ids must be a list of token ids (ints) or a 1-D tensor.") from None
+        if any(isinstance(t, bool) for t in input_ids) or not all(isinstance(t, int) for t in input_ids):
+            if not all(float(t) == int(t) for t in input_ids):
+                raise ValueError("input_ids must be integer token ids.")
+        if not prompt:
+            raise ValueError("input_ids is empty: a request needs at least one prompt token.")
+        bad = [t for t in prompt if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)]
+        if bad:
+            raise ValueError(f"input_ids holds {len(bad)} token id(s) outside the vocabulary [0, {self.vocab_size}), "
+                             f"e.g. {bad[0]}.")
+        return prompt
+
+    def _check_driver(self) -> None:
+        if self._sync is not None and not self._sync.is_driver:
+            raise ValueError(f"this is tensor-parallel rank {self._sync.rank}: requests are added and cancelled on "
+                             "rank 0 only (the other ranks follow its steps).")
+
+    def cancel_request(self, request_id: str) -> None:
+        """Cancel a request: its blocks go back at the next step, its result has status ``CANCELLED`` (with the
+        tokens generated so far). No-op for a request that already ended; ``KeyError`` for an unknown id."""
+        self._check_driver()
+        call_back(self._handoff.cancel(request_id))
+
+    # ---------------------------------------------------------------- results
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """A finished request's result, once (it is forgotten when read).
+
+        With ``request_id``: waits until that request ends and returns its result (never another's); ``KeyError``
+        if the id is unknown, or its result was already read or dropped (``max_unread_results``). Without: the
+        oldest unread result of any request. ``None`` when ``timeout`` seconds pass first, or when the engine is not
+        running and nothing is left to wait for.
+        """
+        return self._handoff.get_result(request_id, timeout)
+
+    def __iter__(self) -> Iterator[GenerationOutput]:
+        """Results as they finish, until the engine stops and none are left."""
+        while True:
+            out = self.get_result(timeout=0.1)
+            if out is not None:
+                yield out
+            elif not self.is_running() and not self._handoff.has_unread():
+                return
+
+    def request_id_iter(self, request_id: str) -> Iterator[GenerationOutput]:
+        """The outputs of one request as they come. A streaming request yields one :class:`GenerationOutput` per
+        step carrying only that step's new tokens (``generated_tokens``, ``logprobs``, ``timestamps``), the last one
+        with the final status; a non-streaming request yields its final result once."""
+        deltas = self._handoff.deltas(request_id)
+        if deltas is None:
+            out = self.get_result(request_id)
+            if out is not None:
+                yield out
+            return
+        yield from deltas
+
+    # ---------------------------------------------------------------- figures
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine (see :class:`EngineStats`)."""
+        core = self._core
+        c, t = core.scheduler.counters, core.times
+        kv = core.kv
+        with kv.pool.lock:
+            a = kv.allocator
+            in_use, cached = a.blocks_in_use, a.num_cached
+            num_blocks = a.max_blocks if a.max_blocks is not None else a.capacity
+            free = num_blocks - in_use - cached if a.max_blocks is not None else a.num_free
+        ended, waiting = self._handoff.counts()
+        return EngineStats(
+            running=len(core.scheduler.running), waiting=waiting, finished=ended[RequestStatus.FINISHED],
+            cancelled=ended[RequestStatus.CANCELLED], failed=ended[RequestStatus.FAILED],
+            preemptions=c.preemptions, recomputed_tokens=c.recomputed_tokens, prompt_tokens=c.prompt_tokens,
+            prompt_tokens_computed=c.prompt_tokens_computed, prefix_hit_tokens=c.prefix_hit_tokens,
+            generated_tokens=core.generated_tokens, blocks_in_use=in_use, blocks_cached=cached, blocks_free=free,
+            num_blocks=num_blocks, steps=core.steps, ttft=list(core.ttft), inter_token=list(core.inter_token),
+            host_time_s=t.host, forward_time_s=t.forward, schedule_time_s=t.schedule, plan_time_s=t.plan,
+            sample_time_s=t.sample, output_time_s=t.output, tokens_computed=c.tokens_computed,
+            uptime_s=time.perf_counter() - core.started, **_graph_stats(getattr(core.runner, "graphs", None)),
+        )
+
+    def __repr__(self) -> str:
+        state = "running" if self.is_running() else "stopped" if self._handoff.stopped else "not started"
+        live, unread = self._handoff.sizes()
+        return f"ContinuousBatchingManager({state}, live={live}, unread={unread})"
+
+
+def _graph_stats(graphs) -> dict:
+    if graphs is None:
+        return {}
+    return dict(graphs_captured=graphs.captured, graph_replays=graphs.replays, graph_capture_s=graphs.capture_s,
+                graphs_off=graphs.disabled_reason)
