@@ -194,20 +194,22 @@ def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool 
     manager = init_continuous_batching(model, generation_config, **options)
     results: dict[str, GenerationOutput] = {}
     order: list[list[str]] = []
+    # Every request is queued before the engine starts, so its first step sees them all: the ranks of a
+    # tensor-parallel model, each running this with the same prompts, then take the same steps from the first.
+    for i, prompt in enumerate(inputs):
+        rid = f"req_{i}"
+        try:
+            manager.add_request(prompt, request_id=rid, max_new_tokens=max_new_tokens, **request_options)
+            n = request_options.get("num_return_sequences") or getattr(
+                generation_config or model.generation_config, "num_return_sequences", None) or 1
+            order.append([rid, *(f"{rid}__child#{j}" for j in range(n - 1))])
+        except (ValueError, RuntimeError) as err:
+            prompt_ids = list(prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)
+            now = time.perf_counter()
+            results[rid] = GenerationOutput(rid, prompt_ids=prompt_ids, status=RequestStatus.FAILED,
+                                            error=f"{type(err).__name__}: {err}", created_time=now, end_time=now)
+            order.append([rid])
     with manager:
-        for i, prompt in enumerate(inputs):
-            rid = f"req_{i}"
-            try:
-                manager.add_request(prompt, request_id=rid, max_new_tokens=max_new_tokens, **request_options)
-                n = request_options.get("num_return_sequences") or getattr(
-                    generation_config or model.generation_config, "num_return_sequences", None) or 1
-                order.append([rid, *(f"{rid}__child#{j}" for j in range(n - 1))])
-            except (ValueError, RuntimeError) as err:
-                prompt_ids = list(prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)
-                now = time.perf_counter()
-                results[rid] = GenerationOutput(rid, prompt_ids=prompt_ids, status=RequestStatus.FAILED,
-                                                error=f"{type(err).__name__}: {err}", created_time=now, end_time=now)
-                order.append([rid])
         total = sum(len(ids) for ids in order)
         start, tokens = time.perf_counter(), 0
         with tqdm(total=total, desc="generate_batch", unit="req", disable=not progress_bar, leave=False) as bar:
