@@ -130,7 +130,11 @@ MASK_FUNCTIONS = ALL_MASK_ATTENTION_FUNCTIONS
 def use_attention(model, name: str, attention=None, mask=None) -> None:
     """Set ``model``'s attention implementation to ``name``; with ``attention`` (an attention function) and ``mask``
     (its mask builder), first register both under ``name`` in transformers' interfaces. The one step that changes a
-    model's attention: transformers then calls them, this module never does."""
+    model's attention: transformers then calls them, this module never does. A model without
+    ``set_attn_implementation`` (not a ``PreTrainedModel``) gets the config attribute set."""
+    if (attention is None) != (mask is None):
+        raise ValueError("use_attention registers an attention function and its mask builder together: pass both or "
+                         "neither.")
     if attention is not None:
         AttentionInterface.register(name, attention)
         AttentionMaskInterface.register(name, mask)
