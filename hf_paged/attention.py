@@ -342,7 +342,7 @@ def attach_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module
     Example::
 
         model = attach_paged_attention(AutoModelForCausalLM.from_pretrained(path))
-        outputs = hf_paged.generate_batch(model, prompts, max_new_tokens=64)
+        outputs = hf_paged.generate_batch(model, [tokenizer(p).input_ids for p in prompts], max_new_tokens=64)
     """
     if backend not in ops.BACKENDS:
         raise ValueError(f"backend must be one of {ops.BACKENDS}, got {backend!r}.")
