@@ -7,7 +7,7 @@
 
 from . import ops
 from .allocator import BlockAllocator
-from .attention import disable_paged_attention, enable_paged_attention, is_paged, paged_backend
+from .attention import attach_paged_attention, disable_paged_attention, enable_paged_attention, is_paged, paged_backend
 from .cache import PagedCache
 from .embedded import local_model_dir as embedded_model_dir
 from .engine import EngineStats, GenerationOutput, QueueFullError, RequestStatus, RequestTooLargeError
@@ -32,6 +32,7 @@ __all__ = [
     "QueueFullError",
     "RequestStatus",
     "RequestTooLargeError",
+    "attach_paged_attention",
     "disable_paged_attention",
     "embedded_model_dir",
     "enable_paged_attention",

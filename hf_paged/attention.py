@@ -1,9 +1,15 @@
 """Switch a model's attention to the paged path through transformers' attention-function interface.
 
-``enable_paged_attention`` registers an attention function under a name of its own and sets the model to it. With a
-:class:`PagedCache` the function reads K/V through the block tables; with any other cache, or none, it calls the
-implementation the model had before, so a patched model computes exactly what it did (plain forward,
-``DynamicCache``, training).
+Two entry points, one on top of the other:
+
+* ``attach_paged_attention`` puts the model on the paged path: it registers an attention function (and its mask
+  builder) under a name of its own and sets the model to it (one call, ``compat.use_attention``), and hooks the
+  decoder. A forward handed a planned step (the engine's ``StepCache``) reads K/V through the block tables; with any
+  other cache, or none, the function calls the implementation the model had before, so the model computes exactly
+  what it did (plain forward, ``DynamicCache``, training). That is all the continuous-batching engine needs.
+* ``enable_paged_attention`` attaches and also wraps ``generate()``, its input preparation and its stopping criteria,
+  which a :class:`PagedCache` needs. A model only attached refuses a ``PagedCache`` (``ValueError`` naming
+  ``enable_paged_attention``) rather than run ``generate()`` without the call's planning.
 
 Where state lives, one place each:
 
@@ -23,9 +29,10 @@ Where state lives, one place each:
   lifetime is in ``cache_state.py``). The stopping criteria ``generate()`` builds inside the call find its cache in a
   context variable the ``generate()`` wrapper sets for the call (per thread and task). Nothing refers to a cache
   after its forward or call ends.
-* What ``enable_paged_attention`` did to a model (its original attention, hooks, backend) is one ``PagedModel`` on
-  the model, which the hooks and wrappers are bound to; each attention module also knows its family's eager
-  attention (``_hf_paged_eager``), the fallback the shared attention function calls without a paged step.
+* What ``attach_paged_attention`` / ``enable_paged_attention`` did to a model (its original attention, hooks,
+  backend, whether it takes a ``PagedCache``) is one ``PagedModel`` on the model, which the hooks and wrappers are
+  bound to; each attention module also knows its family's eager attention (``_hf_paged_eager``), the fallback the
+  shared attention function calls without a paged step.
 """
 
 from __future__ import annotations
@@ -123,7 +130,8 @@ def _layer_step(module, kwargs, query_len: int):
 
 @functools.lru_cache(maxsize=None)  # one builder per name, like the attention function
 def _make_mask(original: str):
-    build = compat.mask_function(original)
+    # The original implementation's own mask builder; eager's where it registered none.
+    build = compat.MASK_FUNCTIONS.get(original) or compat.MASK_FUNCTIONS["eager"]
 
     def mask(*args, **kwargs):
         # A forward whose every layer reads its K/V through the block tables never looks at the mask (its step
@@ -146,14 +154,14 @@ def _make_attention(original: str):
         if layer is not None and not layer.no_history:
             return _paged_forward(module, query, scaling, kwargs, layer), None
         # No cache, another cache, or a first prefill (its K/V are already in the pool; nothing to read back).
-        fallback = compat.attention_function(original, _eager_of(module))
+        fallback = _eager_of(module) if original == "eager" else compat.ATTENTION_FUNCTIONS[original]
         return fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
     return attention
 
 
 def _eager_of(module):
-    """The module's own eager attention: set by :func:`enable_paged_attention`; for a module it never saw (a second
+    """The module's own eager attention: set by :func:`attach_paged_attention`; for a module it never saw (a second
     model built on the same config object, whose attention name the call changed too) the one its modeling file
     defines."""
     eager = getattr(module, "_hf_paged_eager", None)
@@ -161,20 +169,23 @@ def _eager_of(module):
         eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if eager is None:
         raise RuntimeError(
-            f"{type(module).__name__} runs hf_paged's attention but enable_paged_attention() was never called on its "
-            "model (it shares a config object with a model that was): build each model with its own config "
-            "(copy.deepcopy(config)) or call enable_paged_attention() on this model too.")
+            f"{type(module).__name__} runs hf_paged's attention but enable_paged_attention() (or "
+            "attach_paged_attention()) was never called on its model (it shares a config object with a model that "
+            "was): build each model with its own config (copy.deepcopy(config)) or call enable_paged_attention() on "
+            "this model too.")
     return eager
 
 
 @dataclass
 class PagedModel:
-    """What :func:`enable_paged_attention` did to a model (``model._hf_paged_state``), to use and to undo."""
+    """What :func:`attach_paged_attention` and :func:`enable_paged_attention` did to a model
+    (``model._hf_paged_state``), to use and to undo."""
 
     original: str  # the attention implementation the model had
     decoder: nn.Module  # the module whose hooks plan and count forwards
     handles: tuple  # those hooks
     backend: str  # "auto", "torch" or "triton", as asked
+    takes_paged_cache: bool = False  # enable_paged_attention ran: generate() wrapped, a PagedCache accepted
 
 
 def _pre_hook(state: PagedModel, module, args, kwargs):
@@ -187,6 +198,11 @@ def _pre_hook(state: PagedModel, module, args, kwargs):
     if not isinstance(cache, PagedCache):
         compat.forward_begins(None)
         return
+    if not state.takes_paged_cache:
+        raise ValueError(
+            "this model was put on the paged path by attach_paged_attention(), which serves the continuous-batching "
+            "engine: generate() (or a forward) with a PagedCache needs the generate() wrappers it leaves out. Fix: "
+            "call hf_paged.enable_paged_attention(model) first (it keeps what attach installed and adds them).")
     if not cache.planned:  # a forward called directly (not through generate()): plan it here
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
@@ -310,19 +326,23 @@ def _wrap_stopping_criteria(get_criteria):
     return wrapped
 
 
-def enable_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module:
-    """Put a supported model on the paged attention path; returns the model.
+def attach_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module:
+    """Put a supported model's attention on the paged path, without touching ``generate()``; returns the model.
 
-    With a :class:`PagedCache` the attention reads K/V straight from the pool's blocks (``backend="torch"``: the
-    PyTorch path, ``"triton"``: the kernels, ``"auto"``: Triton on CUDA, torch otherwise). With any other cache, or
-    none, the model computes exactly what it computed before. Calling it twice is harmless (the second call may change
-    the backend); :func:`disable_paged_attention` undoes it. ``python -m hf_paged models`` lists the supported
-    model families; others raise a ``ValueError`` naming the missing feature.
+    What the continuous-batching engine needs, and only that: the paged attention function (and its mask builder)
+    registered through transformers' ``AttentionInterface`` and set as the model's implementation, and the decoder
+    hooks that tell the attention which step a forward runs. A forward handed a planned step (the engine's) reads
+    K/V straight from the pool's blocks (``backend="torch"``: the PyTorch path, ``"triton"``: the kernels,
+    ``"auto"``: Triton on CUDA, torch otherwise); with any other cache, or none, the model computes exactly what it
+    computed before. ``generate()`` with a :class:`PagedCache` needs :func:`enable_paged_attention` (a model only
+    attached raises a ``ValueError`` saying so). Calling it twice is harmless (the second call may change the
+    backend), as is calling it on a model already enabled (whose ``generate()`` wrappers stay);
+    :func:`disable_paged_attention` undoes it.
 
     Example::
 
-        model = enable_paged_attention(AutoModelForCausalLM.from_pretrained(path))
-        out = model.generate(**inputs, cache=PagedCache(model.config), max_new_tokens=64)
+        model = attach_paged_attention(AutoModelForCausalLM.from_pretrained(path))
+        outputs = hf_paged.generate_batch(model, [tokenizer(p).input_ids for p in prompts], max_new_tokens=64)
     """
     if backend not in ops.BACKENDS:
         raise ValueError(f"backend must be one of {ops.BACKENDS}, got {backend!r}.")
@@ -335,8 +355,6 @@ def enable_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module
     state = getattr(model, "_hf_paged_state", None)
     if state is None:
         original = model.config._attn_implementation or "eager"
-        name = _PREFIX + original
-        compat.register_attention(name, _make_attention(original), _make_mask(original))
         state = PagedModel(original, decoder, (), backend)
         state.handles = (
             decoder.register_forward_pre_hook(functools.partial(_pre_hook, state), with_kwargs=True),
@@ -348,24 +366,51 @@ def enable_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module
         if patch.attention is not None:  # a family whose pool holds something else than per-head K/V (MLA)
             for sub in attention_modules(model):
                 sub._hf_paged_eager, sub._hf_paged_attention = patch.eager_attention, patch.attention
-        compat.set_attn_implementation(model, name)
+        compat.use_attention(model, _PREFIX + original, _make_attention(original), _make_mask(original))
         model._hf_paged_state = state
-        if hasattr(model, "generate"):
-            model.generate = _wrap_generate(model, model.generate, state)
-            model.prepare_inputs_for_generation = _wrap_prepare_inputs(model.prepare_inputs_for_generation, model)
-            model._get_stopping_criteria = _wrap_stopping_criteria(model._get_stopping_criteria)
     state.backend = backend
     return model
 
 
+def enable_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module:
+    """Put a supported model on the paged attention path for ``generate()`` with a :class:`PagedCache`; returns the
+    model.
+
+    :func:`attach_paged_attention` (the paged attention and the decoder hooks), plus wrappers around the model's
+    ``generate()``, its input preparation and its stopping criteria: they plan each step of the call on the host
+    (outside a compiled region), start rows from cached prefixes and give finished rows' blocks back. With a
+    :class:`PagedCache` the attention reads K/V straight from the pool's blocks (``backend="torch"``: the PyTorch
+    path, ``"triton"``: the kernels, ``"auto"``: Triton on CUDA, torch otherwise). With any other cache, or none, the
+    model computes exactly what it computed before. Calling it twice is harmless (the second call may change the
+    backend); on a model already attached it adds only the wrappers. :func:`disable_paged_attention` undoes it.
+    ``python -m hf_paged models`` lists the supported model families; others raise a ``ValueError`` naming the
+    missing feature.
+
+    Example::
+
+        model = enable_paged_attention(AutoModelForCausalLM.from_pretrained(path))
+        out = model.generate(**inputs, cache=PagedCache(model.config), max_new_tokens=64)
+    """
+    attach_paged_attention(model, backend)
+    state = model._hf_paged_state
+    if not state.takes_paged_cache:
+        state.takes_paged_cache = True
+        if hasattr(model, "generate"):
+            model.generate = _wrap_generate(model, model.generate, state)
+            model.prepare_inputs_for_generation = _wrap_prepare_inputs(model.prepare_inputs_for_generation, model)
+            model._get_stopping_criteria = _wrap_stopping_criteria(model._get_stopping_criteria)
+    return model
+
+
 def disable_paged_attention(model: nn.Module) -> nn.Module:
-    """Undo :func:`enable_paged_attention`: the original attention implementation, no hooks, no wrappers."""
+    """Undo :func:`enable_paged_attention` or :func:`attach_paged_attention`: the original attention
+    implementation, no hooks, no wrappers."""
     state = getattr(model, "_hf_paged_state", None)
     if state is None:
         return model
     for handle in state.handles:
         handle.remove()
-    compat.set_attn_implementation(model, state.original)
+    compat.use_attention(model, state.original)
     for name in ("_get_stopping_criteria", "generate", "prepare_inputs_for_generation"):
         model.__dict__.pop(name, None)
     for sub in model.modules():
@@ -376,12 +421,14 @@ def disable_paged_attention(model: nn.Module) -> nn.Module:
 
 
 def is_paged(model: nn.Module) -> bool:
+    """Whether ``model`` is on the paged path (:func:`attach_paged_attention` or :func:`enable_paged_attention`)."""
     return getattr(model, "_hf_paged_state", None) is not None
 
 
 def paged_backend(model: nn.Module) -> str:
-    """The backend :func:`enable_paged_attention` set for ``model`` (``"auto"``, ``"torch"`` or ``"triton"``);
-    ``ValueError`` if the model is not paged."""
+    """The backend :func:`attach_paged_attention` or :func:`enable_paged_attention` set for ``model`` (``"auto"``,
+    ``"torch"`` or ``"triton"``); ``ValueError`` if the model is not paged."""
     if not is_paged(model):
-        raise ValueError("the model is not on the paged path: call hf_paged.enable_paged_attention(model) first.")
+        raise ValueError("the model is not on the paged path: call hf_paged.enable_paged_attention(model) (or "
+                         "attach_paged_attention(model) for the engine alone) first.")
     return model._hf_paged_state.backend

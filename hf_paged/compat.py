@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import warnings
 
 import torch
 import transformers
 from packaging.version import Version
+from transformers import GenerationConfig
 from transformers.cache_utils import Cache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 from transformers.models.auto.configuration_auto import model_type_to_module_name
 
 try:  # 5.x: the cache layer types DynamicCache builds, KV sharing and MLP-only layers included
@@ -104,8 +108,6 @@ def rename_cache_kwarg(kwargs: dict, stacklevel: int) -> None:
     """A ``generate(past_key_values=...)`` call on 5.24+: warn at the caller's line (transformers' own warning would
     point into this package's wrapper) and pass the cache under its new name."""
     if CACHE_RENAMED and kwargs.get("past_key_values") is not None and kwargs.get("cache") is None:
-        import warnings
-
         warnings.warn("`past_key_values` is deprecated for generate() (removed in transformers 6.0.0); pass the "
                       "cache as `cache=` instead.", FutureWarning, stacklevel=stacklevel + 1)
         kwargs["cache"] = kwargs.pop("past_key_values")
@@ -118,33 +120,24 @@ def cache_from_kwargs(kwargs: dict):
     return None
 
 
-def register_attention(name: str, attention_fn, mask_fn) -> None:
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
-    AttentionInterface.register(name, attention_fn)
-    AttentionMaskInterface.register(name, mask_fn)
-
-
-def mask_function(name: str):
-    """The mask builder registered for an attention implementation (eager's when it has none of its own)."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-    try:
-        return ALL_MASK_ATTENTION_FUNCTIONS[name]
-    except KeyError:
-        return ALL_MASK_ATTENTION_FUNCTIONS["eager"]
+# transformers' attention and mask-builder registries (the same modules 4.56 -> 5.x), by implementation name: what a
+# model's attention implementation names. Eager's attention is no entry: each modeling file has its own
+# (``eager_attention_forward``); its mask builder is.
+ATTENTION_FUNCTIONS = ALL_ATTENTION_FUNCTIONS
+MASK_FUNCTIONS = ALL_MASK_ATTENTION_FUNCTIONS
 
 
-def attention_function(name: str, eager_fn):
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if name == "eager" or name is None:
-        return eager_fn
-    return ALL_ATTENTION_FUNCTIONS[name]
-
-
-def set_attn_implementation(model, name: str) -> None:
+def use_attention(model, name: str, attention=None, mask=None) -> None:
+    """Set ``model``'s attention implementation to ``name``; with ``attention`` (an attention function) and ``mask``
+    (its mask builder), first register both under ``name`` in transformers' interfaces. The one step that changes a
+    model's attention: transformers then calls them, this module never does. A model without
+    ``set_attn_implementation`` (not a ``PreTrainedModel``) gets the config attribute set."""
+    if (attention is None) != (mask is None):
+        raise ValueError("use_attention registers an attention function and its mask builder together: pass both or "
+                         "neither.")
+    if attention is not None:
+        AttentionInterface.register(name, attention)
+        AttentionMaskInterface.register(name, mask)
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(name)
     else:
@@ -172,8 +165,6 @@ def generation_defaults() -> dict:
 
 @functools.lru_cache(maxsize=1)
 def _generation_defaults() -> dict:
-    from transformers import GenerationConfig
-
     defaults = dict(GenerationConfig().to_dict())
     filler = getattr(GenerationConfig, "_get_default_generation_params", None)
     if filler is not None:
