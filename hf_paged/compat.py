@@ -33,6 +33,10 @@ try:  # 5.x: the cache layer types DynamicCache builds, KV sharing and MLP-only 
     from transformers.cache_utils import get_layer_types_and_kwargs
 except ImportError:  # 4.x
     get_layer_types_and_kwargs = None
+try:  # transformers' own continuous batching settings (the demo compares its generate_batch)
+    from transformers.generation import ContinuousBatchingConfig
+except ImportError:  # before ContinuousBatchingConfig
+    ContinuousBatchingConfig = None
 try:  # heterogeneous configs (Gemma 4's per_layer_config) refuse a per-layer attribute read globally
     from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 except ImportError:  # before heterogeneous configs

@@ -159,10 +159,8 @@ def _until_eos(row: list[int], eos: set[int]) -> list[int]:
 def _transformers_generate_batch(model, prompts, max_new_tokens: int, num_blocks: int, block_size: int):
     """transformers' own continuous batching on a copy of ``model`` (not on the paged path; sdpa, pages of
     ``block_size``, ``num_blocks`` of them): (tokens per request, seconds, KV reserved bytes)."""
-    from transformers.generation import ContinuousBatchingConfig
-
     model = copy.deepcopy(model)  # generate_batch switches the copy's attention to its own paged one
-    config = ContinuousBatchingConfig(page_size=block_size, num_blocks=num_blocks, max_batch_tokens=512,
+    config = compat.ContinuousBatchingConfig(page_size=block_size, num_blocks=num_blocks, max_batch_tokens=512,
                                       auto_switch_to_flash=False)
     generation_config = copy.deepcopy(model.generation_config)
     generation_config.do_sample, generation_config.max_new_tokens = False, max_new_tokens

@@ -9,7 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import compat
-from ..attention import enable_paged_attention, is_paged, paged_backend
+from ..attention import attach_paged_attention, is_paged, paged_backend
 from ..groups import LayerGroups
 from ..patches import check_engine_supported, check_model, kv_geometry
 from . import graphs
@@ -35,8 +35,9 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     """A continuous-batching manager serving ``model`` from a shared block pool (start it, or use ``with``).
 
     Args:
-        model: a causal LM of a family ``python -m hf_paged models`` lists; :func:`hf_paged.enable_paged_attention`
-            is applied if it was not.
+        model: a causal LM of a family ``python -m hf_paged models`` lists; :func:`hf_paged.attach_paged_attention`
+            is applied if it was not (the attention path only: for ``generate()`` with a ``PagedCache`` on the same
+            model, call :func:`hf_paged.enable_paged_attention`).
         generation_config: the requests' default settings (default ``model.generation_config``).
         pool: a :class:`~hf_paged.BlockPool` (its block size, cap, ``prefix_caching`` and ``kv_dtype`` apply).
             Default: a pool with prefix caching, capped from the memory free on the model's device (CUDA: 80% of
@@ -90,7 +91,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     check_model(model)
     check_engine_supported(model)
     if not is_paged(model) or backend != "auto":  # a model paged before keeps its backend unless one is asked
-        enable_paged_attention(model, backend=backend)
+        attach_paged_attention(model, backend=backend)
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     device = model.device
     groups = LayerGroups.from_geometry(kv_geometry(config))

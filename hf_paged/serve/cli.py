@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import uvicorn
 
-from .. import BlockPool, embedded, enable_paged_attention, init_continuous_batching
+from .. import BlockPool, attach_paged_attention, embedded, init_continuous_batching
 from .app import ServeSettings, create_app
 from .distributed import serve as serve_distributed
 from .middleware import DEFAULT_MAX_BODY_BYTES
@@ -86,7 +86,7 @@ def build(args, load=None):
     if load is None:
         model.to(device)
     device = model.device
-    enable_paged_attention(model, backend=args.backend)
+    attach_paged_attention(model, backend=args.backend)
     pool = BlockPool(block_size=args.block_size, max_memory=args.max_memory,
                      prefix_caching=not args.no_prefix_caching,
                      kv_dtype=torch.float8_e4m3fn if args.kv_dtype == "fp8" else None)
