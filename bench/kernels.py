@@ -294,14 +294,14 @@ def host_cases(args, device) -> dict:
                                                              layer.group.attention, scale, reuse_partials=True)
 
     def op_args(q, layer):  # torch.ops.hf_paged.paged_attention's arguments, as custom_ops.paged_attention makes them
-        tables, lens, qsl, plan, plan_ints, window, max_query_len, chunk = custom_ops.op_arguments(
+        tables, lens, qsl, layout, layout_ints, window, max_query_len, chunk = custom_ops.op_arguments(
             layer.group.attention)
-        return (q, layer.key_cache, layer.value_cache, tables, lens, qsl, plan, plan_ints, None, None, None, scale,
+        return (q, layer.key_cache, layer.value_cache, tables, lens, qsl, layout, layout_ints, None, None, None, scale,
                 window, 0.0, max_query_len, "triton", chunk)
 
     write_args = (kv_dec, kv_dec, dec.key_cache, dec.value_cache, g.slot_mapping, None, None, "triton")
     dec_args, pre_args = op_args(q_dec, dec), op_args(q_pre, pre)
-    kernels = len(triton_kernels.attention_plan(q_dec, pool, g.attention.block_tables, scale, None, 1,
+    kernels = len(triton_kernels.attention_spec(q_dec, pool, g.attention.block_tables, scale, None, 1,
                                                 width * bs).launches)
     return {  # name -> (call, the empty op it is compared with)
         f"launcher  paged_attention decode ({batch} seqs, {kernels} kernels)": (launcher(q_dec, dec), None),

@@ -313,7 +313,7 @@ def test_torch_backend_never_reads_unowned_nan(decode, kv_fp8):
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
 def test_bucketed_width_and_zero_padded_tables(decode, options):
     # The step planner's shape: tables padded with block 0 (not -1), max_seq_len = the full table width (above every
-    # seq_len), one plan shared by layers; block 0 holds another sequence's (finite) data. Positions past seq_lens
+    # seq_len), one read layout shared by layers; block 0 holds another sequence's (finite) data. Positions past seq_lens
     # must be masked by seq_lens alone.
     seq_lens, q_lens = [9, 30], ([1, 1] if decode else [4, 4])  # one part: it takes the bucketed width
     case = make_case(seq_lens, q_lens, num_kv_heads=1, group=4, head_dim=32, block_size=8, dtype=torch.float32,
@@ -330,10 +330,10 @@ def test_bucketed_width_and_zero_padded_tables(decode, options):
     case = dict(case, block_tables=tables)
     expected = attention_float64(**case)
     max_seq_len, max_query_len = width * block_size, max(q_lens)
-    plan = plan_torch_attention(tables, case["seq_lens"], case["query_start_loc"], block_size, max_seq_len=max_seq_len)
-    assert len(plan.parts) == 1 and plan.parts[0].mask.shape[-1] == max_seq_len > max(seq_lens)
+    layout = plan_torch_attention(tables, case["seq_lens"], case["query_start_loc"], block_size, max_seq_len=max_seq_len)
+    assert len(layout.parts) == 1 and layout.parts[0].mask.shape[-1] == max_seq_len > max(seq_lens)
     sizes = dict(max_query_len=max_query_len, max_seq_len=max_seq_len)
-    torch_out = on_backend(functools.partial(ops.paged_attention_unchecked, backend="torch"), case, plan=plan, **sizes)
+    torch_out = on_backend(functools.partial(ops.paged_attention_unchecked, backend="torch"), case, plan=layout, **sizes)
     triton_out = on_backend(functools.partial(ops.paged_attention_unchecked, backend="triton"), case, **sizes)
     for out in (torch_out, triton_out):
         assert (out.cpu().double() - expected).abs().max() < 1e-5
@@ -518,46 +518,46 @@ def test_launchers_do_not_sync_when_maxima_are_given(monkeypatch, decode):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Launch plans: decisions made once per key
+# Launch specs: decisions made once per key
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def test_launch_plan_cache_returns_the_same_plan_per_key(monkeypatch):
-    """Same shapes, dtypes, device and options: the very same plan, and no decision work (launch_choices, the split
-    count) on the way; a changed shape, dtype or option: another plan, whose launches follow the change."""
+def test_launch_spec_cache_returns_the_same_spec_per_key(monkeypatch):
+    """Same shapes, dtypes, device and options: the very same spec, and no decision work (launch_choices, the split
+    count) on the way; a changed shape, dtype or option: another spec, whose launches follow the change."""
     case = make_case([600, 20], [1, 1], num_kv_heads=2, group=4, head_dim=64, block_size=16, dtype=torch.float32)
     q, kc, bt = case["query"], case["key_cache"], case["block_tables"]
-    plan = triton_kernels.attention_plan(q, kc, bt, 0.125, None, 1, 640)
+    spec = triton_kernels.attention_spec(q, kc, bt, 0.125, None, 1, 640)
     with monkeypatch.context() as m:
-        for name in ("launch_choices", "choose_num_kv_splits", "_build_attention_plan"):
-            m.setattr(triton_kernels, name, lambda *a, **k: pytest.fail("a cached plan was worked out again"))
-        assert triton_kernels.attention_plan(q.clone(), kc, bt.clone(), 0.125, None, 1, 640) is plan
+        for name in ("launch_choices", "choose_num_kv_splits", "_build_attention_spec"):
+            m.setattr(triton_kernels, name, lambda *a, **k: pytest.fail("a cached spec was worked out again"))
+        assert triton_kernels.attention_spec(q.clone(), kc, bt.clone(), 0.125, None, 1, 640) is spec
         calls = _record_launches(m)
         on_backend(paged_attention_triton, case, max_query_len=1, max_seq_len=640)  # the launcher too: from the cache
-    assert [(name, grid) for name, grid, _, _ in calls] == [(launch.kernel, launch.grid) for launch in plan.launches]
+    assert [(name, grid) for name, grid, _, _ in calls] == [(launch.kernel, launch.grid) for launch in spec.launches]
 
     three = make_case([600, 20, 7], [1, 1, 1], num_kv_heads=2, group=4, head_dim=64, block_size=16,
                       dtype=torch.float32)
-    other_batch = triton_kernels.attention_plan(three["query"], three["key_cache"], three["block_tables"], 0.125,
+    other_batch = triton_kernels.attention_spec(three["query"], three["key_cache"], three["block_tables"], 0.125,
                                                 None, 1, 640)
-    assert other_batch is not plan and other_batch.launches[0].grid[0] == 3
-    half = triton_kernels.attention_plan(q.half(), kc.half(), bt, 0.125, None, 1, 640)
-    assert half is not plan and half.launches[0].options["DOT_PRECISION"] == "tf32"
-    windowed = triton_kernels.attention_plan(q, kc, bt, 0.125, 64, 1, 640)
-    assert windowed is not plan and windowed.launches[0].scalars[2] == 64  # the window argument
-    short = triton_kernels.attention_plan(q, kc, bt, 0.125, None, 1, 32)  # too short to split
-    assert len(plan.launches) == 2 and len(short.launches) == 1
-    prefill = triton_kernels.attention_plan(q, kc, bt, 0.125, None, 5, None)
+    assert other_batch is not spec and other_batch.launches[0].grid[0] == 3
+    half = triton_kernels.attention_spec(q.half(), kc.half(), bt, 0.125, None, 1, 640)
+    assert half is not spec and half.launches[0].options["DOT_PRECISION"] == "tf32"
+    windowed = triton_kernels.attention_spec(q, kc, bt, 0.125, 64, 1, 640)
+    assert windowed is not spec and windowed.launches[0].scalars[2] == 64  # the window argument
+    short = triton_kernels.attention_spec(q, kc, bt, 0.125, None, 1, 32)  # too short to split
+    assert len(spec.launches) == 2 and len(short.launches) == 1
+    prefill = triton_kernels.attention_spec(q, kc, bt, 0.125, None, 5, None)
     assert [launch.kernel for launch in prefill.launches] == ["_prefill_kernel"]
-    assert triton_kernels.attention_plan(q, kc, bt, 0.125, None, 5, 999) is prefill  # max_seq_len: decode only
+    assert triton_kernels.attention_spec(q, kc, bt, 0.125, None, 5, 999) is prefill  # max_seq_len: decode only
 
     key = case["query"][:, :2].contiguous()  # [2, Hkv, D]: two tokens written
-    write = triton_kernels.write_kv_plan(key, key, kc)
-    assert triton_kernels.write_kv_plan(key.clone(), key.clone(), kc) is write
-    more = triton_kernels.write_kv_plan(torch.cat([key, key]), torch.cat([key, key]), kc)
+    write = triton_kernels.write_kv_spec(key, key, kc)
+    assert triton_kernels.write_kv_spec(key.clone(), key.clone(), kc) is write
+    more = triton_kernels.write_kv_spec(torch.cat([key, key]), torch.cat([key, key]), kc)
     assert more is not write and more.launches[0].grid == (4,) and write.launches[0].grid == (2,)
-    strided = case["query"][:, :2]  # a view with other strides: another plan, launched with its strides
-    assert triton_kernels.write_kv_plan(strided, strided, kc).launches[0].scalars[1:4] == strided.stride()
+    strided = case["query"][:, :2]  # a view with other strides: another spec, launched with its strides
+    assert triton_kernels.write_kv_spec(strided, strided, kc).launches[0].scalars[1:4] == strided.stride()
 
 
 def test_split_kv_partials_are_reused():
@@ -573,24 +573,24 @@ def test_split_kv_partials_are_reused():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The torch backend's plan: rows grouped by query count, runs of blocks read as views
+# The torch backend's layout: rows grouped by query count, runs of blocks read as views
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def test_torch_plan_groups_rows_by_query_count():
+def test_read_layout_groups_rows_by_query_count():
     """A mixed step (a 40-token chunk over a long history, three decode rows, an idle row): the decode rows are one
     call over their own longest context, the chunk another, padded to nothing; the result is the float64 one."""
     seq_lens, q_lens, block_size = [200, 30, 45, 12, 70], [40, 1, 1, 0, 1], 16
     case = make_case(seq_lens, q_lens, num_kv_heads=2, group=3, head_dim=32, block_size=block_size,
                      dtype=torch.float32, seed=9)
-    plan = plan_torch_attention(case["block_tables"], case["seq_lens"], case["query_start_loc"], block_size,
+    layout = plan_torch_attention(case["block_tables"], case["seq_lens"], case["query_start_loc"], block_size,
                                 zero_unowned=True)  # NaN pool: unowned slots zeroed
-    decode, chunk = plan.parts  # the decode rows first (contexts 30-70: one part), then the chunk
+    decode, chunk = layout.parts  # the decode rows first (contexts 30-70: one part), then the chunk
     assert chunk.q_index.tolist() == list(range(40)) and chunk.mask.shape == (1, 1, 40, 208)
     assert decode.tables.shape == (3 * 5,) and decode.mask.shape == (3, 1, 1, 80)  # 70 tokens -> 5 blocks, not 13
-    assert not plan.ordered and decode.q_index.tolist() == [40, 41, 42]  # the chunk comes first: scattered
+    assert not layout.ordered and decode.q_index.tolist() == [40, 41, 42]  # the chunk comes first: scattered
     expected = attention_float64(**case)
-    out = on_backend(paged_attention_torch, case, plan=plan)
+    out = on_backend(paged_attention_torch, case, plan=layout)
     assert (out.double() - expected).abs().max() < 1e-5
     decode_only = plan_torch_attention(case["block_tables"][1:], case["seq_lens"][1:],
                                        case["query_start_loc"][1:] - 40, block_size)
@@ -598,22 +598,22 @@ def test_torch_plan_groups_rows_by_query_count():
 
 
 @pytest.mark.parametrize("window", [None, 6, 24])
-def test_torch_plan_packed_step_reads_slices_and_fresh_chunks_unmasked(window):
+def test_read_layout_packed_step_reads_slices_and_fresh_chunks_unmasked(window):
     """A continuous-batching step: decode rows first, then chunks of 17, 9 and 17 tokens (two fresh prompts, one over
-    a history, one fresh with 9): the plan is ordered (queries sliced, outputs concatenated), rows with the same count
+    a history, one fresh with 9): the layout is ordered (queries sliced, outputs concatenated), rows with the same count
     share one call, a fresh segment runs causal with no mask unless a window cuts it, and the result is the float64
     one, windowed or not."""
     seq_lens, q_lens, block_size = [50, 33, 17, 60, 9, 17], [1, 1, 17, 17, 9, 17], 8
     case = make_case(seq_lens, q_lens, num_kv_heads=2, group=2, head_dim=32, block_size=block_size,
                      dtype=torch.float32, seed=12, window=window)
-    plan = plan_torch_attention(case["block_tables"], case["seq_lens"], case["query_start_loc"], block_size,
+    layout = plan_torch_attention(case["block_tables"], case["seq_lens"], case["query_start_loc"], block_size,
                                 sliding_window=window, zero_unowned=True)
-    assert plan.ordered is False  # the 9-token row sits between 17-token rows: one call for the 17s cannot slice
-    by_count = {part.sizes()[1]: part for part in plan.parts}
+    assert layout.ordered is False  # the 9-token row sits between 17-token rows: one call for the 17s cannot slice
+    by_count = {part.sizes()[1]: part for part in layout.parts}
     assert sorted(by_count) == [1, 9, 17] and by_count[17].sizes() == (3, 17)
     assert (by_count[9].mask is None) == (window is None or window >= 9)  # fresh: causal, unless the window cuts
     assert by_count[17].mask is not None  # one of its rows has history
-    assert (on_backend(paged_attention_torch, case, plan=plan).double() - attention_float64(**case)).abs().max() < 1e-5
+    assert (on_backend(paged_attention_torch, case, plan=layout).double() - attention_float64(**case)).abs().max() < 1e-5
     in_order = [0, 1, 4, 2, 3, 5]  # decode, then the 9, then the 17s: the engine's order
     reordered = {k: case[k] for k in ("key_cache", "value_cache", "scale", "sliding_window")}
     reordered["block_tables"] = case["block_tables"][in_order]
@@ -622,24 +622,24 @@ def test_torch_plan_packed_step_reads_slices_and_fresh_chunks_unmasked(window):
     reordered["query_start_loc"] = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
     starts = case["query_start_loc"].tolist()
     reordered["query"] = torch.cat([case["query"][starts[r]:starts[r + 1]] for r in in_order])
-    plan = plan_torch_attention(reordered["block_tables"], reordered["seq_lens"], reordered["query_start_loc"],
+    layout = plan_torch_attention(reordered["block_tables"], reordered["seq_lens"], reordered["query_start_loc"],
                                 block_size, sliding_window=window, zero_unowned=True)
-    assert plan.ordered and all(part.q_index is None for part in plan.parts)
+    assert layout.ordered and all(part.q_index is None for part in layout.parts)
     expected = attention_float64(**reordered)
-    assert (on_backend(paged_attention_torch, reordered, plan=plan).double() - expected).abs().max() < 1e-5
+    assert (on_backend(paged_attention_torch, reordered, plan=layout).double() - expected).abs().max() < 1e-5
     # a longer chunk before a shorter one (the engine's CPU padding row comes last) stays ordered too
     tail = make_case([50, 33, 40, 5], [1, 1, 17, 5], num_kv_heads=2, group=2, head_dim=32, block_size=block_size,
                      dtype=torch.float32, seed=13, window=window)
-    plan = plan_torch_attention(tail["block_tables"], tail["seq_lens"], tail["query_start_loc"], block_size,
+    layout = plan_torch_attention(tail["block_tables"], tail["seq_lens"], tail["query_start_loc"], block_size,
                                 sliding_window=window, zero_unowned=True)
-    assert plan.ordered and [part.sizes()[1] for part in plan.parts] == [1, 17, 5]
-    assert (on_backend(paged_attention_torch, tail, plan=plan).double() - attention_float64(**tail)).abs().max() < 1e-5
+    assert layout.ordered and [part.sizes()[1] for part in layout.parts] == [1, 17, 5]
+    assert (on_backend(paged_attention_torch, tail, plan=layout).double() - attention_float64(**tail)).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
-def test_torch_plan_reads_a_run_of_blocks_as_a_view(decode):
+def test_read_layout_reads_a_run_of_blocks_as_a_view(decode):
     """One row whose blocks are consecutive in the pool is read as a view of it (nothing gathered), at the right
-    place: every other block holds large finite garbage, which would show. A compiled step's plan never does."""
+    place: every other block holds large finite garbage, which would show. A compiled step's layout never does."""
     q_len = 1 if decode else 6
     case = make_case([45], [q_len], num_kv_heads=2, group=2, head_dim=32, block_size=8, dtype=torch.float32, seed=10)
     blocks = case["block_tables"][0, :6].long()
@@ -648,9 +648,9 @@ def test_torch_plan_reads_a_run_of_blocks_as_a_view(decode):
     pool_k[7, 5:], pool_v[7, 5:] = 0.0, 0.0  # past the row's 45 tokens: zeros, as hf_paged's own pools hold
     tables = torch.arange(2, 8, dtype=torch.int32, device=DEVICE)[None]
     case = dict(case, key_cache=pool_k, value_cache=pool_v, block_tables=tables)
-    plan = plan_torch_attention(tables, case["seq_lens"], case["query_start_loc"], 8)
-    assert plan.parts[0].run == 2
-    out = on_backend(paged_attention_torch, case, plan=plan)
+    layout = plan_torch_attention(tables, case["seq_lens"], case["query_start_loc"], 8)
+    assert layout.parts[0].run == 2
+    out = on_backend(paged_attention_torch, case, plan=layout)
     assert (out.double() - attention_float64(**case)).abs().max() < 1e-5
     compiled = plan_torch_attention(tables, case["seq_lens"], case["query_start_loc"], 8, always_mask=True)
     assert all(part.run is None for part in compiled.parts)
@@ -658,19 +658,19 @@ def test_torch_plan_reads_a_run_of_blocks_as_a_view(decode):
     assert plan_torch_attention(scrambled, case["seq_lens"], case["query_start_loc"], 8).parts[0].run is None
 
 
-def test_torch_plan_splits_decode_rows_by_context():
+def test_read_layout_splits_decode_rows_by_context():
     """Decode rows of very different contexts (a few blocks and many) are read in separate parts, each only as wide
     as its own rows need; rows of similar context stay together (a split costs a call); the result is the float64
     one either way, the rows' outputs scattered back to their places."""
     seq_lens, block_size = [20, 300, 25, 290, 18, 30], 8
     case = make_case(seq_lens, [1] * 6, num_kv_heads=2, group=2, head_dim=32, block_size=block_size,
                      dtype=torch.float32, seed=14)
-    plan = plan_torch_attention(case["block_tables"], case["seq_lens"], case["query_start_loc"], block_size,
+    layout = plan_torch_attention(case["block_tables"], case["seq_lens"], case["query_start_loc"], block_size,
                                 zero_unowned=True)
-    short, long = plan.parts
+    short, long = layout.parts
     assert short.sizes() == (4, 1) and short.mask.shape[-1] == 32 and long.mask.shape[-1] == 304
-    assert short.q_index.tolist() == [0, 2, 4, 5] and long.q_index.tolist() == [1, 3] and not plan.ordered
-    assert (on_backend(paged_attention_torch, case, plan=plan).double() - attention_float64(**case)).abs().max() < 1e-5
+    assert short.q_index.tolist() == [0, 2, 4, 5] and long.q_index.tolist() == [1, 3] and not layout.ordered
+    assert (on_backend(paged_attention_torch, case, plan=layout).double() - attention_float64(**case)).abs().max() < 1e-5
     similar = plan_torch_attention(case["block_tables"][[0, 2, 4, 5]], case["seq_lens"][[0, 2, 4, 5]],
                                    case["query_start_loc"][:5], block_size)
     assert len(similar.parts) == 1 and similar.ordered  # 18-30 tokens: splitting would save too little

@@ -30,9 +30,9 @@ Optional features, each a constexpr switch so a kernel built without it carries 
   ``FP8_NATIVE`` converts with Triton's ``float8e4nv`` (sm_89+); otherwise by bit manipulation (sm_80, and the
   interpreter's write, whose fp32 -> fp8 rounding does not carry into the exponent in Triton 3.9).
 
-``launch_choices`` is the one place that picks tile sizes, warps and stages; the launch plans and the ahead-of-time
-build check (``hf_paged/tools/kernel_check.py``) both call it. A launcher call looks its ``LaunchPlan`` up by the
-shapes, strides, dtypes, device and options of its arguments (``attention_plan``, ``write_kv_plan``): choices, grids
+``launch_choices`` is the one place that picks tile sizes, warps and stages; the launch specs and the ahead-of-time
+build check (``hf_paged/tools/kernel_check.py``) both call it. A launcher call looks its ``LaunchSpec`` up by the
+shapes, strides, dtypes, device and options of its arguments (``attention_spec``, ``write_kv_spec``): choices, grids
 and scalar arguments are worked out once per key, so an eager call costs little more than Triton's own launch.
 
 Runs on CUDA, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before this module is first
@@ -57,7 +57,7 @@ except ImportError as e:  # hf_paged.ops.triton_available() turns this into Fals
     raise ImportError("hf_paged's Triton kernels need the `triton` package: pip install triton") from e
 
 __all__ = ["paged_attention_triton", "write_kv_triton", "choose_num_kv_splits", "launch_choices", "LaunchChoice",
-           "attention_plan", "write_kv_plan", "LaunchPlan", "Launch", "clear_launch_plans"]
+           "attention_spec", "write_kv_spec", "LaunchSpec", "Launch", "clear_launch_specs"]
 
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30  # "window" wider than any context: the window test is always true
@@ -729,23 +729,23 @@ def launch_choices(
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Host side: launch plans
+# Host side: launch specs
 # --------------------------------------------------------------------------------------------------------------------
 #
 # Everything a call's launches need that depends only on shapes, strides, dtypes, the device and the options (the
-# kernels, grids, constexprs, warps and stages, the split count, the integer and float arguments) is a LaunchPlan,
+# kernels, grids, constexprs, warps and stages, the split count, the integer and float arguments) is a LaunchSpec,
 # built on the first call with a given key and kept. A later call with the same key reads its tensors' shapes and
-# strides, looks the plan up and launches: no tensor value is read on the host (when the maxima are given), nothing is
+# strides, looks the spec up and launches: no tensor value is read on the host (when the maxima are given), nothing is
 # allocated but the output (in the eager model path split-KV partials come from scratch kept per device and stream),
 # and nothing is checked (hf_paged.ops checks the arguments of its public functions once, on the way in).
 
-_MAX_PLANS = 512  # per kind; past it the cache starts over (an engine with ever-new prefill shapes stays bounded)
+_MAX_SPECS = 512  # per kind; past it the cache starts over (an engine with ever-new prefill shapes stays bounded)
 _MAX_SCRATCH = 16
 
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch of a plan: ``kernel[grid](*tensors, *scalars, **options)``.
+    """One kernel launch of a spec: ``kernel[grid](*tensors, *scalars, **options)``.
 
     The tensors (pointers) are the call's own and come first; ``scalars`` are the kernel's other runtime arguments in
     order (scales, window, counts, strides); ``options`` holds every constexpr plus ``num_warps`` and ``num_stages``.
@@ -758,8 +758,8 @@ class Launch:
 
 
 @dataclass(frozen=True)
-class LaunchPlan:
-    """What a call launches, for one key (see :func:`attention_plan` and :func:`write_kv_plan`).
+class LaunchSpec:
+    """What a call launches, for one key (see :func:`attention_spec` and :func:`write_kv_spec`).
 
     ``launches`` is empty when there is nothing to compute (no tokens). ``partial_shape``: the split-KV partial
     outputs ``[num_seqs, num_q_heads, num_splits, head_dim]`` (None without split-KV). ``device_index``: the CUDA
@@ -772,23 +772,23 @@ class LaunchPlan:
     placeholder: torch.Tensor | None = field(default=None, hash=False, compare=False)
 
 
-_ATTENTION_PLANS: dict = {}
-_WRITE_PLANS: dict = {}
+_ATTENTION_SPECS: dict = {}
+_WRITE_SPECS: dict = {}
 _SCRATCH: dict = {}
 _CAPABILITIES: dict = {}
 _NUM_SMS: dict = {}
 
 
-def clear_launch_plans() -> None:
-    """Forget every cached plan and scratch buffer (after changing what ``_capability`` reports, as the build check
+def clear_launch_specs() -> None:
+    """Forget every cached spec and scratch buffer (after changing what ``_capability`` reports, as the build check
     does, or to give the memory back)."""
-    _ATTENTION_PLANS.clear()
-    _WRITE_PLANS.clear()
+    _ATTENTION_SPECS.clear()
+    _WRITE_SPECS.clear()
     _SCRATCH.clear()
 
 
 def _check_runnable(t: torch.Tensor) -> None:
-    if t.device.type not in ("cuda", "meta") and not _INTERPRETED:  # meta: plans only (nothing runs there)
+    if t.device.type not in ("cuda", "meta") and not _INTERPRETED:  # meta: specs only (nothing runs there)
         raise ValueError(
             f"The Triton kernels need CUDA tensors, got tensors on {t.device}. Use backend='torch' on CPU, or set "
             "TRITON_INTERPRET=1 before hf_paged.ops.triton_kernels is first imported to run them in the (slow) "
@@ -883,7 +883,7 @@ def _options(choice: LaunchChoice) -> dict:
     return dict(choice.constexprs, num_warps=choice.num_warps, num_stages=choice.num_stages)
 
 
-def attention_plan(
+def attention_spec(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     block_tables: torch.Tensor,
@@ -897,15 +897,15 @@ def attention_plan(
     sinks: bool = False,
     kv_scales: bool = False,
     chunk: int | None = None,
-) -> LaunchPlan:
-    """The (cached) plan of a :func:`paged_attention_triton` call on tensors shaped like these.
+) -> LaunchSpec:
+    """The (cached) spec of a :func:`paged_attention_triton` call on tensors shaped like these.
 
     The key is everything the launches depend on: the device, the query's and the pool's dtype, shape and strides,
     the block tables' shape and strides, ``scale``, ``sliding_window``, ``softcap``, whether sinks / fp8 scales are
     passed, ``max_query_len`` and (decode) ``max_seq_len`` and ``num_kv_splits``. ``max_seq_len`` may be None only
     when ``num_kv_splits`` is given or ``max_query_len != 1``. The value cache must share the key cache's layout.
 
-    Example (no launch: the plan of a decode step of 32 sequences over 4096 positions)::
+    Example (no launch: the spec of a decode step of 32 sequences over 4096 positions)::
 
         import torch
         from hf_paged.ops import triton_kernels
@@ -913,26 +913,26 @@ def attention_plan(
         query = torch.empty(32, 32, 128, dtype=torch.bfloat16, device="meta")  # [num_tokens, num_q_heads, head_dim]
         key_cache = torch.empty(8192, 16, 8, 128, dtype=torch.bfloat16, device="meta")
         block_tables = torch.empty(32, 256, dtype=torch.int32, device="meta")
-        plan = triton_kernels.attention_plan(query, key_cache, block_tables, 128 ** -0.5, None, 1, 4096)
-        assert plan is triton_kernels.attention_plan(query, key_cache, block_tables, 128 ** -0.5, None, 1, 4096)
-        print([(launch.kernel, launch.grid) for launch in plan.launches])  # decode + merge: splits fill the SMs
+        spec = triton_kernels.attention_spec(query, key_cache, block_tables, 128 ** -0.5, None, 1, 4096)
+        assert spec is triton_kernels.attention_spec(query, key_cache, block_tables, 128 ** -0.5, None, 1, 4096)
+        print([(launch.kernel, launch.grid) for launch in spec.launches])  # decode + merge: splits fill the SMs
     """
     decode = max_query_len == 1
     key = (query.device, query.dtype, query.shape, query.stride(), key_cache.dtype, key_cache.shape,
            key_cache.stride(), block_tables.shape, block_tables.stride(), max_query_len,
            max_seq_len if decode else None, num_kv_splits, sliding_window, scale, softcap, sinks, kv_scales, chunk)
-    plan = _ATTENTION_PLANS.get(key)
-    if plan is None:
-        plan = _build_attention_plan(query, key_cache, block_tables, scale, sliding_window, max_query_len,
+    spec = _ATTENTION_SPECS.get(key)
+    if spec is None:
+        spec = _build_attention_spec(query, key_cache, block_tables, scale, sliding_window, max_query_len,
                                      max_seq_len, num_kv_splits, softcap, sinks, chunk)
-        if len(_ATTENTION_PLANS) >= _MAX_PLANS:
-            _ATTENTION_PLANS.clear()
-        _ATTENTION_PLANS[key] = plan
-    return plan
+        if len(_ATTENTION_SPECS) >= _MAX_SPECS:
+            _ATTENTION_SPECS.clear()
+        _ATTENTION_SPECS[key] = spec
+    return spec
 
 
-def _build_attention_plan(query, key_cache, block_tables, scale, sliding_window, max_query_len, max_seq_len,
-                          num_kv_splits, softcap, sinks, chunk=None) -> LaunchPlan:
+def _build_attention_spec(query, key_cache, block_tables, scale, sliding_window, max_query_len, max_seq_len,
+                          num_kv_splits, softcap, sinks, chunk=None) -> LaunchSpec:
     _check_runnable(query)
     device = query.device
     num_tokens, num_q_heads, head_dim = query.shape
@@ -942,7 +942,7 @@ def _build_attention_plan(query, key_cache, block_tables, scale, sliding_window,
         raise ValueError(f"num_kv_splits must be >= 1 (or None to choose), got {num_kv_splits}.")
     device_index = device.index if device.type == "cuda" else None
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
-        return LaunchPlan((), device_index=device_index)
+        return LaunchSpec((), device_index=device_index)
     qk_scale, softcap_arg = _score_scales(scale, softcap)
     window = _NO_WINDOW if sliding_window is None else int(sliding_window)
     chunk_arg = _NO_WINDOW if chunk is None else int(chunk)
@@ -957,11 +957,11 @@ def _build_attention_plan(query, key_cache, block_tables, scale, sliding_window,
         (prefill,) = launch_choices(kind="prefill", max_query_len=max_query_len, **choose)
         grid = (triton.cdiv(max_query_len, prefill.constexprs["BLOCK_Q"]), num_kv_heads, num_seqs)
         launch = Launch("_prefill_kernel", grid, (qk_scale, softcap_arg, window, chunk_arg, *strides), _options(prefill))
-        return LaunchPlan((launch,), None, device_index, placeholder)
+        return LaunchSpec((launch,), None, device_index, placeholder)
 
     if num_kv_splits is None:
         if max_seq_len is None:
-            raise ValueError("a decode plan needs max_seq_len (the longest context) or num_kv_splits.")
+            raise ValueError("a decode spec needs max_seq_len (the longest context) or num_kv_splits.")
         max_kv_len = min(max_seq_len, sliding_window or max_seq_len, chunk or max_seq_len)
         num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_kv_len, _num_sms(device))
     split_kv = num_kv_splits > 1
@@ -974,7 +974,7 @@ def _build_attention_plan(query, key_cache, block_tables, scale, sliding_window,
         partial_shape = (num_seqs, num_q_heads, num_kv_splits, head_dim)
         launches.append(Launch("_merge_splits_kernel", (num_seqs, num_q_heads),
                                (num_kv_splits, num_q_heads, *out_strides), _options(choices[1])))
-    return LaunchPlan(tuple(launches), partial_shape, device_index, placeholder)
+    return LaunchSpec(tuple(launches), partial_shape, device_index, placeholder)
 
 
 def paged_attention_triton(
@@ -998,7 +998,7 @@ def paged_attention_triton(
     ``choose_num_kv_splits`` asks for it, or ``num_kv_splits`` forces a count); anything else the prefill kernel.
     With ``meta.max_query_len`` and ``meta.max_seq_len`` given nothing here waits for the device (CUDA-graph
     capturable): the grid depends only on tensor shapes and those ints, and the launches come from
-    :func:`attention_plan`'s cache. ``reuse_partials``: take the split-KV partials from scratch kept per device,
+    :func:`attention_spec`'s cache. ``reuse_partials``: take the split-KV partials from scratch kept per device,
     stream and shape instead of allocating them (the eager model path; a compiled graph's call allocates, so its
     memory stays the graph's).
 
@@ -1017,53 +1017,53 @@ def paged_attention_triton(
         max_seq_len = int(seq_lens.max())
     if sinks is not None and sinks.dtype != torch.float32:
         sinks = sinks.float()
-    plan = attention_plan(query, key_cache, block_tables, scale, meta.sliding_window, max_query_len, max_seq_len,
+    spec = attention_spec(query, key_cache, block_tables, scale, meta.sliding_window, max_query_len, max_seq_len,
                           num_kv_splits, softcap=softcap, sinks=sinks is not None, kv_scales=k_scale is not None,
                           chunk=meta.chunk)
-    if not plan.launches:
+    if not spec.launches:
         return out
-    placeholder = plan.placeholder
+    placeholder = spec.placeholder
     pointers = (placeholder if sinks is None else sinks, placeholder if k_scale is None else k_scale,
                 placeholder if v_scale is None else v_scale)
     tensors = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out)
-    if plan.device_index is not None and plan.device_index != torch.cuda.current_device():
-        with torch.cuda.device(plan.device_index):
-            _launch_attention(plan, tensors, pointers, reuse_partials)
+    if spec.device_index is not None and spec.device_index != torch.cuda.current_device():
+        with torch.cuda.device(spec.device_index):
+            _launch_attention(spec, tensors, pointers, reuse_partials)
     else:
-        _launch_attention(plan, tensors, pointers, reuse_partials)
+        _launch_attention(spec, tensors, pointers, reuse_partials)
     return out
 
 
-def _launch_attention(plan, tensors, pointers, reuse_partials: bool):
+def _launch_attention(spec, tensors, pointers, reuse_partials: bool):
     """``tensors``: query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out; ``pointers``: sinks,
     k_scale, v_scale (or the placeholder)."""
-    first = plan.launches[0]
+    first = spec.launches[0]
     out, query_start_loc, device = tensors[6], tensors[5], tensors[0].device
     if first.kernel == "_prefill_kernel":
         _prefill_kernel[first.grid](*tensors, *pointers, *first.scalars, **first.options)
         return
-    if plan.partial_shape is None:
+    if spec.partial_shape is None:
         _decode_kernel[first.grid](*tensors, out, out, *pointers, *first.scalars, **first.options)  # partials unused
         return
     if reuse_partials:
-        partial_out, partial_lse = _partials(device, plan.partial_shape)
+        partial_out, partial_lse = _partials(device, spec.partial_shape)
     else:
-        partial_out = torch.empty(plan.partial_shape, dtype=torch.float32, device=device)  # [S, Hq, splits, D]
-        partial_lse = torch.empty(plan.partial_shape[:3], dtype=torch.float32, device=device)  # [S, Hq, splits]
+        partial_out = torch.empty(spec.partial_shape, dtype=torch.float32, device=device)  # [S, Hq, splits, D]
+        partial_lse = torch.empty(spec.partial_shape[:3], dtype=torch.float32, device=device)  # [S, Hq, splits]
     _decode_kernel[first.grid](*tensors, partial_out, partial_lse, *pointers, *first.scalars, **first.options)
-    merge = plan.launches[1]
+    merge = spec.launches[1]
     _merge_splits_kernel[merge.grid](out, partial_out, partial_lse, pointers[0], query_start_loc, *merge.scalars,
                                      **merge.options)
 
 
-def write_kv_plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                  kv_scales: bool = False) -> LaunchPlan:
-    """The (cached) plan of a :func:`write_kv_triton` call: keyed by the device, the dtypes, shapes and strides of
+def write_kv_spec(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                  kv_scales: bool = False) -> LaunchSpec:
+    """The (cached) spec of a :func:`write_kv_triton` call: keyed by the device, the dtypes, shapes and strides of
     ``key``, ``value`` and the pool (the value cache shares the key cache's layout), and whether scales are passed."""
     cache_key = (key.device, key.dtype, key.shape, key.stride(), value.stride(), key_cache.dtype, key_cache.shape,
                  key_cache.stride(), kv_scales)
-    plan = _WRITE_PLANS.get(cache_key)
-    if plan is None:
+    spec = _WRITE_SPECS.get(cache_key)
+    if spec is None:
         _check_runnable(key)
         device = key.device
         num_tokens, num_kv_heads, head_dim = key.shape
@@ -1074,11 +1074,11 @@ def write_kv_plan(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tenso
                                        num_kv_heads=num_kv_heads, capability=_capability(device))
             scalars = (num_kv_heads, *key.stride(), *value.stride(), *key_cache.stride())
             launches = (Launch("_write_kv_kernel", (num_tokens,), scalars, _options(choice)),)
-        plan = LaunchPlan(launches, None, device_index, _placeholder(device))
-        if len(_WRITE_PLANS) >= _MAX_PLANS:
-            _WRITE_PLANS.clear()
-        _WRITE_PLANS[cache_key] = plan
-    return plan
+        spec = LaunchSpec(launches, None, device_index, _placeholder(device))
+        if len(_WRITE_SPECS) >= _MAX_SPECS:
+            _WRITE_SPECS.clear()
+        _WRITE_SPECS[cache_key] = spec
+    return spec
 
 
 def write_kv_triton(
@@ -1098,15 +1098,15 @@ def write_kv_triton(
     ``k_scale``/``v_scale`` ``[num_blocks, block_size, num_kv_heads]`` bfloat16. ``slot_mapping`` must be contiguous
     (``hf_paged.ops.write_kv`` makes it so); nothing is checked here.
     """
-    plan = write_kv_plan(key, value, key_cache, k_scale is not None)
-    if not plan.launches:
+    spec = write_kv_spec(key, value, key_cache, k_scale is not None)
+    if not spec.launches:
         return
-    (launch,) = plan.launches
-    placeholder = plan.placeholder
+    (launch,) = spec.launches
+    placeholder = spec.placeholder
     args = (key, value, key_cache, value_cache, slot_mapping, placeholder if k_scale is None else k_scale,
             placeholder if v_scale is None else v_scale, *launch.scalars)
-    if plan.device_index is not None and plan.device_index != torch.cuda.current_device():
-        with torch.cuda.device(plan.device_index):
+    if spec.device_index is not None and spec.device_index != torch.cuda.current_device():
+        with torch.cuda.device(spec.device_index):
             _write_kv_kernel[launch.grid](*args, **launch.options)
     else:
         _write_kv_kernel[launch.grid](*args, **launch.options)

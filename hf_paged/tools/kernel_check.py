@@ -423,7 +423,7 @@ def _recording(module, arch: int):
     if hasattr(module, "launch_choices") and "_capability" not in saved:
         raise RuntimeError(f"{module.__name__} has launch_choices but no _capability(device): the check pins the "
                            "target's compute capability through it; update kernel_check._recording to the new name.")
-    clear = getattr(module, "clear_launch_plans", lambda: None)  # cached launches hold the capability made for
+    clear = getattr(module, "clear_launch_specs", lambda: None)  # cached launches hold the capability made for
     try:
         for name, value in stand_ins.items():
             if name in saved:
