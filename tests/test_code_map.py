@@ -81,17 +81,33 @@ def _top_level_nodes(tree: ast.Module):
             yield from inner
 
 
+def imports_of(module: str, source: str):
+    """``(line, target, at_top)`` for every import in ``source`` (``if TYPE_CHECKING:`` blocks left out)."""
+    tree = ast.parse(source)
+    top = {id(n) for n in _top_level_nodes(tree)}
+    typing_only = {id(n) for t in tree.body if isinstance(t, ast.If) and "TYPE_CHECKING" in ast.unparse(t.test)
+                   for n in ast.walk(t)}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in typing_only:
+            for target in _targets(module, node):
+                yield node.lineno, target, id(node) in top
+
+
 def _imports():
     """``(module, line, target, at_top)`` for every import of every module."""
     for module, path in MODULES.items():
-        tree = ast.parse(path.read_text(), str(path))
-        top = {id(n) for n in _top_level_nodes(tree)}
-        typing_only = {id(n) for t in tree.body if isinstance(t, ast.If) and "TYPE_CHECKING" in ast.unparse(t.test)
-                       for n in ast.walk(t)}
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in typing_only:
-                for target in _targets(module, node):
-                    yield module, node.lineno, target, id(node) in top
+        for line, target, at_top in imports_of(module, path.read_text()):
+            yield module, line, target, at_top
+
+
+def test_the_import_checks_see_local_imports_and_circles():
+    """The checks below find what they are meant to find (so their silence means something)."""
+    source = ("import os\nif True:\n    import json\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+              "    import csv\ndef f():\n    import re\n")
+    assert [(line, target, top) for line, target, top in imports_of("hf_paged.x", source)] == \
+        [(1, "os", True), (4, "typing", True), (3, "json", True), (8, "re", False)]
+    assert find_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert find_circles({"a": {"b"}, "b": set()}) == []
 
 
 def test_imports_are_at_module_top():
@@ -103,16 +119,8 @@ def test_imports_are_at_module_top():
     assert not wrong, "\n".join(wrong)
 
 
-def test_no_import_circle():
-    graph = {m: set() for m in MODULES}
-    for module, _, target, at_top in _imports():
-        if at_top and target in MODULES and target != module:
-            graph[module].add(target)
-            # importing a.b.c runs a/__init__ and a/b/__init__ first
-            parent = target.rsplit(".", 1)[0]
-            while parent in MODULES and parent != module and not module.startswith(parent + "."):
-                graph[module].add(parent)
-                parent = parent.rsplit(".", 1)[0]
+def find_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles a depth-first walk of ``graph`` (module -> modules it imports) meets, each closed on its start."""
     circles, state = [], {}
 
     def visit(node, trail):
@@ -127,6 +135,20 @@ def test_no_import_circle():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+    return circles
+
+
+def test_no_import_circle():
+    graph = {m: set() for m in MODULES}
+    for module, _, target, at_top in _imports():
+        if at_top and target in MODULES and target != module:
+            graph[module].add(target)
+            # importing a.b.c runs a/__init__ and a/b/__init__ first
+            parent = target.rsplit(".", 1)[0]
+            while parent in MODULES and parent != module and not module.startswith(parent + "."):
+                graph[module].add(parent)
+                parent = parent.rsplit(".", 1)[0]
+    circles = find_circles(graph)
     assert not circles, "\n".join(" -> ".join(c) for c in circles)
 
 
