@@ -3,7 +3,7 @@
 A small random-weight model of Qwen3.5's shape (three Gated DeltaNet linear-attention layers per full-attention one;
 fp32 recurrent states) serves N requests (random prompt and output lengths, greedy, no EOS), all submitted at once:
 
-* ``engine``: ``hf_paged.init_continuous_batching`` (state slots per request, attention paged, state mixers run per
+* ``engine``: ``hf_paged.init_continuous_batching`` (state cells per request, attention paged, state mixers run per
   group of requests);
 * ``generate() + DynamicCache``: left-padded batches of ``--batch-size`` in arrival order, ``max_new_tokens`` = the
   batch's largest (each request keeps its own).
@@ -11,7 +11,7 @@ fp32 recurrent states) serves N requests (random prompt and output lengths, gree
 Reported: wall time and tokens/s, how many requests' tokens equal the request alone through ``generate()`` with a
 DynamicCache (the engine's oracle; the padded batches are compared too: their padding runs through the linear
 layers, masked), and memory: state bytes per sequence, K/V bytes per token, each contender's peak (the engine's:
-state slots plus blocks in use, every request at once; the padded run's: its largest batch's states plus its K/V),
+state cells plus blocks in use, every request at once; the padded run's: its largest batch's states plus its K/V),
 and how many of these requests fit a given budget at once either way.
 
     python bench/hybrid.py                  # 16 requests: a few minutes on a 2-core VM

@@ -670,7 +670,7 @@ class PagedCache(Cache):
         self.pool.apply_memory_cap_for(self._tensor_shapes(), dtype)
 
     def _tensor_shapes(self) -> list[tuple[int, int, int]]:
-        """``(num_kv_heads, key_dim, value_dim)`` of each K/V tensor slot a block id stands for (the config's)."""
+        """``(num_kv_heads, key_dim, value_dim)`` of each K/V tensor a block id stands for (the config's)."""
         return [shape for _, shape in self.groups.tensor_shapes]
 
     def _invalidate_step(self) -> None:

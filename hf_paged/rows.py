@@ -105,16 +105,16 @@ class Rows:
     def extend(self, count: int) -> None:
         """``count`` new empty rows (on stateful models with consecutive state cells where the store has them)."""
         with self.pool.lock:
-            slots = self._take_state_cells(count) if self.stateful else [None] * count
-        for slot in slots:
-            self.new(state=slot)
+            cells = self._take_state_cells(count) if self.stateful else [None] * count
+        for cell in cells:
+            self.new(state=cell)
 
     def _take_state_cells(self, count: int) -> list[int]:
-        """State slots for ``count`` rows (call under the pool's lock)."""
+        """State cells for ``count`` rows (call under the pool's lock)."""
         return self.pool.take_state_cells(count)
 
     def state_cells(self) -> list[int | None]:
-        """Each row's state slot, in batch order (None: released)."""
+        """Each row's state cell, in batch order (None: released)."""
         return [row.state for row in self.rows]
 
     def match_prefix(self, tokens: list[int], max_tokens: int | None = None) -> list[int]:
@@ -176,8 +176,8 @@ class Rows:
     def _forks(self, indices: list[int]) -> list[Row]:
         """Copies of rows ``indices`` (consecutive state cells where the store has them)."""
         with self.pool.lock:
-            slots = self._take_state_cells(len(indices)) if self.stateful else [None] * len(indices)
-        return [self.fork(self.rows[i], state=slot) for i, slot in zip(indices, slots)]
+            cells = self._take_state_cells(len(indices)) if self.stateful else [None] * len(indices)
+        return [self.fork(self.rows[i], state=cell) for i, cell in zip(indices, cells)]
 
     def select(self, indices: list[int]) -> "Rows":
         """New rows (same pool) that are copies of ``indices`` (rows may repeat), sharing blocks copy-on-write and
@@ -296,9 +296,9 @@ class Rows:
             rows = [Row([a.new_sequence(group=g) for g in range(self.groups.num_groups)],
                         None if t is None else list(t), False) for t in tokens]
             live = [(row, n) for row, n, gone in zip(rows, lengths, released) if not gone]
-            if self.stateful:  # the caller writes their states into these slots
-                for (row, _), slot in zip(live, self._take_state_cells(len(live))):
-                    row.state = slot
+            if self.stateful:  # the caller writes their states into these cells
+                for (row, _), cell in zip(live, self._take_state_cells(len(live))):
+                    row.state = cell
             requests = [(row.seqs[g], n) for row, n in live for g in range(self.groups.num_groups)]
             request_tokens = [row.tokens if keyed[g] else None for row, _ in live for g in range(self.groups.num_groups)]
             try:

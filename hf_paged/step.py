@@ -122,7 +122,7 @@ class Step:
             tail = self._tails[key] = (GroupStep(torch.empty(0, dtype=torch.long, device=device), meta.moved(put)),
                                        token_index)
         view, token_index = tail
-        # the layer's own pool tensors (layers of one group may sit in different slots)
+        # the layer's own pool tensors (layers of one group may sit in different K/V tensors)
         return dataclasses.replace(layer, group=view, token_index=token_index, write_index=None, no_history=False)
 
 
@@ -399,9 +399,9 @@ def _copy_on_write(pool, copies) -> None:
         return
     src = torch.tensor([c[0] for c in copies], dtype=torch.long)
     dst = torch.tensor([c[1] for c in copies], dtype=torch.long)
-    for slot, k in pool.key_caches.items():  # fp8 pools: the blocks' scales with them
-        copy_blocks(k, pool.value_caches[slot], src.to(k.device), dst.to(k.device),
-                    k_scale=pool.k_scale_caches.get(slot), v_scale=pool.v_scale_caches.get(slot))
+    for tensor, k in pool.key_caches.items():  # fp8 pools: the blocks' scales with them
+        copy_blocks(k, pool.value_caches[tensor], src.to(k.device), dst.to(k.device),
+                    k_scale=pool.k_scale_caches.get(tensor), v_scale=pool.v_scale_caches.get(tensor))
 
 
 def build_layer_step(pool, groups, step: Step, buffers: StepBuffers, layer_idx: int, num_layers: int | None,

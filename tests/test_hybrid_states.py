@@ -1,9 +1,9 @@
 """Hybrid models (linear-attention, Mamba / Mamba2 and short-convolution layers beside attention): their per-row
-states live in slots of the pool's state store (hf_paged/states.py) while their attention layers stay paged.
+states live in cells of the pool's state store (hf_paged/states.py) while their attention layers stay paged.
 
 Every test compares generate() with a PagedCache against transformers' DynamicCache on the same model and inputs
 (the same mixer code runs in both; only where the states and K/V are kept differs, so tokens are equal, ties
-included), and checks that no state slot is left held once the cache is reset. Beams, sampling with
+included), and checks that no state cell is left held once the cache is reset. Beams, sampling with
 num_return_sequences and a second turn run on every family: DynamicCache supports them on all eight in this
 transformers (its linear layers lack batch_repeat_interleave / batch_select_indices, which these calls do not use).
 """
@@ -83,8 +83,8 @@ def assert_states_match(cache: PagedCache, reference: DynamicCache) -> None:
                 if expected is None:
                     continue
                 got = cache.pool.states.get(kind, layer_idx, state_idx)
-                for r, slot in rows:
-                    torch.testing.assert_close(got[slot], expected[r], rtol=1e-4, atol=1e-5)
+                for r, cell in rows:
+                    torch.testing.assert_close(got[cell], expected[r], rtol=1e-4, atol=1e-5)
                     compared += 1
     assert compared > 0
 
@@ -107,7 +107,7 @@ def test_geometry_marks_state_layers_and_hybrid_layers():
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_greedy_left_padded_batch_equals_dynamic_cache(model_type):
     """Left-padded rows of different lengths (both caches run the same padded forward through the mixers), the
-    state bytes counted equal to what DynamicCache's linear layers allocate, slots given back on reset."""
+    state bytes counted equal to what DynamicCache's linear layers allocate, cells given back on reset."""
     model = hybrid_model(model_type)
     inputs = left_padded([3, 9, 6], seed=1)
     reference = DynamicCache(config=model.config)
@@ -342,7 +342,7 @@ TIES = TieCount()
 def drive(core, specs, chunks: list) -> dict:
     """Add every request (``(rid, prompt, max_new)``) two steps apart, run to the end; ``chunks`` collects
     ``(rid, start, num_tokens, prompt_len)`` of every chunk run. Checks after every step that each running request
-    holds one state slot and nobody else does but the prefix-caching checkpoints."""
+    holds one state cell and nobody else does but the prefix-caching checkpoints."""
     run = core.runner.run
 
     def recording(batch):
@@ -420,7 +420,7 @@ def test_engine_forks_copy_the_states_of_one_prefill(model_type):
 
 
 def test_engine_under_a_byte_cap_counts_the_states():
-    """A pool capped by bytes: the engine's state slots take their bytes off the block cap (admission then sees fewer
+    """A pool capped by bytes: the engine's state cells take their bytes off the block cap (admission then sees fewer
     blocks), every request finishes with generate()'s tokens, states plus blocks stay within the cap, and a request
     whose slot would not fit is not opened (it waits)."""
     model = hybrid_model("qwen3_5_text", seed=3)

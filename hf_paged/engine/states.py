@@ -120,42 +120,42 @@ class StateCheckpoints:
 
     def __init__(self, pool, max_entries: int):
         self.pool, self.max_entries = pool, max_entries
-        self.slots: OrderedDict[bytes, int] = OrderedDict()
+        self.cells: OrderedDict[bytes, int] = OrderedDict()
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self.slots
+        return key in self.cells
 
     def __len__(self) -> int:
-        return len(self.slots)
+        return len(self.cells)
 
-    def save(self, key: bytes, slot: int) -> None:
-        """Keep a copy of ``slot``'s states as the checkpoint of ``key`` (no-op if kept already or no room)."""
-        if key in self.slots:
-            self.slots.move_to_end(key)
+    def save(self, key: bytes, cell: int) -> None:
+        """Keep a copy of ``cell``'s states as the checkpoint of ``key`` (no-op if kept already or no room)."""
+        if key in self.cells:
+            self.cells.move_to_end(key)
             return
         try:
             (held,) = self.pool.take_state_cells(1)
         except OutOfStateMemoryError:
             return
-        self.pool.states.copy([held], [slot])
-        self.slots[key] = held
-        while len(self.slots) > self.max_entries:
-            _, old = self.slots.popitem(last=False)
+        self.pool.states.copy([held], [cell])
+        self.cells[key] = held
+        while len(self.cells) > self.max_entries:
+            _, old = self.cells.popitem(last=False)
             self.pool.give_back_state_cells([old])
 
-    def restore(self, key: bytes, slot: int) -> None:
-        """``slot`` takes the states of the checkpoint ``key``."""
-        self.slots.move_to_end(key)
-        self.pool.states.copy([slot], [self.slots[key]])
+    def restore(self, key: bytes, cell: int) -> None:
+        """``cell`` takes the states of the checkpoint ``key``."""
+        self.cells.move_to_end(key)
+        self.pool.states.copy([cell], [self.cells[key]])
 
     def evict(self, keep: bytes | None = None) -> None:
         """Give back the least recently used checkpoint (not ``keep``, the one about to be restored)."""
-        for key in self.slots:
+        for key in self.cells:
             if key != keep:
-                self.pool.give_back_state_cells([self.slots.pop(key)])
+                self.pool.give_back_state_cells([self.cells.pop(key)])
                 return
         raise OutOfStateMemoryError("no state checkpoint to give up")
 
     def clear(self) -> None:
-        slots, self.slots = list(self.slots.values()), OrderedDict()
-        self.pool.give_back_state_cells(slots)
+        cells, self.cells = list(self.cells.values()), OrderedDict()
+        self.pool.give_back_state_cells(cells)
