@@ -51,26 +51,26 @@ def main_run(model, job: dict, rank: int) -> dict:
     refused = False
     if rank == 0:
         start = time.monotonic()
-        timers = []
+        cancelled = threading.Event()
+
+        def cancel_once_running(delta) -> None:  # cancelled while it runs (it asks for 40 tokens), on any machine
+            if delta.generated_tokens and not cancelled.is_set():
+                cancelled.set()
+                manager.cancel_request(job["cancel"])
 
         def feed(thread: int) -> None:
             for spec in job["requests"]:
                 if spec["thread"] != thread:
                     continue
                 time.sleep(max(0.0, start + spec["at"] - time.monotonic()))
+                callback = cancel_once_running if spec["id"] == job["cancel"] else None
                 manager.add_request(spec["prompt"], request_id=spec["id"], max_new_tokens=spec["max_new_tokens"],
-                                    **spec["settings"])
-                if spec["id"] == job["cancel"]:  # cancelled while it runs (it asks for 40 tokens)
-                    timer = threading.Timer(0.2, manager.cancel_request, args=(spec["id"],))
-                    timer.start()
-                    timers.append(timer)
+                                    callback=callback, **spec["settings"])
 
         threads = [threading.Thread(target=feed, args=(t,)) for t in range(job["threads"])]
         for t in threads:
             t.start()
         for t in threads:
-            t.join()
-        for t in timers:
             t.join()
         seen = outputs(manager, [spec["id"] for spec in job["requests"]])
         manager.stop()

@@ -54,7 +54,9 @@ def _requests() -> list[dict]:
             settings = dict(do_sample=False, eos_token_id=VOCAB - 1)  # runs its 40 tokens unless cancelled
         if rid == UNSEEDED:
             settings = dict(do_sample=True, temperature=1.0)  # rank 0 seeds it: the ranks must still agree
-        specs.append(dict(id=rid, prompt=prompt, settings=settings, thread=i % 3, at=0.03 * i,
+        # the first nine arrive at once (their blocks cannot all fit: preemption on any machine, however fast),
+        # the rest staggered (events arriving while the engine runs)
+        specs.append(dict(id=rid, prompt=prompt, settings=settings, thread=i % 3, at=0.0 if i < 9 else 0.03 * i,
                           max_new_tokens=40 if rid == CANCEL else 6 + i % 5))
     return specs
 
