@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from helpers import DEVICE, EOS, FAMILIES, VOCAB, tiny_family_model, tiny_model
-from helpers.engine_oracle import TieCount, check_tokens, random_prompts, reference
+from helpers.engine_oracle import TieCount, check_tokens, drive, random_prompts, reference
 from helpers.engine_shadow import one_thread
 from hf_paged import BlockPool, RequestStatus, enable_paged_attention, generate_batch, init_continuous_batching, patches
 from hf_paged.engine.sampling import SamplingParams
@@ -41,36 +41,6 @@ def engine(model, pool, **options):
     """A manager whose core the test steps itself (no thread): arrival order under the test's control."""
     manager = init_continuous_batching(model, pool=pool, **options)
     return manager, manager._core
-
-
-def drive(core, requests, seed: int, steps_between: int = 2, chunks: list | None = None):
-    """Add ``requests`` (``(rid, prompt, max_new)``) in random order, a few steps apart; run to the end.
-    ``chunks`` collects ``(rid, start, num_tokens, prompt_len)`` of every chunk run."""
-    if chunks is not None:
-        run = core.runner.run
-
-        def recording(batch):
-            chunks.extend((c.request.request_id, c.start, c.num_tokens, c.request.num_prompt) for c in batch.chunks)
-            return run(batch)
-
-        core.runner.run = recording
-    rng = random.Random(seed)
-    order = list(requests)
-    rng.shuffle(order)
-    reqs = {}
-    with torch.no_grad():
-        for rid, prompt, new in order:
-            params = new if isinstance(new, SamplingParams) else SamplingParams(max_new_tokens=new,
-                                                                                eos_token_ids=(EOS,))
-            core.check_fits(len(prompt), params.max_new_tokens)
-            reqs[rid] = req = core.new_request(rid, prompt, params)
-            core.add(req)
-            for _ in range(rng.randint(0, steps_between)):
-                core.step()
-        while core.has_work:
-            core.step()
-            core.scheduler.check_invariants()
-    return reqs
 
 
 def assert_like_generate(model, reqs, specs, label):

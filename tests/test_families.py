@@ -13,7 +13,6 @@ closer than 1e-4).
 from __future__ import annotations
 
 import dataclasses
-import random
 import subprocess
 import sys
 
@@ -28,12 +27,11 @@ from helpers import (
     tiny_family_model,
 )
 from helpers.attention import attention_float64, on_backend, scrambled_case
-from helpers.engine_oracle import TieCount, check_tokens, random_prompts, reference
+from helpers.engine_oracle import TieCount, check_tokens, drive, random_prompts, reference
 from helpers.engine_shadow import one_thread
 from hf_paged import BlockPool, PagedCache, RequestStatus, enable_paged_attention, init_continuous_batching, patches
 from hf_paged import ops
 from hf_paged.cache_state import GenerateCall
-from hf_paged.engine.sampling import SamplingParams
 from hf_paged.groups import LayerGroups
 from hf_paged.ops.reference import paged_attention_torch
 
@@ -81,23 +79,6 @@ def _matches_dynamic_cache(model, model_type: str):
         f"{model_type}: second turn differs"
 
 
-def _drive(core, specs, seed: int):
-    rng = random.Random(seed)
-    order = list(specs)
-    rng.shuffle(order)
-    reqs = {}
-    with torch.no_grad():
-        for rid, prompt, new in order:
-            params = SamplingParams(max_new_tokens=new, eos_token_ids=(EOS,))
-            core.check_fits(len(prompt), new)
-            reqs[rid] = req = core.new_request(rid, prompt, params)
-            core.add(req)
-        while core.has_work:
-            core.step()
-            core.scheduler.check_invariants()
-    return reqs
-
-
 @pytest.mark.parametrize("model_type", GENERIC)
 def test_generic_family_engine_equals_generate_alone(model_type):
     """A budget that forces chunked prefill and a pool that forces preemption; each request's tokens equal the
@@ -109,7 +90,7 @@ def test_generic_family_engine_equals_generate_alone(model_type):
     pool = BlockPool(block_size=BLOCK, num_blocks=10 * groups.num_groups)
     manager = init_continuous_batching(model, pool=pool, max_batch_tokens=16)
     core = manager._core
-    reqs = _drive(core, specs, seed=5)
+    reqs = drive(core, specs, seed=5, steps_between=0)
     for rid, prompt, new in specs:
         req = reqs[rid]
         assert req.status == RequestStatus.FINISHED, (rid, req.status, req.error)
@@ -436,7 +417,7 @@ def test_gemma4_kv_sharing_engine_equals_generate_alone():
     groups = LayerGroups.from_geometry(patches.kv_geometry(model.config))
     pool = BlockPool(block_size=BLOCK, num_blocks=10 * groups.num_groups)
     core = init_continuous_batching(model, pool=pool, max_batch_tokens=16)._core
-    reqs = _drive(core, specs, seed=5)
+    reqs = drive(core, specs, seed=5, steps_between=0)
     for rid, prompt, new in specs:
         assert reqs[rid].status == RequestStatus.FINISHED, (rid, reqs[rid].status, reqs[rid].error)
         check_tokens(f"gemma4 shared/{rid}", reqs[rid].generated, reference(model, prompt, new), TIES)
@@ -463,7 +444,7 @@ def test_gemma4_kv_sharing_prefix_caching_hits():
     specs = [(f"prefix{i}", p, 5) for i, p in enumerate(prompts)]
     engine_pool = BlockPool(block_size=BLOCK, num_blocks=40, prefix_caching=True)
     core = init_continuous_batching(model, pool=engine_pool, max_batch_tokens=16)._core
-    reqs = _drive(core, specs, seed=3)
+    reqs = drive(core, specs, seed=3, steps_between=0)
     for rid, p, new in specs:
         assert reqs[rid].status == RequestStatus.FINISHED, (rid, reqs[rid].status, reqs[rid].error)
         check_tokens(f"gemma4 prefix/{rid}", reqs[rid].generated, reference(model, p, new), TIES)

@@ -8,17 +8,14 @@ than 1e-4; after it the continuations are not compared. The test prints how many
 
 from __future__ import annotations
 
-import random
 
 import pytest
-import torch
 
-from helpers import EOS, VOCAB
-from helpers.engine_oracle import TieCount, check_tokens, random_prompts, reference
+from helpers import VOCAB
+from helpers.engine_oracle import TieCount, check_tokens, drive, random_prompts, reference
 from helpers.engine_shadow import one_thread
 from helpers.mla import MLA_TYPES, tiny_mla_model
 from hf_paged import BlockPool, RequestStatus, enable_paged_attention, init_continuous_batching
-from hf_paged.engine.sampling import SamplingParams
 
 BLOCK = 4
 TIES = TieCount()
@@ -27,32 +24,6 @@ TIES = TieCount()
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     yield from one_thread()
-
-
-def _drive(core, specs, seed: int):
-    """Add the requests in a random order, a step or two apart; run to the end; record every chunk run."""
-    chunks = []
-    run = core.runner.run
-
-    def recording(batch):
-        chunks.extend((c.start, c.num_tokens, c.request.num_prompt) for c in batch.chunks)
-        return run(batch)
-
-    core.runner.run = recording
-    rng = random.Random(seed)
-    order = list(specs)
-    rng.shuffle(order)
-    reqs = {}
-    with torch.no_grad():
-        for rid, prompt, new in order:
-            reqs[rid] = req = core.new_request(rid, prompt, SamplingParams(max_new_tokens=new, eos_token_ids=(EOS,)))
-            core.add(req)
-            for _ in range(rng.randint(0, 2)):
-                core.step()
-        while core.has_work:
-            core.step()
-            core.scheduler.check_invariants()
-    return reqs, chunks
 
 
 @pytest.mark.parametrize("model_type", MLA_TYPES)
@@ -65,7 +36,8 @@ def test_engine_equals_generate_alone(model_type):
     pool = BlockPool(block_size=BLOCK, num_blocks=24, prefix_caching=True)
     manager = init_continuous_batching(model, pool=pool, max_batch_tokens=12)
     core = manager._core
-    reqs, chunks = _drive(core, specs, seed=3)
+    chunks = []
+    reqs = drive(core, specs, seed=3, chunks=chunks)
     for rid, prompt, new in specs:
         req = reqs[rid]
         assert req.status == RequestStatus.FINISHED, (rid, req.status, req.error)
@@ -73,7 +45,7 @@ def test_engine_equals_generate_alone(model_type):
     counters = core.scheduler.counters
     assert counters.preemptions > 0
     assert counters.prefix_hit_tokens > 0
-    assert any(start > 0 and start + n <= prompt_len for start, n, prompt_len in chunks)  # a later chunk of a prompt
+    assert any(start > 0 and start + n <= prompt_len for _, start, n, prompt_len in chunks)  # a later chunk of a prompt
     assert pool.allocator.blocks_in_use == 0
     pool.allocator.check_invariants()
     assert pool.key_caches[0].shape[2:] == (1, model.config.kv_lora_rank)
@@ -90,6 +62,6 @@ def test_engine_on_the_triton_backend_equals_torch():
         model = enable_paged_attention(tiny_mla_model("deepseek_v3", seed=7), backend=backend)
         manager = init_continuous_batching(model, pool=BlockPool(block_size=BLOCK, num_blocks=32),
                                            max_batch_tokens=8)
-        reqs, _ = _drive(manager._core, specs, seed=1)
+        reqs = drive(manager._core, specs, seed=1)
         tokens[backend] = {rid: reqs[rid].generated for rid, _, _ in specs}
     assert tokens["triton"] == tokens["torch"]

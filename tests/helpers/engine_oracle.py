@@ -9,6 +9,9 @@ import torch
 from transformers import DynamicCache
 
 from hf_paged import compat
+from hf_paged.engine.sampling import SamplingParams
+
+from .models import EOS
 
 TIE = 1e-4  # a differing greedy token is accepted only where the reference's top-2 logits are closer than this
 
@@ -60,3 +63,35 @@ def random_prompts(n: int, vocab: int, lengths: tuple[int, int], seed: int, shar
         length = rng.randint(*lengths)
         prompts.append(prefix + [rng.randrange(3, vocab) for _ in range(length)])
     return prompts
+
+
+def drive(core, requests, seed: int, steps_between: int = 2, chunks: list | None = None) -> dict:
+    """Add ``requests`` (``(rid, prompt, max_new)``; ``max_new`` may be full ``SamplingParams``) to an engine core
+    the test steps itself, in an order shuffled by ``seed``, 0 to ``steps_between`` steps apart; run to the end,
+    checking the scheduler's invariants after each step. ``chunks`` collects ``(rid, start, num_tokens,
+    prompt_len)`` of every chunk run. Returns the requests by id."""
+    if chunks is not None:
+        run = core.runner.run
+
+        def recording(batch):
+            chunks.extend((c.request.request_id, c.start, c.num_tokens, c.request.num_prompt) for c in batch.chunks)
+            return run(batch)
+
+        core.runner.run = recording
+    rng = random.Random(seed)
+    order = list(requests)
+    rng.shuffle(order)
+    reqs = {}
+    with torch.no_grad():
+        for rid, prompt, new in order:
+            params = new if isinstance(new, SamplingParams) else SamplingParams(max_new_tokens=new,
+                                                                                eos_token_ids=(EOS,))
+            core.check_fits(len(prompt), params.max_new_tokens)
+            reqs[rid] = req = core.new_request(rid, prompt, params)
+            core.add(req)
+            for _ in range(rng.randint(0, steps_between)):
+                core.step()
+        while core.has_work:
+            core.step()
+            core.scheduler.check_invariants()
+    return reqs
