@@ -18,6 +18,10 @@ chained with its parent block's key, so a key names the whole prefix up to the b
 go, a keyed block is not freed but *cached*: reference count zero, still valid, kept in least-recently-used order and
 evicted only when a block is needed and the free list is empty. :meth:`BlockAllocator.match_prefix` finds the cached
 (or live) blocks that start a token sequence, and :meth:`BlockAllocator.new_sequence` can start from them.
+
+A sequence's chain starts from its *root* key (``b""`` by default): what else besides the token ids made its K/V —
+an adapter, a weights version — so that blocks written under one root are never found under another. The tokens a
+caller keys may themselves stand for more than ids (a request's image content, see the engine's inputs).
 """
 
 from __future__ import annotations
@@ -42,6 +46,14 @@ def slot_of(block, position, block_size: int):
     """The pool slot of token ``position`` held in physical block ``block`` (the row's block table at
     ``position // block_size``): ``block * block_size + offset``. Ints or tensors."""
     return block * block_size + position % block_size
+
+
+def root_key(*parts) -> bytes:
+    """A chain's root key from what made its K/V besides the tokens (each part's ``str``); ``b""`` for none."""
+    parts = [str(p) for p in parts if p is not None and p != ""]
+    if not parts:
+        return _ROOT_KEY
+    return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=16).digest()
 
 
 def block_key(parent: bytes, tokens) -> bytes:
@@ -96,6 +108,7 @@ class BlockAllocator:
         self.peak_by_group: dict[int, int] = {}  # group -> the most blocks its sequences held at once
         self._in_use_by_group: dict[int, int] = {}
         self._seq_group: dict[int, int] = {}
+        self._seq_root: dict[int, bytes] = {}  # each sequence's key-chain root
         self._block_group: list[int] = []  # per block, the group of the sequence that took it
         self.lock = threading.RLock()
         self._free: deque[int] = deque()
@@ -182,13 +195,14 @@ class BlockAllocator:
                 raise ValueError(f"cannot cap the pool at {num_blocks} blocks: {self.capacity} already exist.")
             self.max_blocks = num_blocks
 
-    def new_sequence(self, prefix_blocks: list[int] = (), group: int = 0) -> int:
-        """A new sequence of ``group``; ``prefix_blocks`` (from :meth:`match_prefix`) become its first, full, shared
-        blocks."""
+    def new_sequence(self, prefix_blocks: list[int] = (), group: int = 0, root: bytes = _ROOT_KEY) -> int:
+        """A new sequence of ``group``; ``prefix_blocks`` (from :meth:`match_prefix` under the same ``root``) become
+        its first, full, shared blocks; ``root``: its key chain's root (see the module docstring)."""
         with self.lock:
             seq = self._next_seq
             self._next_seq += 1
             self._seq_group[seq] = group
+            self._seq_root[seq] = root
             self._tables[seq] = list(prefix_blocks)
             self._lens[seq] = len(prefix_blocks) * self.block_size
             self._seq_keys[seq] = [self._key_of[b] for b in prefix_blocks]
@@ -197,14 +211,14 @@ class BlockAllocator:
             self._incref(prefix_blocks, group)
             return seq
 
-    def match_prefix(self, tokens: list[int], max_tokens: int | None = None) -> list[int]:
-        """The keyed blocks (live or cached) holding the longest run of whole blocks that starts ``tokens``, at most
-        ``max_tokens`` tokens. Only blocks whose K/V were written by a finished forward are found."""
+    def match_prefix(self, tokens: list[int], max_tokens: int | None = None, root: bytes = _ROOT_KEY) -> list[int]:
+        """The keyed blocks (live or cached) holding the longest run of whole blocks that starts ``tokens`` under
+        ``root``, at most ``max_tokens`` tokens. Only blocks whose K/V were written by a finished forward are found."""
         if not self.prefix_caching:
             return []
         bs = self.block_size
         limit = len(tokens) if max_tokens is None else min(len(tokens), max_tokens)
-        blocks, key = [], _ROOT_KEY
+        blocks, key = [], root
         with self.lock:
             for i in range(limit // bs):
                 key = block_key(key, tokens[i * bs: (i + 1) * bs])
@@ -224,7 +238,7 @@ class BlockAllocator:
         """A new sequence sharing every block of ``seq`` (no copy)."""
         with self.lock:
             table = self._tables[self._check_seq(seq)]
-            child = self.new_sequence(group=self._seq_group[seq])
+            child = self.new_sequence(group=self._seq_group[seq], root=self._seq_root[seq])
             self._tables[child] = list(table)
             self._lens[child] = self._lens[seq]
             self._copy_keys(seq, child)
@@ -239,6 +253,7 @@ class BlockAllocator:
             self._publish(seq)
             self._decref(self._tables.pop(seq)[::-1])
             del self._lens[seq], self._seq_keys[seq], self._seq_tail[seq], self._published[seq], self._seq_group[seq]
+            del self._seq_root[seq]
 
     def publish(self, seq: int) -> None:
         """The forward that wrote ``seq``'s keyed blocks has run: make them findable now (otherwise they become
@@ -320,11 +335,13 @@ class BlockAllocator:
             new_keys = [self._seq_keys[seqs[i]] for i in order]
             new_tails = [self._seq_tail[seqs[i]] for i in order]
             new_published = [self._published[seqs[i]] for i in order]
+            new_roots = [self._seq_root[seqs[i]] for i in order]
             for table in new_tables:
                 self._incref(table)
-            for seq, table, length, keys, tail, pub in zip(seqs, new_tables, new_lens, new_keys, new_tails,
-                                                           new_published):
+            for seq, table, length, keys, tail, pub, root in zip(seqs, new_tables, new_lens, new_keys, new_tails,
+                                                                 new_published, new_roots):
                 self._published[seq] = pub
+                self._seq_root[seq] = root
                 self._decref(self._tables[seq])
                 self._tables[seq] = table
                 self._lens[seq] = length
@@ -401,7 +418,7 @@ class BlockAllocator:
         bs, tail = self.block_size, self._seq_tail[seq]
         tail.extend(int(t) for t in tokens)
         while len(tail) >= bs:
-            keys.append(block_key(keys[-1] if keys else _ROOT_KEY, tail[:bs]))
+            keys.append(block_key(keys[-1] if keys else self._seq_root[seq], tail[:bs]))
             del tail[:bs]
 
     def _publish(self, seq: int) -> None:

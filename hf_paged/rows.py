@@ -27,6 +27,7 @@ class Row:
     released: bool = False  # its blocks went back to the pool: it holds no KV and cannot be continued
     state: int | None = None  # its state cell in the pool's state store (models with state layers; None once
     # released)
+    root: bytes = b""  # its blocks' key-chain root (allocator.root_key): forks keep it
 
 
 @dataclass
@@ -85,20 +86,22 @@ class Rows:
         return all(row.tokens is not None for row in self.live)
 
     # -------------------------------------------------------------- creation
-    def new(self, prefix_blocks: list[int] = (), prefix_tokens: list[int] = (), state: int | None = None) -> Row:
+    def new(self, prefix_blocks: list[int] = (), prefix_tokens: list[int] = (), state: int | None = None,
+            root: bytes = b"") -> Row:
         """A new row (appended to ``rows``), starting from ``prefix_blocks`` — full cached blocks holding
         ``prefix_tokens`` (from :meth:`match_prefix`; single-group models only; on stateful models the caller restores
         the states at the prefix's end). ``state``: a state cell taken for it by the caller (:meth:`extend` takes a
-        batch's cells at once), else one is taken here on stateful models."""
+        batch's cells at once), else one is taken here on stateful models. ``root``: its blocks' key-chain root (what
+        made its K/V besides the tokens: an adapter, a weights version; see ``allocator.root_key``)."""
         if prefix_blocks and self.groups.num_groups != 1:
             raise ValueError("a row can start from cached prefix blocks only on models with one layer group.")
         a = self.pool.allocator
         with self.pool.lock:
             if state is None and self.stateful:
                 state = self._take_state_cells(1)[0]
-            seqs = [a.new_sequence(list(prefix_blocks) if g == 0 else (), group=g)
+            seqs = [a.new_sequence(list(prefix_blocks) if g == 0 else (), group=g, root=root)
                     for g in range(self.groups.num_groups)]
-        row = Row(seqs, list(prefix_tokens), state=state)
+        row = Row(seqs, list(prefix_tokens), state=state, root=root)
         self.rows.append(row)
         return row
 
@@ -117,12 +120,13 @@ class Rows:
         """Each row's state cell, in batch order (None: released)."""
         return [row.state for row in self.rows]
 
-    def match_prefix(self, tokens: list[int], max_tokens: int | None = None) -> list[int]:
-        """The cached (or live) full blocks that start ``tokens`` (prefix-caching pools with one layer group)."""
+    def match_prefix(self, tokens: list[int], max_tokens: int | None = None, root: bytes = b"") -> list[int]:
+        """The cached (or live) full blocks that start ``tokens`` under ``root`` (prefix-caching pools with one layer
+        group)."""
         if not self.prefix_caching:
             return []
         with self.pool.lock:
-            return self.pool.allocator.match_prefix(tokens, max_tokens)
+            return self.pool.allocator.match_prefix(tokens, max_tokens, root)
 
     @property
     def prefix_caching(self) -> bool:
@@ -147,7 +151,7 @@ class Rows:
                 seqs = [a.fork(s) for s in row.seqs]
             if state is not None:
                 self.pool.states.copy([state], [row.state])
-            child = Row(seqs, None if row.tokens is None else list(row.tokens), state=state)
+            child = Row(seqs, None if row.tokens is None else list(row.tokens), state=state, root=row.root)
         if join:
             self.rows.append(child)
         return child
@@ -160,6 +164,7 @@ class Rows:
                 a.free(seq)
                 row.seqs[g] = a.fork(source.seqs[g])
         row.tokens = None if source.tokens is None else list(source.tokens)
+        row.root = source.root
         if row.state is not None and source.state is not None:
             self.pool.states.copy([row.state], [source.state])
 

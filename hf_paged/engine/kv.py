@@ -88,21 +88,21 @@ class RequestKV:
         return lo
 
     # ----------------------------------------------------------------- prefix
-    def prefix_keys(self, tokens: list[int], num_blocks: int) -> list[bytes]:
-        """Keys of the first ``num_blocks`` full blocks of ``tokens`` (as the allocator keys them)."""
-        bs, keys, key = self.block_size, [], _ROOT_KEY
+    def prefix_keys(self, tokens: list[int], num_blocks: int, root: bytes = _ROOT_KEY) -> list[bytes]:
+        """Keys of the first ``num_blocks`` full blocks of ``tokens`` under ``root`` (as the allocator keys them)."""
+        bs, keys, key = self.block_size, [], root
         for i in range(num_blocks):
             key = block_key(key, tokens[i * bs: (i + 1) * bs])
             keys.append(key)
         return keys
 
-    def match(self, tokens: list[int], max_tokens: int) -> list[int]:
-        """Cached blocks (written by a finished forward) that start ``tokens``, at most ``max_tokens`` tokens; on
-        hybrid models only as many as end where a state checkpoint was kept."""
-        blocks = self.rows.match_prefix(tokens, max_tokens)
+    def match(self, tokens: list[int], max_tokens: int, root: bytes = _ROOT_KEY) -> list[int]:
+        """Cached blocks (written by a finished forward) that start ``tokens`` under ``root``, at most ``max_tokens``
+        tokens; on hybrid models only as many as end where a state checkpoint was kept."""
+        blocks = self.rows.match_prefix(tokens, max_tokens, root)
         if self.checkpoints is None or not blocks:
             return blocks
-        keys = self.prefix_keys(tokens, len(blocks))
+        keys = self.prefix_keys(tokens, len(blocks), root)
         usable = next((i for i in range(len(blocks), 0, -1) if keys[i - 1] in self.checkpoints), 0)
         self._matched = {id(tokens): len(blocks)}  # the latest lookup only: open() follows it
         return blocks[:usable]
@@ -113,24 +113,25 @@ class RequestKV:
             self.allocator.note_prefix_lookup(query_tokens, hit_tokens)
 
     # ------------------------------------------------------------------- rows
-    def open(self, prefix_blocks: list[int] = (), tokens: list[int] = ()) -> Row | None:
-        """A new row starting from ``prefix_blocks`` (from :meth:`match`), which hold the first tokens of ``tokens``;
-        None when a capped pool has no room for its state cell (hybrid models)."""
+    def open(self, prefix_blocks: list[int] = (), tokens: list[int] = (), root: bytes = _ROOT_KEY) -> Row | None:
+        """A new row starting from ``prefix_blocks`` (from :meth:`match` under ``root``), which hold the first tokens
+        of ``tokens``; None when a capped pool has no room for its state cell (hybrid models)."""
         while True:
             try:
-                row = self.rows.new(list(prefix_blocks), list(tokens[: len(prefix_blocks) * self.block_size]))
+                row = self.rows.new(list(prefix_blocks), list(tokens[: len(prefix_blocks) * self.block_size]),
+                                    root=root)
                 break
             except OutOfStateMemoryError:
                 if not self.checkpoints:  # a request's state cell before a checkpoint's
                     return None
                 try:
-                    self.checkpoints.evict(keep=self.prefix_keys(tokens, len(prefix_blocks))[-1] if prefix_blocks
+                    self.checkpoints.evict(keep=self.prefix_keys(tokens, len(prefix_blocks), root)[-1] if prefix_blocks
                                            else None)
                 except OutOfStateMemoryError:
                     return None
         matched = self._matched.pop(id(tokens), 0)
         if self.checkpoints is not None and prefix_blocks:
-            self.checkpoints.restore(self.prefix_keys(tokens, len(prefix_blocks))[-1], row.state)
+            self.checkpoints.restore(self.prefix_keys(tokens, len(prefix_blocks), root)[-1], row.state)
         if self.checkpoints is not None and matched > len(prefix_blocks):
             # K/V cached further than any checkpoint: stop the prefill there once, so the next request with this
             # prefix finds its states
@@ -174,7 +175,8 @@ class RequestKV:
                 length = self.length(row)
                 if row.state is not None and row.tokens is not None and length and length % self.block_size == 0 \
                         and len(row.tokens) >= length:
-                    self.checkpoints.save(self.prefix_keys(row.tokens, length // self.block_size)[-1], row.state)
+                    self.checkpoints.save(self.prefix_keys(row.tokens, length // self.block_size, row.root)[-1],
+                                          row.state)
 
     def length(self, row: Row) -> int:
         with self.pool.lock:

@@ -32,6 +32,9 @@ class Request:
     preemptions: int = 0
     lost_tokens: int = 0  # tokens computed before the last preemption (recomputed unless the prefix cache has them)
     prefix_keys: list[bytes] | None = None  # keys of the prompt's full blocks (prefix caching)
+    # What made this request's K/V besides its token ids, folded into its blocks' keys (see ``allocator.root_key``):
+    # the root of its key chain (an adapter, a weights version) ...
+    cache_root: bytes = b""
     pending_keys: int = 0  # of those, how many this request is computing (others wait for them), from pending_from
     pending_from: int = 0
     cancel_requested: bool = False
@@ -60,6 +63,12 @@ class Request:
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.num_prompt:]
+
+    @property
+    def key_tokens(self) -> list[int]:
+        """The ids its blocks are keyed by (prefix caching): its tokens, where an input other than ids stands at a
+        position (an image's content) a stand-in derived from that content."""
+        return self.tokens
 
     @property
     def remaining(self) -> int:

@@ -174,11 +174,11 @@ class Scheduler:
                 break
             self.waiting.popleft()
             limit = req.cache_limit  # the last known token always runs: its logits give the next token
-            prefix = self.kv.match(req.tokens, limit)
+            prefix = self.kv.match(req.key_tokens, limit, req.cache_root)
             if self._waits_for_prefix(req, len(prefix), limit):
                 held.append(req)
                 continue
-            row = self.kv.open(prefix, req.tokens)
+            row = self.kv.open(prefix, req.key_tokens, req.cache_root)
             if row is None:  # no room for its state cell (hybrid models under a byte cap)
                 self.waiting.appendleft(req)
                 break
@@ -213,7 +213,7 @@ class Scheduler:
 
     def _keys(self, req: Request, num_blocks: int) -> list[bytes]:
         if req.prefix_keys is None or len(req.prefix_keys) < num_blocks:
-            req.prefix_keys = self.kv.prefix_keys(req.tokens, len(req.tokens) // self.kv.block_size)
+            req.prefix_keys = self.kv.prefix_keys(req.key_tokens, len(req.tokens) // self.kv.block_size, req.cache_root)
         return req.prefix_keys
 
     def _start(self, req: Request, row, cached: int) -> None:
