@@ -22,8 +22,9 @@ class GenerationOutput:
 
     The fields of transformers' per-request output (``request_id``, ``prompt_ids``, ``generated_tokens``,
     ``logprobs``, ``error``, ``status``, ``created_time``, ``timestamps``, ``lifespan``), plus ``finish_reason``,
-    ``top_logprobs``, ``prompt_logprobs``, ``prompt_ranks``, ``prompt_top_logprobs``, ``first_token_time`` and
-    ``end_time``. Times are ``time.perf_counter()`` values.
+    ``top_logprobs``, ``prompt_logprobs``, ``prompt_ranks``, ``prompt_top_logprobs``, ``first_token_time``,
+    ``end_time`` and ``cached_tokens`` (prompt tokens its first admission found in the prefix cache: the prefix hit
+    a server reports as ``usage.prompt_tokens_details.cached_tokens``). Times are ``time.perf_counter()`` values.
 
     A streamed delta carries only the tokens (and their logprobs and timestamps) generated since the previous
     delta; the last delta of a request has its final status. Prompt logprobs come whole, in the first delta.
@@ -52,6 +53,7 @@ class GenerationOutput:
     first_token_time: float | None = None
     end_time: float | None = None
     timestamps: list[float] = field(default_factory=list)  # when each token of generated_tokens was generated
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission (0 before it)
 
     def is_finished(self) -> bool:
         """Whether the status is final (finished, failed or cancelled); a method, as on transformers' output."""

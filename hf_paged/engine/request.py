@@ -31,6 +31,7 @@ class Request:
     ever_admitted: bool = False
     preemptions: int = 0
     lost_tokens: int = 0  # tokens computed before the last preemption (recomputed unless the prefix cache has them)
+    cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache (set by the scheduler)
     prefix_keys: list[bytes] | None = None  # keys of the prompt's full blocks (prefix caching)
     # What made this request's K/V besides its token ids, folded into its blocks' keys (see ``allocator.root_key``):
     # the root of its key chain (an adapter, a weights version) ...
@@ -140,4 +141,5 @@ class Request:
             first_token_time=self.first_token_time,
             end_time=self.end_time,
             timestamps=self.timestamps[start:],
+            cached_tokens=self.cached_tokens,
         )

@@ -321,7 +321,7 @@ async def _collect(gen: Generation, shape: Shape, request: Request, record, n: i
         choices.append({"index": c.index, "text": text, "finish_reason": reason,
                         "logprobs": (logprobs[c.index] or []) if want else None, "offset": len(prefix),
                         "echo_logprobs": echo_lp, "prompt_logprobs": vllm_lp, "tool_calls": calls})
-    return JSONResponse(shape.full(choices, gen.prompt_tokens, gen.completion_tokens))
+    return JSONResponse(shape.full(choices, gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
 
 
 def _stream(gen: Generation, shape: Shape, record, n: int, echoes, params: SamplingParams,
@@ -337,7 +337,7 @@ def _stream(gen: Generation, shape: Shape, record, n: int, echoes, params: Sampl
         tools = {c.index: parser() for c in gen.choices} if parser is not None else {}
 
         def now():
-            return usage(gen.prompt_tokens, gen.completion_tokens) if continuous_usage else None
+            return usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens) if continuous_usage else None
 
         try:
             for c in gen.choices:
@@ -381,7 +381,7 @@ def _stream(gen: Generation, shape: Shape, record, n: int, echoes, params: Sampl
                 if reason is not None:
                     yield shape.chunk(piece.index, None if shape.kind == "chat" else "", reason, usage_now=now())
             if shape.include_usage:
-                yield shape.usage_chunk(gen.prompt_tokens, gen.completion_tokens)
+                yield shape.usage_chunk(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
             yield DONE
         except BaseException:
             record.outcome = "disconnected"

@@ -59,6 +59,7 @@ class Piece:
     finish_reason: str | None = None  # set on a choice's last piece: "stop" / "length"
     error: str | None = None  # set when the engine failed the request
     prompt_logprobs: list[PromptLogprob] | None = None  # on the choice's first piece, when asked
+    cached_tokens: int = 0  # the engine request's prompt tokens found in the prefix cache
 
 
 @dataclass
@@ -91,12 +92,22 @@ class Generation:
     completion_tokens: int = 0
     first_token_time: float | None = None
     pending: int = 0  # choices not finished yet (event-loop side)
+    n: int = 1  # choices per prompt
+    cached: dict[int, int] = field(default_factory=dict)  # choice index -> its prompt tokens found in the cache
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens found in the prefix cache, over the prompts (each prompt's first choice: the others of the
+        same prompt reuse what it computed), as ``usage.prompt_tokens_details.cached_tokens`` reports them."""
+        return sum(v for index, v in self.cached.items() if index % self.n == 0)
 
     async def pieces(self):
         """Pieces in arrival order until every choice has finished (its ``finish_reason`` or ``error`` piece)."""
         while self.pending:
             piece = await self.queue.get()
             self.completion_tokens += piece.num_tokens
+            if piece.cached_tokens:
+                self.cached[piece.index] = piece.cached_tokens
             if piece.finish_reason is not None or piece.error is not None:
                 self.pending -= 1
             yield piece
@@ -215,6 +226,7 @@ class AsyncEngine:
         one (queue full, too large, stopped), those already submitted are cancelled and an :class:`APIError` raised."""
         gen = Generation(asyncio.get_running_loop(), self, start_time or time.perf_counter())
         gen.prompt_tokens = sum(len(p) for p in prompts)
+        gen.n = n
         serial = next(self._serial)
         try:
             for p, ids in enumerate(prompts):
@@ -322,6 +334,12 @@ class AsyncEngine:
             pass
 
     def _piece(self, choice: _Choice, output, now: float) -> Piece | None:
+        piece = self._make_piece(choice, output, now)
+        if piece is not None:
+            piece.cached_tokens = getattr(output, "cached_tokens", 0)
+        return piece
+
+    def _make_piece(self, choice: _Choice, output, now: float) -> Piece | None:
         prompt = None
         if choice.want_prompt_logprobs and output.prompt_logprobs is not None:
             prompt = self._prompt_logprobs(output)
