@@ -21,6 +21,7 @@ OPTIONAL = {"triton", "matplotlib", "fastapi", "uvicorn", "starlette", "xgrammar
 # (module, imported module): package modules imported inside a function, and why.
 LOCAL_IMPORTS = {
     ("hf_paged.__main__", "hf_paged.serve.cli"): "the server needs the 'serve' extra; the CLI prints how to get it",
+    ("hf_paged.serve.cli", "hf_paged.serve.replicas"): "--replicas needs the 'replicas' extra (ray[serve])",
     ("hf_paged.ops", "hf_paged.ops.triton_kernels"): "imports triton (the 'triton' extra) when the Triton backend runs",
     ("hf_paged.ops.mla", "hf_paged.ops.triton_mla"): "imports triton (the 'triton' extra) when the Triton backend runs",
 }

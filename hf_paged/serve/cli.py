@@ -63,6 +63,7 @@ def parser() -> argparse.ArgumentParser:
                         "auto ... (rank 0 serves HTTP, the other ranks follow its steps)")
     p.add_argument("--tp-timeout", type=float, default=60.0,
                    help="seconds a rank waits for the others before stopping with an error (a lost rank)")
+    _replica_arguments(p)
     return p
 
 
@@ -107,6 +108,10 @@ def main(argv=None) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logging.getLogger("hf_paged.serve").warning("binding to %s without --api-key: anyone who can reach this "
                                                     "port can use the model", args.host)
+    if args.replicas:  # Ray Serve: the 'replicas' extra, imported when asked for
+        from .replicas import serve_replicas
+
+        return serve_replicas(args, build)
     if args.tp_plan:
         return serve_distributed(args, build)
     app, what = build(args)
@@ -115,3 +120,24 @@ def main(argv=None) -> int:
                             timeout_graceful_shutdown=args.drain_timeout)
     uvicorn.Server(config).run()
     return 0
+
+
+def _replica_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``--replicas`` (``hf_paged/serve/replicas.py``: replicas on Ray Serve)."""
+    g = p.add_argument_group("replicas on Ray Serve (the 'replicas' extra; docs/guide/deployment.md)")
+    g.add_argument("--replicas", type=int, default=None,
+                   help="serve N replicas (each its own model and engine) behind one endpoint, on Ray Serve")
+    g.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (auto, or the head's address); default: start a local one")
+    g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica (default 1)")
+    g.add_argument("--replica-gpus", type=float, default=None,
+                   help="GPUs per replica (default: 1 where the cluster has GPUs, else 0)")
+    g.add_argument("--ingress-cpus", type=float, default=0.1, help="CPUs Ray reserves for the HTTP ingress")
+    g.add_argument("--max-replicas", type=int, default=None,
+                   help="autoscale between --min-replicas (default --replicas) and this many replicas")
+    g.add_argument("--min-replicas", type=int, default=None, help="autoscaling's lower bound (0: scale to zero)")
+    g.add_argument("--target-ongoing", type=float, default=32.0,
+                   help="autoscaling's target of requests in flight per replica")
+    g.add_argument("--routing", default="prefix", choices=["prefix", "pow2"],
+                   help="prefix: requests sharing a prompt prefix go to the replica holding it (load wins when it "
+                        "is busy); pow2: Ray's default (power of two choices)")
