@@ -10,9 +10,15 @@ saved to a directory, behind one endpoint.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
+import time
+from types import SimpleNamespace
 
-from test_serve import BLOCK, MODEL, Server, tiny_lm, tiny_tokenizer
+import pytest
+
+from test_serve import BLOCK, KEY, MODEL, ROOT, Server, httpx, openai, tiny_lm, tiny_tokenizer
 
 
 def _prefix_hits(server) -> int:
@@ -54,3 +60,190 @@ def test_cached_tokens_report_each_requests_prefix_hit():
         assert cached == (first.usage.prompt_tokens - 1) // BLOCK * BLOCK > 0
     finally:
         server.close()
+
+
+# -- two replicas on a local Ray instance (slow: Ray and three replica processes start) --------------------------------
+APP = "hf_paged"
+UP_S = 240  # Ray, its controller and proxy, two engine replicas and the ingress, on a shared 2-core VM
+SYSTEMS = ["You are a terse assistant who answers questions about the weather in one line. " * 3,
+           "You are a patient tutor who explains Python code step by step to beginners. " * 3]
+QUESTIONS = ["Why is the sky blue?", "What is the capital of France?", "Write a haiku about", "Three tips for"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    """Two engine replicas of a tiny Llama on Ray (half a CPU each), and the same model in a single-process server
+    (the reference). Ray is shut down at the end, whatever happened."""
+    ray = pytest.importorskip("ray")
+    serve = pytest.importorskip("ray.serve")
+    from hf_paged.serve.cli import build, parser
+    from hf_paged.serve.replicas import application
+
+    tokenizer = tiny_tokenizer()
+    lm = tiny_lm(tokenizer, seed=4)
+    lm.generation_config.eos_token_id = None  # every completion runs to max_tokens
+    model_dir = tmp_path_factory.mktemp("replicas") / "tiny"
+    lm.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    reference = Server(lm, tokenizer, num_blocks=128)
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        args = parser().parse_args(["--model", str(model_dir), "--replicas", "2", "--replica-cpus", "0.5",
+                                    "--ingress-cpus", "0.1", "--threads", "1", "--max-memory", "8MiB",
+                                    "--api-key", KEY, "--drain-timeout", "10", "--log-level", "warning"])
+        started = time.monotonic()
+        serve.run(application(args, build), name=APP, route_prefix="/", blocking=False)
+        url = f"http://127.0.0.1:{port}"
+        while len(_health(url).get("replicas", {})) < 2:
+            assert time.monotonic() - started < UP_S, "the replicas did not come up"
+            time.sleep(1)
+        yield SimpleNamespace(url=url, reference=reference, tokenizer=tokenizer, ray=ray,
+                              client=openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120))
+    finally:
+        reference.close()
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _health(url: str) -> dict:
+    try:
+        return httpx.get(url + "/health", timeout=10).json()
+    except (httpx.TransportError, ValueError):
+        return {}
+
+
+def _replica_of(response) -> str:
+    return response.headers["x-hf-paged-replica"]
+
+
+def _stream_text(client, messages, max_tokens: int) -> tuple[str, str]:
+    """(text, replica) of a streamed chat completion."""
+    with client.chat.completions.with_streaming_response.create(model=MODEL, messages=messages, max_tokens=max_tokens,
+                                                                temperature=0, stream=True) as raw:
+        replica = _replica_of(raw)
+        text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+    return text, replica
+
+
+@pytest.mark.slow
+def test_replicas_answer_the_openai_client_as_one_server_does(replicas):
+    """Chat, completions and a streamed chat through the Ray endpoint give the single-process server's greedy text;
+    every response names the replica that served it."""
+    ref = replicas.reference.client()
+    seen = set()
+    for q in QUESTIONS[:2]:
+        raw = replicas.client.completions.with_raw_response.create(model=MODEL, prompt=q, max_tokens=12, temperature=0)
+        got = raw.parse()
+        assert got.choices[0].text == ref.completions.create(model=MODEL, prompt=q, max_tokens=12,
+                                                              temperature=0).choices[0].text
+        assert got.usage.completion_tokens == 12
+        seen.add(_replica_of(raw))
+        messages = [{"role": "user", "content": q}]
+        raw = replicas.client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=10,
+                                                                        temperature=0)
+        want = ref.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+                                           temperature=0).choices[0].message.content
+        assert raw.parse().choices[0].message.content == want
+        text, replica = _stream_text(replicas.client, messages, 10)
+        assert text == want
+        seen |= {_replica_of(raw), replica}
+    assert seen <= set(_health(replicas.url)["replicas"])
+
+
+@pytest.mark.slow
+def test_same_prefix_requests_go_to_the_replica_holding_it(replicas):
+    """Requests sharing a system prompt go to one replica, where all but the first find the prefix cached
+    (``usage.prompt_tokens_details.cached_tokens``); the aggregated /metrics labels each replica's figures."""
+    placed = {}
+    for s, system in enumerate(SYSTEMS):
+        hits = []
+        for q in QUESTIONS:
+            raw = replicas.client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "system", "content": system}, {"role": "user", "content": q}],
+                max_tokens=4, temperature=0)
+            placed.setdefault(s, set()).add(_replica_of(raw))
+            hits.append(raw.parse().usage.prompt_tokens_details.cached_tokens)
+        assert len(placed[s]) == 1, f"system prompt {s} was served by {placed[s]}"
+        system_tokens = len(replicas.tokenizer(system)["input_ids"])
+        assert all(h >= system_tokens - BLOCK for h in hits[1:]), hits
+    metrics = httpx.get(replicas.url + "/metrics", timeout=30).text
+    labelled = {line.split('replica="')[1].split('"')[0] for line in metrics.splitlines()
+                if line.startswith("hf_paged_prefix_cache_hit_tokens_total{")}
+    assert set().union(*placed.values()) <= labelled
+
+
+@pytest.mark.slow
+def test_a_killed_replica_loses_no_request_that_had_not_started_streaming(replicas):
+    """Under load on one replica (a shared prefix sends everything there), the replica is killed: every
+    non-streamed request still completes with the right text (retried on the other replica), a stream cut
+    mid-way ends with an error event, new requests are answered meanwhile, and Ray brings a second replica back."""
+    ray = replicas.ray
+    system = "You are a careful assistant who checks every answer twice before replying. " * 3
+    prompts = [system + q for q in QUESTIONS] * 2
+    ref = replicas.reference.client()
+    want = {p: ref.completions.create(model=MODEL, prompt=p, max_tokens=120, temperature=0).choices[0].text
+            for p in set(prompts)}
+    before = set(_health(replicas.url)["replicas"])
+
+    async def load():
+        client = openai.AsyncOpenAI(base_url=replicas.url + "/v1", api_key=KEY, max_retries=0, timeout=180)
+        first_token = asyncio.Event()
+        victim = {}
+
+        async def streamed():
+            out = {"text": "", "error": None}
+            async with client.completions.with_streaming_response.create(
+                    model=MODEL, prompt=prompts[0], max_tokens=120, temperature=0, stream=True) as raw:
+                victim.setdefault("id", _replica_of(raw))
+                async for line in raw.iter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[len("data: "):])
+                        if "error" in chunk:
+                            out["error"] = chunk["error"]["message"]
+                        else:
+                            out["text"] += chunk["choices"][0]["text"]
+                            first_token.set()
+            return out
+
+        async def whole(prompt):
+            r = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=120, temperature=0)
+            return prompt, r.choices[0].text
+
+        stream = asyncio.ensure_future(streamed())
+        await asyncio.wait_for(first_token.wait(), 60)
+        others = [asyncio.ensure_future(whole(p)) for p in prompts]
+        await asyncio.sleep(0.2)
+        actor = ray.get_actor(f"SERVE_REPLICA::{APP}#EngineReplica#{victim['id']}", namespace="serve")
+        ray.kill(actor)
+        fresh = await whole(QUESTIONS[0])  # answered while the killed replica is gone
+        return victim["id"], await stream, await asyncio.gather(*others), fresh
+
+    victim, streamed, done, fresh = asyncio.run(asyncio.wait_for(load(), 240))
+    for prompt, text in done:
+        assert text == want[prompt]
+    metrics = httpx.get(replicas.url + "/metrics", timeout=30).text
+    retried = next(float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith("hf_paged_replica_retries_total "))
+    assert retried >= 1  # the requests in flight on the killed replica were sent again
+    assert fresh[1] == ref.completions.create(model=MODEL, prompt=QUESTIONS[0], max_tokens=120,
+                                              temperature=0).choices[0].text
+    if streamed["error"] is not None:
+        assert "died" in streamed["error"] and want[prompts[0]].startswith(streamed["text"])
+    else:
+        assert streamed["text"] == want[prompts[0]]
+    deadline = time.monotonic() + UP_S
+    while True:
+        now = set(_health(replicas.url).get("replicas", {}))
+        if len(now) == 2 and victim not in now:
+            break
+        assert time.monotonic() < deadline, f"Ray did not replace replica {victim}: {now} (before: {before})"
+        time.sleep(1)
