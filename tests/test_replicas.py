@@ -247,3 +247,48 @@ def test_a_killed_replica_loses_no_request_that_had_not_started_streaming(replic
             break
         assert time.monotonic() < deadline, f"Ray did not replace replica {victim}: {now} (before: {before})"
         time.sleep(1)
+
+
+# -- the pieces of the replica layer, without Ray running ---------------------------------------------------------------
+def test_prefix_table_matches_whole_leading_chunks_and_forgets_a_replica():
+    """A replica holds a request's leading chunks only as far as their text is equal; a dropped replica holds
+    nothing; the table keeps at most ``max_chunks`` keys, evicting the least recently used."""
+    pytest.importorskip("ray.serve")
+    from hf_paged.serve.prefix_router import PrefixTable, chunk_keys
+
+    table = PrefixTable(chunk_chars=4, max_chunks=5)
+    table.insert("abcdefghij", "r1")  # chunks abcd, efgh (ij is partial)
+    table.insert("abcdxxxx", "r2")
+    assert table.match("abcdefghzz", ["r1", "r2", "r3"]) == {"r1": 2, "r2": 1, "r3": 0}
+    assert table.match("zbcdefgh", ["r1", "r2"]) == {"r1": 0, "r2": 0}  # same later chunk, different prefix
+    assert table.sizes == {"r1": 2, "r2": 2}
+    table.drop("r1")
+    assert table.match("abcdefgh", ["r1", "r2"]) == {"r1": 0, "r2": 1} and "r1" not in table.sizes
+    table.insert("0123456789abcdef", "r3")  # 4 more keys: 6 > 5, the least recently used (r2's "xxxx") goes
+    assert len(table) == 5 and table.match("abcdxxxx", ["r2"]) == {"r2": 1} and table.sizes["r2"] == 1
+    assert chunk_keys("abcdefgh", 4)[1] != chunk_keys("zzzzefgh", 4)[1]  # a key names its whole prefix
+
+
+def test_routing_text_and_merged_metrics():
+    """The text a request is routed by (chat roles and contents, a completion's prompt or ids; nothing for other
+    paths), and /metrics of several replicas merged with a replica label, one family each."""
+    pytest.importorskip("ray.serve")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hf_paged.serve.ray_app import flags
+    from hf_paged.serve.replicas import merge_metrics, routing_text
+
+    chat = json.dumps({"messages": [{"role": "system", "content": "Be brief."},
+                                    {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}).encode()
+    assert routing_text("/v1/chat/completions", chat) == "system\nBe brief.\nuser\nHi\n"
+    assert routing_text("/v1/completions", b'{"prompt": ["one", "two"]}') == "one"
+    assert routing_text("/v1/completions", b'{"prompt": [5, 6, 7]}') == "5 6 7"
+    assert routing_text("/v1/completions", b"not json") == "" == routing_text("/tokenize", b'{"prompt": "x"}')
+
+    one = b"# HELP x_total things\n# TYPE x_total counter\nx_total{kind=\"a\"} 1.0\n"
+    merged = merge_metrics({"r1": one, "r2": one.replace(b"1.0", b"2.0")}).decode()
+    family, = text_string_to_metric_families(merged)
+    assert {(s.labels["replica"], s.value) for s in family.samples if s.name == "x_total"} == {("r1", 1.0),
+                                                                                               ("r2", 2.0)}
+    assert flags({"replicas": "2", "no_prefix_caching": "true", "cors_origin": ["a", "b"], "api_key": None}) == [
+        "--replicas", "2", "--no-prefix-caching", "--cors-origin", "a", "--cors-origin", "b"]

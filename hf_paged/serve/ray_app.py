@@ -24,10 +24,14 @@ from .replicas import application
 
 
 def flags(args: dict) -> list[str]:
-    """``{"replicas": 2, "no_prefix_caching": True}`` -> ``["--replicas", "2", "--no-prefix-caching"]``."""
+    """The serve CLI's argv for a dict of its flags: ``{"replicas": 2, "no_prefix_caching": True}`` ->
+    ``["--replicas", "2", "--no-prefix-caching"]`` (``"true"`` / ``"false"`` strings, as ``serve run key=value``
+    sends them, are switches; a list repeats its flag)."""
     argv = []
     for key, value in args.items():
         flag = "--" + key.replace("_", "-")
+        if isinstance(value, str) and value.lower() in ("true", "false"):  # `serve run ... key=true` sends strings
+            value = value.lower() == "true"
         if value is True:
             argv.append(flag)
         elif value is False or value is None:
