@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -132,6 +137,61 @@ def _stream_text(client, messages, max_tokens: int) -> tuple[str, str]:
         replica = _replica_of(raw)
         text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
     return text, replica
+
+
+@pytest.mark.slow
+def test_the_serve_command_with_replicas_answers_and_stops_on_sigterm(tmp_path):
+    """``python -m hf_paged serve --replicas 2`` starts a local Ray, answers the ``openai`` client (a second request
+    with the same long prefix is a prefix hit on the replica that served the first), and on SIGTERM drains, stops
+    Ray and exits 0, leaving no process of its session behind. (Runs before the module's own Ray instance starts.)"""
+    pytest.importorskip("ray.serve")
+    tokenizer = tiny_tokenizer()
+    tiny_lm(tokenizer, seed=4).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "hf_paged", "serve", "--model", str(tmp_path), "--replicas", "2",
+                             "--replica-cpus", "0.5", "--threads", "1", "--max-memory", "8MiB", "--port", str(port),
+                             "--served-model-name", MODEL, "--log-level", "warning"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        started = time.monotonic()
+        while len(_health(url).get("replicas", {})) < 2:
+            assert proc.poll() is None and time.monotonic() - started < UP_S, "".join(lines)[-4000:]
+            time.sleep(1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        prompt = SYSTEMS[0] + QUESTIONS[0]
+        raws = [client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=4)
+                for _ in range(2)]
+        assert _replica_of(raws[0]) == _replica_of(raws[1])
+        cached = [r.parse().usage.prompt_tokens_details.cached_tokens for r in raws]
+        assert cached[0] == 0 and cached[1] == (raws[1].parse().usage.prompt_tokens - 1) // BLOCK * BLOCK
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0, "".join(lines)[-4000:]
+        deadline = time.monotonic() + 30
+        while True:  # Ray's processes of this session go with it
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, "processes of the server's session are left"
+            time.sleep(0.5)
+    finally:
+        if proc.poll() is None or _session_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _session_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 @pytest.mark.slow

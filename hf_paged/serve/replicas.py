@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -309,9 +310,7 @@ def application(args: argparse.Namespace, build) -> serve.Application:
         args = cli.parser().parse_args(["--model", "/models/m", "--replicas", "2", "--replica-gpus", "1"])
         serve.run(application(args, cli.build), name="hf_paged", route_prefix="/")
     """
-    gpus = args.replica_gpus
-    if gpus is None:
-        gpus = 1 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) else 0
+    gpus = replica_gpus(args)
     if args.max_replicas and args.max_replicas > args.replicas:
         scaling = {"autoscaling_config": AutoscalingConfig(
             min_replicas=args.min_replicas if args.min_replicas is not None else args.replicas,
@@ -333,15 +332,40 @@ def application(args: argparse.Namespace, build) -> serve.Application:
     return ingress.bind(engine.bind(args, build))
 
 
-def start_ray(address: str | None, num_cpus: float | None = None) -> None:
-    """Join ``address``, or start a light local Ray instance (no dashboard, no usage stats)."""
+def replica_gpus(args: argparse.Namespace) -> float:
+    """GPUs per replica: ``--replica-gpus``, else 1 where the (running) cluster has GPUs, else 0."""
+    if args.replica_gpus is not None:
+        return args.replica_gpus
+    return 1 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) else 0
+
+
+def check_resources(args: argparse.Namespace) -> None:
+    """Refuse (naming the fix) replicas this Ray instance cannot place: Ray Serve would wait for them forever."""
+    have = ray.cluster_resources()
+    replicas = args.min_replicas if args.max_replicas and args.min_replicas is not None else args.replicas
+    cpus = replicas * args.replica_cpus + args.ingress_cpus
+    if cpus > have.get("CPU", 0) + 1e-9:
+        fit = max(0.01, (have.get("CPU", 0) - args.ingress_cpus) / max(replicas, 1))
+        raise SystemExit(f"{replicas} replicas x {args.replica_cpus} CPU + {args.ingress_cpus} for the ingress = "
+                         f"{cpus:g} CPUs, but this Ray instance has {have.get('CPU', 0):g}: pass --replica-cpus "
+                         f"{fit:.2g} or fewer --replicas (Ray's CPUs are a reservation, not a thread count; "
+                         "--threads sets a replica's torch threads).")
+    gpus = replicas * replica_gpus(args)
+    if gpus > have.get("GPU", 0) + 1e-9:
+        raise SystemExit(f"{replicas} replicas x {replica_gpus(args)} GPU need {gpus:g} GPUs, but this Ray instance "
+                         f"has {have.get('GPU', 0):g}: pass fewer --replicas or --replica-gpus 0 (CPU replicas).")
+
+
+def start_ray(address: str | None) -> None:
+    """Join ``address``, or start a light local Ray instance (no dashboard; usage stats off unless
+    ``RAY_USAGE_STATS_ENABLED`` says otherwise)."""
     if ray.is_initialized():
         return
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
-                 _system_config={"metrics_report_interval_ms": 60_000})
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        ray.init(include_dashboard=False, log_to_driver=True)
 
 
 def serve_replicas(args: argparse.Namespace, build) -> int:
@@ -350,6 +374,8 @@ def serve_replicas(args: argparse.Namespace, build) -> int:
         raise SystemExit("--tp-plan with --replicas is not supported: a replica holds one device's model. Serve "
                          "tensor-parallel replicas with torchrun on each machine, or use --replicas alone.")
     start_ray(args.ray_address)
+    if not args.ray_address:  # a cluster may grow (Ray's autoscaler); a local instance will not
+        check_resources(args)
     serve.start(http_options={"host": args.host, "port": args.port})
     started = time.perf_counter()
     serve.run(application(args, build), name=APP_NAME, route_prefix="/", blocking=False)
