@@ -142,8 +142,9 @@ def _stream_text(client, messages, max_tokens: int) -> tuple[str, str]:
 @pytest.mark.slow
 def test_the_serve_command_with_replicas_answers_and_stops_on_sigterm(tmp_path):
     """``python -m hf_paged serve --replicas 2`` starts a local Ray, answers the ``openai`` client (a second request
-    with the same long prefix is a prefix hit on the replica that served the first), and on SIGTERM drains, stops
-    Ray and exits 0, leaving no process of its session behind. (Runs before the module's own Ray instance starts.)"""
+    with the same long prefix is a prefix hit on the replica that served the first), and on SIGTERM drains (a
+    stream under way runs to its end), stops Ray and exits 0, leaving no process of its session behind. (Runs
+    before the module's own Ray instance starts.)"""
     pytest.importorskip("ray.serve")
     tokenizer = tiny_tokenizer()
     tiny_lm(tokenizer, seed=4).save_pretrained(tmp_path)
@@ -170,7 +171,14 @@ def test_the_serve_command_with_replicas_answers_and_stops_on_sigterm(tmp_path):
         assert _replica_of(raws[0]) == _replica_of(raws[1])
         cached = [r.parse().usage.prompt_tokens_details.cached_tokens for r in raws]
         assert cached[0] == 0 and cached[1] == (raws[1].parse().usage.prompt_tokens - 1) // BLOCK * BLOCK
+        # SIGTERM mid-stream: the stream still runs to its end (drain), then everything stops
+        stream = client.completions.create(model=MODEL, prompt=QUESTIONS[1], max_tokens=200, temperature=0,
+                                           stream=True, stream_options={"include_usage": True})
+        chunks = [next(stream)]
         proc.send_signal(signal.SIGTERM)
+        chunks += list(stream)
+        assert chunks[-1].usage.completion_tokens == 200
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
         assert proc.wait(120) == 0, "".join(lines)[-4000:]
         deadline = time.monotonic() + 30
         while True:  # Ray's processes of this session go with it

@@ -145,9 +145,8 @@ class EngineReplica:
 
     async def forward(self, request: Forwarded):
         """The app's answer to ``request``: first ``(status, headers)``, then the body's chunks (bytes), streamed."""
-        headers = [*request.headers, (b"x-hf-paged-replica", self.replica.encode())]
-        async for message in asgi.request(self.app, request.method, request.path, request.query_string, headers,
-                                          request.body):
+        async for message in asgi.request(self.app, request.method, request.path, request.query_string,
+                                          request.headers, request.body):
             if message["type"] == "http.response.start":
                 out = [(k, v) for k, v in message.get("headers", []) if k.lower() not in _HOP_HEADERS]
                 yield message["status"], [*out, (REPLICA_HEADER.encode(), self.replica.encode())]
@@ -374,20 +373,22 @@ def serve_replicas(args: argparse.Namespace, build) -> int:
         raise SystemExit("--tp-plan with --replicas is not supported: a replica holds one device's model. Serve "
                          "tensor-parallel replicas with torchrun on each machine, or use --replicas alone.")
     start_ray(args.ray_address)
-    if not args.ray_address:  # a cluster may grow (Ray's autoscaler); a local instance will not
-        check_resources(args)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    started = time.perf_counter()
-    serve.run(application(args, build), name=APP_NAME, route_prefix="/", blocking=False)
-    print(f"serving {args.replicas} replicas ({args.routing} routing) at http://{args.host}:{args.port}/v1 "
-          f"(ready in {time.perf_counter() - started:.0f} s; SIGTERM or Ctrl-C drains and stops)", flush=True)
-    stop = threading.Event()
+    stop = threading.Event()  # set by SIGTERM / Ctrl-C (installed after ray.init, whose own handler would abort)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(1.0):
-        pass
-    print("draining the replicas ...", flush=True)
-    serve.delete(APP_NAME)
-    serve.shutdown()
-    ray.shutdown()
+    try:
+        if not args.ray_address:  # a cluster may grow (Ray's autoscaler); a local instance will not
+            check_resources(args)
+        serve.start(http_options={"host": args.host, "port": args.port})
+        started = time.perf_counter()
+        serve.run(application(args, build), name=APP_NAME, route_prefix="/", blocking=False)
+        print(f"serving {args.replicas} replicas ({args.routing} routing) at http://{args.host}:{args.port}/v1 "
+              f"(ready in {time.perf_counter() - started:.0f} s; SIGTERM or Ctrl-C drains and stops)", flush=True)
+        while not stop.wait(1.0):
+            pass
+        print("draining the replicas ...", flush=True)
+        serve.delete(APP_NAME)  # each replica stops taking requests, finishes its running ones, stops its engine
+        serve.shutdown()
+    finally:
+        ray.shutdown()
     return 0
