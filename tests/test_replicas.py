@@ -111,7 +111,7 @@ def replicas(tmp_path_factory):
         while len(_health(url).get("replicas", {})) < 2:
             assert time.monotonic() - started < UP_S, "the replicas did not come up"
             time.sleep(1)
-        yield SimpleNamespace(url=url, reference=reference, tokenizer=tokenizer, ray=ray,
+        yield SimpleNamespace(url=url, reference=reference, tokenizer=tokenizer, ray=ray, model_dir=model_dir,
                               client=openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120))
     finally:
         reference.close()
@@ -247,6 +247,41 @@ def test_same_prefix_requests_go_to_the_replica_holding_it(replicas):
     labelled = {line.split('replica="')[1].split('"')[0] for line in metrics.splitlines()
                 if line.startswith("hf_paged_prefix_cache_hit_tokens_total{")}
     assert set().union(*placed.values()) <= labelled
+
+
+@pytest.mark.slow
+def test_a_replica_spanning_two_tensor_parallel_ranks(replicas, tmp_path):
+    """``--replica-tp 2``: one replica runs its model over two gloo ranks (rank 0 in the replica, rank 1 its child),
+    and answers with the single-process server's greedy text; deleting the application stops both ranks."""
+    from test_distributed import _tp_unavailable
+
+    reason = _tp_unavailable()
+    if reason:
+        pytest.skip(reason)
+    from ray import serve
+
+    from hf_paged.serve.cli import build, parser
+    from hf_paged.serve.replicas import application
+
+    args = parser().parse_args(["--model", str(replicas.model_dir), "--replicas", "1", "--replica-tp", "2",
+                                "--replica-cpus", "0.5", "--ingress-cpus", "0.1", "--threads", "1",
+                                "--max-memory", "8MiB", "--api-key", KEY, "--tp-timeout", "30",
+                                "--log-level", "warning"])
+    serve.run(application(args, build), name="tp", route_prefix="/tp", blocking=False)
+    try:
+        replica, = _health(replicas.url + "/tp")["replicas"].values()
+        assert replica == {"status": "ok", "ranks": 2}
+        client = openai.OpenAI(base_url=replicas.url + "/tp/v1", api_key=KEY, max_retries=0, timeout=120)
+        ref = replicas.reference.client()
+        for q in QUESTIONS[:2]:
+            got = client.completions.create(model=MODEL, prompt=q, max_tokens=12, temperature=0)
+            assert got.choices[0].text == ref.completions.create(model=MODEL, prompt=q, max_tokens=12,
+                                                                  temperature=0).choices[0].text
+        text, _ = _stream_text(client, [{"role": "user", "content": QUESTIONS[2]}], 10)
+        assert text == ref.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTIONS[2]}],
+                                                   max_tokens=10, temperature=0).choices[0].message.content
+    finally:
+        serve.delete("tp")
 
 
 @pytest.mark.slow

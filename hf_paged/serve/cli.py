@@ -133,6 +133,8 @@ def _replica_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replica-gpus", type=float, default=None,
                    help="GPUs per replica (default: 1 where the cluster has GPUs, else 0)")
     g.add_argument("--ingress-cpus", type=float, default=0.1, help="CPUs Ray reserves for the HTTP ingress")
+    g.add_argument("--replica-tp", type=int, default=None,
+                   help="tensor-parallel ranks per replica (a replica spanning N GPUs; --tp-plan auto is implied)")
     g.add_argument("--max-replicas", type=int, default=None,
                    help="autoscale between --min-replicas (default --replicas) and this many replicas")
     g.add_argument("--min-replicas", type=int, default=None, help="autoscaling's lower bound (0: scale to zero)")

@@ -4,7 +4,8 @@ Two deployments make one application:
 
 - ``EngineReplica`` (N of them, or autoscaled between bounds): each loads the model and builds the very app
   ``python -m hf_paged serve`` runs (``cli.build``: the model, the pool, one engine, the FastAPI routes and
-  middleware), and answers requests by calling that app in-process (``asgi.py``). Each response carries the header
+  middleware), and answers requests by calling that app in-process (``asgi.py``). With ``--replica-tp T`` a replica
+  is T tensor-parallel ranks: its own process is rank 0, ranks 1..T-1 its children (``serve/distributed.py``). Each response carries the header
   ``x-hf-paged-replica`` (the replica's id), and each request's log line names the replica.
 - ``Ingress`` (the HTTP entry, behind Ray Serve's proxy): reads the body, renders the prompt text a request is routed by
   and hands the request to one engine replica through a deployment handle, whose request router
@@ -28,8 +29,10 @@ import argparse
 import asyncio
 import json
 import logging
+import multiprocessing
 import os
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -45,6 +48,8 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from . import asgi
+from .distributed import init_process_group, tp_loader
+from .distributed import serve as serve_distributed
 from .errors import error_body
 from .metrics import CONTENT_TYPE, PREFIX
 from .prefix_router import PrefixAffinityRouter
@@ -130,14 +135,41 @@ def merge_metrics(scrapes: dict[str, bytes]) -> bytes:
     return generate_latest(registry)
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _tp_follower(args: argparse.Namespace, build, rank: int, env: dict) -> None:
+    """Rank ``rank`` > 0 of a tensor-parallel replica: the follower of ``python -m hf_paged serve --tp-plan`` (it
+    runs the steps the replica's rank 0 announces, and leaves when rank 0 stops or is gone)."""
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+    serve_distributed(args, build)
+
+
 class EngineReplica:
     """One replica: the model, one engine and the app of ``python -m hf_paged serve`` (``build(args)``), called
-    in-process. ``args``: the CLI's parsed flags; ``build``: ``hf_paged.serve.cli.build``."""
+    in-process. ``args``: the CLI's parsed flags; ``build``: ``hf_paged.serve.cli.build``. With ``--replica-tp N``
+    the replica spans N devices: this process is rank 0 (it serves), and starts ranks 1..N-1 as its children, each
+    on its own device of the replica's (Ray gives the replica N GPUs)."""
 
     async def __init__(self, args: argparse.Namespace, build):
         self.replica = serve.get_replica_context().replica_id.unique_id
         _log_with_replica(self.replica, args.log_level)
-        self.app, what = build(args)
+        self.followers, load = [], None
+        if args.replica_tp and args.replica_tp > 1:
+            args.tp_plan = args.tp_plan or "auto"  # this replica's own copy of the flags
+            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(args.replica_tp)}
+            spawn = multiprocessing.get_context("spawn")
+            self.followers = [spawn.Process(target=_tp_follower, args=(args, build, rank, env), daemon=True,
+                                            name=f"hf_paged-tp-rank{rank}") for rank in range(1, args.replica_tp)]
+            for follower in self.followers:
+                follower.start()
+            os.environ.update(env, RANK="0", LOCAL_RANK="0")
+            init_process_group(args.tp_timeout)
+            load = tp_loader(args.tp_plan)
+        self.app, what = build(args, load=load)
         self.engine = self.app.state.engine
         self.lifespan = asgi.Lifespan(self.app)
         await self.lifespan.start()
@@ -163,9 +195,10 @@ class EngineReplica:
         return status, body
 
     async def health(self) -> dict:
-        """``{"replica", "status", "body"}``: this replica's ``/health``."""
+        """``{"replica", "status", "body", "ranks"}``: this replica's ``/health`` and its tensor-parallel ranks."""
         status, body = await self._get("/health")
-        return {"replica": self.replica, "status": status, "body": json.loads(body or b"null")}
+        return {"replica": self.replica, "status": status, "body": json.loads(body or b"null"),
+                "ranks": 1 + sum(f.is_alive() for f in self.followers)}
 
     async def metrics(self) -> tuple[str, bytes]:
         """``(replica id, Prometheus text)``: this replica's ``/metrics``."""
@@ -179,8 +212,12 @@ class EngineReplica:
 
     async def __del__(self):
         # Ray Serve calls this after the replica stopped taking requests and its running ones finished (or
-        # graceful_shutdown_timeout_s passed): the app's shutdown stops the engine.
+        # graceful_shutdown_timeout_s passed): the app's shutdown stops the engine (and, tensor-parallel, every rank).
         await self.lifespan.stop()
+        for follower in self.followers:
+            await asyncio.to_thread(follower.join, 30)
+            if follower.is_alive():
+                follower.kill()
 
 
 def _log_with_replica(replica: str, level: str) -> None:
@@ -254,7 +291,7 @@ class Ingress:
         for r in results:
             if isinstance(r, BaseException):
                 continue  # a replica that died meanwhile: Ray replaces it
-            replicas[r["replica"]] = "ok" if r["status"] == 200 else r["body"]
+            replicas[r["replica"]] = {"status": "ok" if r["status"] == 200 else r["body"], "ranks": r["ranks"]}
             up += r["status"] == 200
         if not up:
             return JSONResponse({**error_body(503, "no engine replica is running; Ray restarts failed replicas "
@@ -332,10 +369,11 @@ def application(args: argparse.Namespace, build) -> serve.Application:
 
 
 def replica_gpus(args: argparse.Namespace) -> float:
-    """GPUs per replica: ``--replica-gpus``, else 1 where the (running) cluster has GPUs, else 0."""
+    """GPUs per replica: ``--replica-gpus``, else one per tensor-parallel rank (``--replica-tp``, default 1) where
+    the (running) cluster has GPUs, else 0."""
     if args.replica_gpus is not None:
         return args.replica_gpus
-    return 1 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) else 0
+    return (args.replica_tp or 1) if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) else 0
 
 
 def check_resources(args: argparse.Namespace) -> None:
@@ -369,9 +407,9 @@ def start_ray(address: str | None) -> None:
 
 def serve_replicas(args: argparse.Namespace, build) -> int:
     """``python -m hf_paged serve --replicas N ...``: deploy, serve until SIGTERM / Ctrl-C, then drain and stop."""
-    if args.tp_plan:
-        raise SystemExit("--tp-plan with --replicas is not supported: a replica holds one device's model. Serve "
-                         "tensor-parallel replicas with torchrun on each machine, or use --replicas alone.")
+    if args.tp_plan and not args.replica_tp:
+        raise SystemExit("--tp-plan with --replicas: say how many devices each replica spans with --replica-tp N "
+                         "(torchrun is not used: each replica starts its own ranks).")
     start_ray(args.ray_address)
     stop = threading.Event()  # set by SIGTERM / Ctrl-C (installed after ray.init, whose own handler would abort)
     for sig in (signal.SIGTERM, signal.SIGINT):
