@@ -136,6 +136,11 @@ class ContinuousBatchingManager:
         return self._core.max_context
 
     @property
+    def takes_images(self) -> bool:
+        """Whether requests may carry images (a vision-language model: ``add_request`` takes processor outputs)."""
+        return self._media is not None
+
+    @property
     def pool(self):
         return self._core.kv.pool
 

@@ -129,3 +129,38 @@ def vlm_reference(model, inputs, max_new_tokens: int) -> list[int]:
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                              **{compat.GENERATE_CACHE_KWARG: DynamicCache(config=model.config)})
     return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+VLM_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_tiny_llava(path) -> None:
+    """A tiny random LLaVA saved with a processor (a byte-level BPE trained here, CLIP's image processor at 16 x 16
+    pixels, a chat template taking image parts): what ``python -m hf_paged serve --model PATH`` loads."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import CLIPImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
+
+    specials = ["<pad>", "</s>", "<s>", "<image>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["What is in this picture?", "Describe the image.", "user assistant system", "a red square"] * 4
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", bos_token="<s>",
+                                        extra_special_tokens={"image_token": "<image>"})
+    processor = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 16},
+                                                                  crop_size={"height": 16, "width": 16}),
+                               tokenizer=tokenizer, patch_size=4, vision_feature_select_strategy="default",
+                               image_token="<image>", num_additional_image_tokens=1, chat_template=VLM_CHAT_TEMPLATE)
+    config = tiny_vlm_config("llava", image_token_index=tokenizer.convert_tokens_to_ids("<image>"))
+    config.text_config.vocab_size = len(tokenizer)
+    config.text_config.eos_token_id = tokenizer.eos_token_id
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
