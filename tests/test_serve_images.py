@@ -123,7 +123,11 @@ def test_chat_with_image_data_urls_equals_generate(served):
 
 
 def test_models_say_the_model_takes_images(served):
+    """/v1/models lists the image modality; /tokenize counts a chat with an image as the engine will see it."""
     assert served.client.models.list().data[0].model_extra["input_modalities"] == ["text", "image"]
+    body = {"model": MODEL, "messages": image_message(png_url())}
+    out = httpx.post(served.url + "/tokenize", json=body, timeout=60).json()
+    assert out["tokens"].count(served.model.config.image_token_id) == 16 and out["count"] > 16
 
 
 def test_media_policy_and_limits(served):

@@ -251,10 +251,9 @@ class MultimodalInputs:
         kinds = inputs.get("mm_token_type_ids")
         kinds = (ids == self.placeholder).int()[None] if kinds is None else torch.as_tensor(kinds).reshape(1, -1)
         args = {"input_ids": ids[None], "mm_token_type_ids": kinds, "attention_mask": None}
+        if "image_grid_thw" in inputs:
+            args["image_grid_thw"] = torch.as_tensor(inputs["image_grid_thw"])
         params = inspect.signature(self._rope_index).parameters
-        for name in ("image_grid_thw",):
-            if name in params and name in inputs:
-                args[name] = torch.as_tensor(inputs[name])
         args = {k: v for k, v in args.items() if k in params}
         positions, delta = self._rope_index(**args)  # [3, 1, L], [1, 1]
         return positions[:, 0].cpu().long(), int(delta.reshape(-1)[0])

@@ -122,7 +122,11 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
         special = body.get("add_special_tokens")
         if "messages" in body:
             messages = await engine.run(parse_messages, body["messages"])
-            ids = await engine.chat_prompt(messages, add_generation_prompt=body.get("add_generation_prompt", True))
+            if has_images(messages):
+                ids = prompt_ids(await image_prompt(messages, None))
+            else:
+                ids = await engine.chat_prompt(messages,
+                                               add_generation_prompt=body.get("add_generation_prompt", True))
         elif isinstance(body.get("prompt"), str):
             ids = await engine.encode(body["prompt"], add_special_tokens=special is not False)
         else:
@@ -217,7 +221,7 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
         req = await engine.run(lambda raw: parse_chat(parse_json(raw)), await request.body())
         check_model(req.model)
         if has_images(req.messages):
-            prompt = await image_prompt(req)
+            prompt = await image_prompt(req.messages, req.tools)
         else:
             prompt = await engine.chat_prompt(req.messages, tools=req.tools)
         limits = await engine.run(budgets, [prompt_ids(prompt)], req.params.max_tokens)
@@ -231,15 +235,15 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
             return _stream(gen, shape, record, req.n, None, req.params, req.continuous_usage, parser)
         return await _collect(gen, shape, request, record, req.n, None, req.params, parser)
 
-    async def image_prompt(req):
-        """A chat request with image_url parts: one prompt's processor outputs (ids and image tensors)."""
+    async def image_prompt(messages, tools):
+        """Chat messages with image_url parts: one prompt's processor outputs (ids and image tensors)."""
         if not takes_images:
             raise APIError(400, f"'{name}' takes no images (image_url content parts): send text parts only.",
                            param="messages")
-        if req.tools is not None and req.tools.choice != "none":
+        if tools is not None and tools.choice != "none":
             raise APIError(400, "tools together with images are not supported yet; send one or the other.",
                            param="tools")
-        return await engine.chat_inputs(req.messages, processor, settings.media)
+        return await engine.chat_inputs(messages, processor, settings.media)
 
     def tool_parser(tools, params: SamplingParams):
         """A factory of per-choice tool-call parsers (None: the output is all content)."""
