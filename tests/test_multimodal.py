@@ -66,19 +66,25 @@ def mixed_prompts(family: str) -> list:
 
 @pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_image_requests_equal_generate_alone(family):
-    """Several image requests in one step (one with two images), a text-only request beside them, images split
-    across prefill chunks (8 tokens a step): every request's tokens equal generate() alone with a DynamicCache."""
+    """Several image requests in one step (one with two images), a text-only request beside them (holding the
+    placeholder id as text), then the same with images split across prefill chunks (8 tokens a step): every request's
+    tokens equal generate() alone with a DynamicCache."""
     model = tiny_vlm(family)
     prompts = mixed_prompts(family)
-    chunks = []
-    outs, stats = serve(model, prompts, chunks=chunks, max_batch_tokens=8)
-    assert [o.generated_tokens for o in outs] == references(model, prompts)
+    refs = references(model, prompts)
     media = [MultimodalInputs(model).prepare(p) if not isinstance(p, list) else None for p in prompts]
-    split = [(i, s, n) for i, s, n in chunks if media[i] is not None
-             and any(s < p < s + n for p in media[i].image_positions)
-             and not all(s <= p < s + n for p in media[i].image_positions)]
-    assert split, "no chunk ended inside a prompt's image tokens"
-    assert stats.encoder_calls == 3
+    for budget in (512, 8):
+        chunks = []
+        outs, stats = serve(model, prompts, chunks=chunks, max_batch_tokens=budget)
+        assert [o.generated_tokens for o in outs] == refs, budget
+        assert stats.encoder_calls == 3
+        with_images = [(i, s, n) for i, s, n in chunks if media[i] is not None
+                       and any(s <= p < s + n for p in media[i].image_positions)]
+        if budget == 512:  # the first step: every prompt, whole
+            assert len(with_images) == 3 and chunks[:4] == [(i, 0, len(outs[i].prompt_ids)) for i in range(4)]
+        else:
+            assert any(not all(s <= p < s + n for p in media[i].image_positions) for i, s, n in with_images), (
+                "no chunk ended inside a prompt's image tokens")
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
