@@ -13,7 +13,7 @@ from helpers.vlm import IMAGE, VLM_FAMILIES, tiny_vlm, vlm_prompt, vlm_reference
 
 import hf_paged
 from hf_paged import BlockPool
-from hf_paged.engine.multimodal import MultimodalInputs
+from hf_paged.engine.multimodal import MultimodalInputs, image_spans
 
 ENGINE_FAMILIES = [f for f in VLM_FAMILIES if f != "gemma3"]
 
@@ -176,3 +176,14 @@ def test_refusals_name_the_problem():
     text_model = hf_paged.init_continuous_batching(tiny_model())
     with pytest.raises(ValueError, match="takes no images"):
         text_model.add_request({"input_ids": torch.tensor([[2, 5]]), "pixel_values": torch.zeros(1, 3, 4, 4)})
+
+
+def test_image_spans_are_the_runs_of_image_tokens():
+    """Gemma 3's bidirectional spans: one half-open range per image, from token_type_ids (else from the runs of
+    placeholder positions)."""
+    prompt = vlm_prompt("gemma3", [[2, 5], [8], [9, 10]], [1, 2])
+    kinds = prompt["token_type_ids"][0].tolist()
+    spans = image_spans(prompt["token_type_ids"], [])
+    assert len(spans) == 2 and all(set(kinds[s:e]) == {1} for s, e in spans)
+    assert sum(e - s for s, e in spans) == sum(kinds)
+    assert image_spans(None, [3, 4, 5, 9, 10]) == [(3, 6), (9, 11)]

@@ -111,6 +111,7 @@ class EngineCore:
                 prompt_ranks=[None] if params.prompt_logprobs is not None else None,
                 prompt_top_logprobs=[None] if params.prompt_logprobs is not None else None,
                 matcher=params.grammar.matcher() if params.grammar is not None else None, media=media,
+                bidirectional_spans=list(media.bidirectional_spans) if media is not None else [],
             )
 
         request = make(request_id, 0)

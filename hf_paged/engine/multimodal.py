@@ -96,6 +96,9 @@ class MediaPrompt:
     digest: bytes
     image_positions: list[int]  # prompt positions of the image tokens, ascending
     key_ids: list[int]
+    # half-open ranges of the image tokens that attend to each other both ways (families whose image tokens do:
+    # Gemma 3, one span per image), for Request.bidirectional_spans; empty for causal families
+    bidirectional_spans: list[tuple[int, int]] = field(default_factory=list)
     mrope: torch.Tensor | None = None  # [3, L] int64: the prompt's 3-axis positions (models with mrope)
     position_offset: int = 0
     features: Features | None = field(default=None, repr=False)  # held while its image tokens are prefilled
@@ -107,6 +110,21 @@ class MediaPrompt:
     def rows_in(self, start: int, end: int) -> tuple[int, int]:
         """The feature rows of the image tokens at positions ``[start, end)``."""
         return bisect.bisect_left(self.image_positions, start), bisect.bisect_left(self.image_positions, end)
+
+
+def image_spans(token_type_ids, positions: list[int]) -> list[tuple[int, int]]:
+    """Half-open ranges ``[start, end)`` of the prompt's images: the runs of ``token_type_ids == 1`` (batch 1, as
+    Gemma 3's processor marks image tokens), else the runs of consecutive placeholder ``positions``."""
+    if token_type_ids is not None:
+        kinds = torch.as_tensor(token_type_ids).reshape(-1).tolist()
+        positions = [i for i, k in enumerate(kinds) if k == 1]
+    spans = []
+    for p in positions:
+        if spans and spans[-1][1] == p:
+            spans[-1] = (spans[-1][0], p + 1)
+        else:
+            spans.append((p, p + 1))
+    return spans
 
 
 def position_offset(request) -> int:
@@ -225,7 +243,8 @@ class MultimodalInputs:
                 raise ValueError(f"the prompt holds {len(positions)} image placeholder(s) (id {self.placeholder}) "
                                  "but no image tensors: pass the processor's whole output (pixel_values, ...).")
             return None
-        if self.model_type in bidirectional_image_families():
+        bidirectional = self.model_type in bidirectional_image_families()
+        if bidirectional:  # (lifted once the scheduler and runner honour Request.bidirectional_spans)
             raise ValueError(f"{self.model_type}: its image tokens attend to each other both ways, which the "
                              "engine's packed step does not do yet. Fix: run image prompts of this model through "
                              "generate() (with a PagedCache or a DynamicCache); text-only requests work here.")
@@ -242,6 +261,8 @@ class MultimodalInputs:
         for j, p in enumerate(positions):  # negative: never a real id
             key_ids[p] = -1 - (base + j) % _STAND_IN_SPAN
         media = MediaPrompt(tokens, tensors, digest, positions, key_ids)
+        if bidirectional:
+            media.bidirectional_spans = image_spans(inputs.get("token_type_ids"), positions)
         if self._rope_index is not None:
             media.mrope, media.position_offset = self._positions(ids, inputs)
         return media
