@@ -95,7 +95,7 @@ def test_preempted_image_requests(family, encoder_cache_bytes):
     model = tiny_vlm(family)
     prompts = [vlm_prompt(family, [[2, 5 + i, 6], [8, 9, 10 + i]], [10 + i]) for i in range(4)]
     calls = counting_encoder(model)
-    outs, stats = serve(model, prompts, max_new=16, pool=BlockPool(num_blocks=12, block_size=4, prefix_caching=True),
+    outs, stats = serve(model, prompts, max_new=16, pool=BlockPool(num_blocks=16, block_size=4, prefix_caching=True),
                         max_batch_tokens=16, encoder_cache_bytes=encoder_cache_bytes)
     assert stats.preemptions > 0
     assert len(calls) == stats.encoder_calls

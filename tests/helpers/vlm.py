@@ -51,7 +51,11 @@ VLM_CONFIGS = {
                            eoi_token_index=VISION_END),
 }
 VLM_FAMILIES = tuple(VLM_CONFIGS)
-WEIGHT_STD = 0.15
+# weights large enough that each image changes the tokens (the default init hides it); Gemma 3's scaled embeddings and
+# extra norms saturate at that size (every image then gives one repeated token): smaller there, where its image
+# tokens' bidirectional attention changes the tokens
+WEIGHT_STD = {"gemma3": 0.02}
+DEFAULT_WEIGHT_STD = 0.15
 
 
 def tiny_vlm_config(model_type: str, **overrides):
@@ -65,10 +69,10 @@ def tiny_vlm(model_type: str, seed: int = 0, attn: str = "sdpa"):
     config = tiny_vlm_config(model_type)
     config._attn_implementation = attn
     model = AutoModelForImageTextToText.from_config(config).eval()
-    with torch.no_grad():  # weights large enough that each image changes the tokens (the default init hides it)
+    with torch.no_grad():
         for param in model.parameters():
             if param.dim() >= 2:
-                param.normal_(0.0, WEIGHT_STD)
+                param.normal_(0.0, WEIGHT_STD.get(model_type, DEFAULT_WEIGHT_STD))
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = 1
     return model
