@@ -5,16 +5,26 @@ by every in-place change: ``optimizer.step()``, ``load_state_dict``, ``p.data.co
 into its layers). A tensor replaced by another (``load_state_dict(assign=True)``, ``model.to(dtype)``) changes the
 address. Reading it costs a pass over the tensors (no data is read): about 0.1-0.2 µs per tensor on the host.
 
+Fused optimizer steps (``AdamW(fused=True)``, the default of transformers' ``Trainer`` and so of TRL) write the
+parameters without bumping their counters; a post-step hook on every optimizer (registered once, by the first
+:class:`WeightsWatch`) bumps them after a fused step, so those steps are seen too.
+
 Not seen: switching which of several loaded adapters is active (no tensor changes; give each adapter its own
-key-chain root, or call the pool's ``reset_prefix_cache()``), and tensors made under ``torch.inference_mode()``
-(they keep no version counter: a changed one is noticed only if its address changes).
+key-chain root, or call the pool's ``reset_prefix_cache()``), writes that bypass the counters (collectives received
+into the parameters, custom kernels: call ``reset_prefix_cache()`` / ``manager.weights_updated()``), and tensors made
+under ``torch.inference_mode()`` (they keep no version counter: a changed one is noticed only if its address
+changes).
 """
 
 from __future__ import annotations
 
 import itertools
 
+import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+_fused_hook = None  # the handle of the hook below, once registered
 
 
 def weights_version(model: nn.Module) -> tuple:
@@ -29,6 +39,19 @@ def weights_version(model: nn.Module) -> tuple:
     return tuple(out)
 
 
+def _bump_after_fused_step(optimizer, args, kwargs) -> None:
+    """After a fused optimizer step, bump its parameters' version counters as an unfused step would have."""
+    if any(group.get("fused") for group in optimizer.param_groups):
+        torch.autograd.graph.increment_version([p for group in optimizer.param_groups for p in group["params"]])
+
+
+def watch_fused_steps() -> None:
+    """Register :func:`_bump_after_fused_step` on every optimizer of the process, once."""
+    global _fused_hook
+    if _fused_hook is None:
+        _fused_hook = register_optimizer_step_post_hook(_bump_after_fused_step)
+
+
 class WeightsWatch:
     """Remembers the weights version of the model it last saw.
 
@@ -41,6 +64,7 @@ class WeightsWatch:
     """
 
     def __init__(self):
+        watch_fused_steps()
         self._model_id: int | None = None
         self._version: tuple | None = None
 

@@ -237,6 +237,9 @@ def test_weights_check_sees_in_place_updates_and_replaced_tensors():
     model(torch.tensor([[3, 4, 5]]), labels=torch.tensor([[3, 4, 5]])).loss.backward()
     opt.step()
     assert watch.changed(model) and not watch.changed(model)
+    fused = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # writes without bumping the counters
+    fused.step()
+    assert watch.changed(model) and not watch.changed(model)
     model.load_state_dict(model.state_dict())
     assert watch.changed(model)
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
