@@ -491,15 +491,16 @@ class BlockPool:
         changes: the engine's state checkpoints)."""
         return self.allocator.prefix_epoch
 
-    def check_weights(self, model) -> bool:
+    def check_weights(self, model, rewalk: bool = True) -> bool:
         """Before a prefix lookup: reset the prefix cache if ``model``'s parameters or buffers changed (in place,
         e.g. ``optimizer.step()`` or ``load_state_dict``, or replaced) since the last call, or another model asks.
         Returns whether it reset. A pool without prefix caching keeps nothing across rows: no check, False. Costs a
-        pass over the model's tensors' version counters (see ``hf_paged.weights``)."""
+        walk of the model's modules and a pass over its tensors' version counters; ``rewalk=False`` skips the walk
+        (the tensors the last walk found; see ``hf_paged.weights``)."""
         if not self.prefix_caching:
             return False
         with self.lock:
-            if not self._weights.changed(model):
+            if not self._weights.changed(model, rewalk):
                 return False
             self.allocator.reset_prefix_cache()
             return True

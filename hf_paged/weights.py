@@ -27,10 +27,15 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 _fused_hook = None  # the handle of the hook below, once registered
 
 
-def weights_version(model: nn.Module) -> tuple:
-    """``(storage address, version counter)`` of each parameter and buffer of ``model``, in module order."""
+def model_tensors(model: nn.Module) -> list:
+    """Every parameter and buffer of ``model``, in module order (a walk of the module tree: the costly part)."""
+    return list(itertools.chain(model.parameters(), model.buffers()))
+
+
+def weights_version(tensors) -> tuple:
+    """``(storage address, version counter)`` of each tensor (from :func:`model_tensors`)."""
     out = []
-    for t in itertools.chain(model.parameters(), model.buffers()):
+    for t in tensors:
         try:
             version = t._version
         except RuntimeError:  # an inference tensor: no version counter
@@ -66,12 +71,17 @@ class WeightsWatch:
     def __init__(self):
         watch_fused_steps()
         self._model_id: int | None = None
+        self._tensors: list = []
         self._version: tuple | None = None
 
-    def changed(self, model: nn.Module) -> bool:
-        """Whether ``model`` (or another model) holds other weights than at the last call; the first call is False."""
-        version = weights_version(model)
-        seen = self._version is not None
-        changed = seen and (id(model) != self._model_id or version != self._version)
+    def changed(self, model: nn.Module, rewalk: bool = True) -> bool:
+        """Whether ``model`` (or another model) holds other weights than at the last call; the first call is False.
+        ``rewalk=False`` reads the tensors found by the last walk of the same model (about 10x cheaper; misses a
+        parameter replaced by another object, e.g. ``load_state_dict(assign=True)``, until the next walk)."""
+        same_model = id(model) == self._model_id
+        if rewalk or not same_model:
+            self._tensors = model_tensors(model)
+        version = weights_version(self._tensors)
+        changed = self._version is not None and (not same_model or version != self._version)
         self._model_id, self._version = id(model), version
         return changed

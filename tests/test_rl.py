@@ -243,7 +243,11 @@ def test_weights_check_sees_in_place_updates_and_replaced_tensors():
     model.load_state_dict(model.state_dict())
     assert watch.changed(model)
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    assert not watch.changed(model, rewalk=False)  # the tensors of the last walk: the new one not among them
     assert watch.changed(model)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    assert watch.changed(model, rewalk=False)  # in place: seen without a walk
     assert watch.changed(tiny_model(seed=17))  # another model
 
 

@@ -47,6 +47,7 @@ class RequestKV:
         self._targets: dict[int, int] = {}  # id(row) -> a block boundary its prefill stops at, to checkpoint there
         self.model = model
         self._epoch = pool.prefix_epoch  # the pool's prefix cache resets seen (checkpoints are dropped with it)
+        self._weights_checked = False  # since the last forward (one check per step, at its first lookup)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -114,13 +115,16 @@ class RequestKV:
         self._matched = {id(tokens): len(blocks)}  # the latest lookup only: open() follows it
         return blocks[:usable]
 
-    def check_weights(self) -> None:
+    def check_weights(self, rewalk: bool = False) -> None:
         """Drop what was cached before the model's weights changed (the pool's prefixes, this engine's state
-        checkpoints), whoever noticed the change: this engine, another user of the pool, or an explicit reset."""
+        checkpoints), whoever noticed the change: this engine, another user of the pool, or an explicit reset.
+        Looks at the model's version counters once per step (the tensors found by the last walk of its modules);
+        ``rewalk=True`` (each session's start) walks the modules again, finding replaced tensors too."""
         if not self.prefix_caching:
             return
-        if self.model is not None:
-            self.pool.check_weights(self.model)
+        if self.model is not None and (rewalk or not self._weights_checked):
+            self.pool.check_weights(self.model, rewalk)
+            self._weights_checked = True
         if self.pool.prefix_epoch != self._epoch:
             self._epoch = self.pool.prefix_epoch
             if self.checkpoints is not None:
@@ -192,6 +196,7 @@ class RequestKV:
         """The forward that wrote these rows' blocks has run: make their keyed blocks findable now, so a request
         waiting for that prefix can be admitted at the next step (the allocator would otherwise publish them at the
         rows' next append)."""
+        self._weights_checked = False  # a forward ran: the next lookup looks at the weights again
         if self.prefix_caching and rows:
             self.rows.publish(rows)
         if self.checkpoints is not None:  # rows whose states now end at a block boundary: checkpoint them

@@ -89,6 +89,8 @@ class ContinuousBatchingManager:
         self._kept = False
         if self._asleep:
             self.wake()
+        if not self.is_running():  # (engine thread not running) a walk of the model: replaced weights are seen too
+            self._core.kv.check_weights(rewalk=True)
         if self._sync is None:
             self._handoff.start(run_engine, self._handoff, self._core)
         else:
