@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import transformers  # noqa: E402
 
 import hf_paged  # noqa: E402
-from hf_paged import embedded  # noqa: E402
+from hf_paged import compat, embedded  # noqa: E402
 from hf_paged.report import cpu_name, format_table, kv_bytes_per_token, mb  # noqa: E402
 
 BLOCK = 16
@@ -141,7 +141,8 @@ def run_padded(model, tokenizer, inputs, new: int, budget: int) -> dict:
         ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(r)) + r for r in rows])
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config),
+            out = model.generate(input_ids=ids, attention_mask=mask,
+                                 **{compat.GENERATE_CACHE_KWARG: DynamicCache(config=model.config)},
                                  do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new,
                                  min_new_tokens=new, pad_token_id=tokenizer.pad_token_id)
         generated += (out.shape[1] - width) * len(rows)
