@@ -14,7 +14,7 @@ transformers'; the largest batch's DynamicCache for generate()), prompt tokens c
 forward, padding included). Then, on the engine run with prefix caching: the cost of the weights check (a pass
 over the model's tensors' version counters, once per admitted request) and ``manager.sleep()``'s bytes freed.
 
-    python bench/rollouts.py                        # 8 prompts x 8 samples x 32 new tokens: ~4 minutes here
+    python bench/rollouts.py                        # 8 prompts x 8 samples x 32 new tokens: ~10 minutes on the busy VM
     python bench/rollouts.py --prompts 32 --samples 8 --new-tokens 128   # the full GRPO shape (much longer on CPU)
 """
 
