@@ -24,6 +24,9 @@ LOCAL_IMPORTS = {
     ("hf_paged.serve.cli", "hf_paged.serve.replicas"): "--replicas needs the 'replicas' extra (ray[serve])",
     ("hf_paged.ops", "hf_paged.ops.triton_kernels"): "imports triton (the 'triton' extra) when the Triton backend runs",
     ("hf_paged.ops.mla", "hf_paged.ops.triton_mla"): "imports triton (the 'triton' extra) when the Triton backend runs",
+    ("hf_paged.attention", "hf_paged.engine.transformers_api"): "the engine builds on the attention path (its factory "
+    "attaches models), and attaching puts the engine's transformers-facing methods on the model: one edge must be "
+    "taken at call time",
 }
 
 # (module, attribute written or called on another object): why it is not another object's private state.

@@ -118,7 +118,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     state_layers = kv_geometry(config).state_layers
     if state_layers:  # hybrid models: their state mixers run per group of requests (engine/states.py)
         install_state_mixers(model)
-    kv = RequestKV(pool, groups, batch_tokens, state_layers)
+    kv = RequestKV(pool, groups, batch_tokens, state_layers, model=model)  # model: stale-prefix check
     watermark = options.pop("watermark", None)
     scheduler = Scheduler(kv, batch_tokens, max_num_seqs=options.pop("max_num_seqs", None),
                           watermark=DEFAULT_WATERMARK if watermark is None else watermark)

@@ -63,6 +63,12 @@ class ContinuousBatchingManager:
         # collected, its handoff is abandoned, the thread ends (cancelling what is left), then the pool is freed.
         self._handoff = Handoff(core, max_unread_results)
         self._finalizer = weakref.finalize(self, self._handoff.abandon)
+        self._kept = False  # stopped with keep_for_next_session: start() opens a new session on the same engine
+        self._asleep = False  # sleep() released the pool's tensors
+        self.warmed_up = True  # (transformers' flag: nothing to warm here, decode graphs are captured as they run)
+        # Called with this manager by stop(keep_for_next_session=True): the model's transformers-facing methods set it
+        # to keep the manager for their next call (engine/transformers_api.py).
+        self.keeper = None
 
     @property
     def max_unread_results(self) -> int:
@@ -75,17 +81,38 @@ class ContinuousBatchingManager:
 
     # -------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Start the engine thread (no-op if it runs). Requests added before ``start`` wait for it."""
+        """Start the engine thread (no-op if it runs). Requests added before ``start`` wait for it. A manager stopped
+        with ``keep_for_next_session=True`` starts a new session on the same engine (pool, prefix cache, graphs;
+        results of the last session not read are dropped); one asleep is woken first."""
+        if self._kept and self._handoff.stopped:
+            self._handoff.join()
+            self._finalizer.detach()
+            self._handoff = Handoff(self._core, self._handoff.max_unread_results)
+            self._finalizer = weakref.finalize(self, self._handoff.abandon)
+        self._kept = False
+        if self._asleep:
+            self.wake()
+        if not self.is_running():  # (engine thread not running) a walk of the model: replaced weights are seen too
+            self._core.kv.check_weights(rewalk=True)
         if self._sync is None:
             self._handoff.start(run_engine, self._handoff, self._core)
         else:
             self._handoff.start(run_tp_engine, self._handoff, self._core, self._sync)
 
-    def stop(self, block: bool = True, timeout: float | None = None, drain: bool = True) -> None:
-        """Stop serving. ``drain=True`` finishes the running and waiting requests first; ``drain=False`` cancels
-        them. With ``block``, waits for the engine thread: when ``timeout`` seconds pass while draining, what is
-        left is cancelled and the thread is joined (one more step at most). Every request ends with a final status;
-        ``add_request`` raises afterwards."""
+    def stop(self, block: bool = True, timeout: float | None = None, drain: bool = True,
+             keep_for_next_session: bool = False, hard_stop: bool = False) -> None:
+        """Stop serving. ``drain=True`` finishes the running and waiting requests first; ``drain=False`` (or
+        transformers' ``hard_stop=True``) cancels them. With ``block``, waits for the engine thread: when ``timeout``
+        seconds pass while draining, what is left is cancelled and the thread is joined (one more step at most).
+        Every request ends with a final status; ``add_request`` raises afterwards, until a ``start()`` when
+        ``keep_for_next_session=True`` (transformers' name: the engine, its pool and prefix cache are kept for a next
+        session; a manager made by ``model.init_continuous_batching()`` is then the model's persistent manager)."""
+        if hard_stop:
+            drain = False
+        if keep_for_next_session:
+            self._kept = True
+            if self.keeper is not None:
+                self.keeper(self)
         handoff = self._handoff
         call_back(handoff.stop(drain))
         if not block or not handoff.started or handoff.on_engine_thread():  # (from a callback: no self-join)
@@ -93,6 +120,62 @@ class ContinuousBatchingManager:
         if not handoff.join(timeout):
             handoff.cancel_rest()
             handoff.join()
+
+    def destroy(self) -> None:
+        """transformers' name: stop for good (cancelling what is left) and forget being kept for a next session."""
+        self._kept = False
+        self.stop(block=True, drain=False)
+
+    def warmup(self) -> None:
+        """transformers' name; nothing to do (decode graphs are captured as decode steps first run)."""
+
+    # ------------------------------------------------------- weights, memory
+    def weights_updated(self) -> None:
+        """Forget every cached prefix now: no K/V computed before this call is reused. Optional: before each prefix
+        lookup the engine checks the model's parameter version counters and does this by itself when they changed
+        (``optimizer.step()``, ``load_state_dict``, copied-in weights); call it for changes those counters do not
+        show (e.g. switching which loaded adapter is active)."""
+        self._core.kv.reset_prefix_cache()
+
+    def sleep(self) -> int:
+        """Give the KV memory back between uses (e.g. to the trainer between RL rollouts): frees the pool's K/V
+        tensors (the prefix cache goes with them) and the decode steps' CUDA graphs; returns the pool's bytes freed.
+        The manager must not be running: call it after ``stop(keep_for_next_session=True)`` (or between
+        ``generate_batch`` calls of a persistent manager). :meth:`wake` (or the next ``start()``) takes the memory
+        again; a pool shared with other users must be idle too (``ValueError`` while rows hold blocks).
+
+        Example::
+
+            manager = hf_paged.keep_engine(model)          # model.generate_batch() runs on it from now on
+            outputs = model.generate_batch(prompts, max_new_tokens=256)
+            freed = manager.sleep()                       # bytes of K/V back for the backward pass
+            loss.backward(); optimizer.step()
+            manager.wake()
+        """
+        if self.is_running():
+            raise RuntimeError("cannot sleep while the engine runs: stop it first with "
+                               "manager.stop(keep_for_next_session=True), then sleep().")
+        freed = self.pool.release_tensors()
+        graphs = getattr(self._core.runner, "graphs", None)
+        if graphs is not None:
+            graphs.release()
+        if self.pool.layer_shapes and next(iter(self.pool.layer_shapes.values())).device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._asleep = True
+        return freed
+
+    def wake(self) -> int:
+        """Take the KV memory back after :meth:`sleep` now (instead of at the next forward); returns the pool's
+        bytes. No-op while awake."""
+        if not self._asleep:
+            return self.pool.bytes_reserved()
+        self._asleep = False
+        return self.pool.make_tensors()
+
+    @property
+    def asleep(self) -> bool:
+        """Whether :meth:`sleep` released the pool's tensors and nothing took them again."""
+        return self._asleep
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the engine thread to end (after :meth:`stop`, or when the engine stopped on an error). Returns
