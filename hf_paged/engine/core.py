@@ -110,6 +110,7 @@ class EngineCore:
                 prompt_ranks=[None] if params.prompt_logprobs is not None else None,
                 prompt_top_logprobs=[None] if params.prompt_logprobs is not None else None,
                 matcher=params.grammar.matcher() if params.grammar is not None else None,
+                sampling_state=self.sampler.join(params),
             )
 
         request = make(request_id, 0)
@@ -233,16 +234,20 @@ class EngineCore:
             logits = logits[torch.tensor(sources, device=logits.device)]  # [k + forks, vocab]
         bitmask, constrained = self._bitmask(reqs, logits.shape[-1])
         result = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs],
-                              [r.tokens for r in reqs], [r.num_generated for r in reqs], bitmask, constrained)
+                              [r.tokens for r in reqs], [r.num_generated for r in reqs], bitmask, constrained,
+                              states=[r.sampling_state for r in reqs])
         now = time.perf_counter()
         lps = result.logprobs or [None] * len(reqs)
         tops = result.top_logprobs or [None] * len(reqs)
-        for req, token, lp, top in zip(reqs, result.tokens, lps, tops):
+        stopped = result.stopped or [False] * len(reqs)
+        for req, token, lp, top, stop in zip(reqs, result.tokens, lps, tops, stopped):
             if req.timestamps:
                 self.inter_token.append(now - req.timestamps[-1])
             else:
                 self.ttft.append(now - req.created_time)
             req.append(token, now, lp, top)
+            if stop:  # a stop string, max_time or the request's own stopping criteria (see stopping.py)
+                req.finish_reason = "stop"
             self.generated_tokens += 1
             if req.matcher is not None and req.finish_reason is None:
                 if not req.matcher.accept(token):

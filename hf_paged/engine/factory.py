@@ -3,6 +3,7 @@ sampler, tensor-parallel channel), and :func:`generate_batch` runs a list of pro
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import torch
@@ -16,7 +17,7 @@ from . import graphs
 from .core import EngineCore
 from .distributed import AgreeingRunner, agree_on_pool, make_sync
 from .kv import RequestKV
-from .manager import DEFAULT_MAX_UNREAD, SAMPLING_KEYS, ContinuousBatchingManager
+from .manager import DEFAULT_MAX_UNREAD, ContinuousBatchingManager, is_request_setting
 from .options import (DEFAULT_WATERMARK, context_limit, default_batch_tokens, default_pool,
                       from_continuous_batching_config)
 from .outputs import GenerationOutput, RequestStatus
@@ -31,7 +32,8 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
                              max_num_seqs: int | None = None, max_unread_results: int = DEFAULT_MAX_UNREAD,
                              watermark: float | None = None, backend: str = "auto",
                              cuda_graphs: bool | None = None, tensor_parallel: bool | None = None,
-                             tp_timeout_s: float = 60.0, tp_heartbeat_s: float = 1.0) -> ContinuousBatchingManager:
+                             tp_timeout_s: float = 60.0, tp_heartbeat_s: float = 1.0,
+                             tokenizer=None) -> ContinuousBatchingManager:
     """A continuous-batching manager serving ``model`` from a shared block pool (start it, or use ``with``).
 
     Args:
@@ -64,6 +66,8 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
             loaded with ``tp_plan`` under torchrun (``model.tp_size > 1``). Call this on every rank.
         tp_timeout_s: (tensor parallel) seconds a rank waits for the others before the engine stops with an error.
         tp_heartbeat_s: (tensor parallel) how often an idle rank 0 tells the others it is alive.
+        tokenizer: the model's tokenizer, for requests with ``stop_strings`` (as ``generate(tokenizer=...)``);
+            without it such requests are refused.
 
     Requires transformers >= 5.24 (the attention plumbing the packed forward needs); ``generate()`` with a
     ``PagedCache`` works from 4.56.
@@ -126,7 +130,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     if sync is not None:
         runner = AgreeingRunner(runner, sync)
     limit, reason = context_limit(config)
-    core = EngineCore(scheduler, runner, Sampler(device=device), max_context=limit, context_reason=reason)
+    core = EngineCore(scheduler, runner, Sampler(device=device, tokenizer=tokenizer), max_context=limit, context_reason=reason)
     defaults = {"logprobs": options.pop("logprobs")} if "logprobs" in options else {}
     return ContinuousBatchingManager(core, generation_config if generation_config is not None
                                      else model.generation_config, vocab_size=config.vocab_size,
@@ -175,8 +179,10 @@ def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool 
     ``options``: those of :func:`init_continuous_batching` (``pool``, ``max_batch_tokens``, ``cuda_graphs``,
     ``continuous_batching_config``, ...) and per-request settings for every prompt (``do_sample``, ``temperature``,
     ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``, ``eos_token_id``, ``stop_token_ids``,
-    ``logprobs``, ``num_return_sequences``, ``ignore_eos``, ``min_tokens``, ``prompt_logprobs``, ``grammar``; see
-    :meth:`ContinuousBatchingManager.add_request`).
+    ``logprobs``, ``num_return_sequences``, ``ignore_eos``, ``min_tokens``, ``prompt_logprobs``, ``grammar``, any
+    other ``GenerationConfig`` field such as ``no_repeat_ngram_size`` or ``stop_strings``, and ``logits_processor`` /
+    ``stopping_criteria`` / ``prefix_allowed_tokens_fn``; see :meth:`ContinuousBatchingManager.add_request`).
+    ``tokenizer``: the model's tokenizer, needed for ``stop_strings``.
 
     Example::
 
@@ -184,7 +190,7 @@ def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool 
         for out in outputs.values():
             print(tok.decode(out.generated_tokens))
     """
-    request_options = {k: options.pop(k) for k in SAMPLING_KEYS if k in options}
+    request_options = {k: options.pop(k) for k in list(options) if is_request_setting(k) and k not in _INIT_OPTIONS}
     for name in ("persistent_manager", "warmup", "record_timestamps"):  # transformers' options with no meaning here
         options.pop(name, None)
     # Every rank of a tensor-parallel model calls generate_batch with the same prompts: each runs its own engine
@@ -226,3 +232,6 @@ def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool 
                 bar.update(1)
                 bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.1f} tok/s")
     return {rid: results[rid] for ids in order for rid in ids if rid in results}
+
+
+_INIT_OPTIONS = frozenset(inspect.signature(init_continuous_batching).parameters)
