@@ -201,7 +201,7 @@ def test_stop_strings_equal_generate(model, tokenizer):
     """Stop strings (decoded from the plain output: inside one token, across two tokens, spanning prompt and output,
     never matched) end each request where generate(stop_strings=..., tokenizer=...) ends it alone, with finish
     reason "stop" and the stop string's tokens kept; mixed with plain requests in one engine."""
-    prompts = [prompt_of(n, seed) for n, seed in ((7, 21), (12, 22), (3, 23))]
+    prompts = [prompt_of(n, seed) for n, seed in ((7, 21), (3, 23))]
     plain = [reference(model, p, eos_token_id=[]) for p in prompts]
     requests = []
     for prompt, free in zip(prompts, plain):
@@ -275,3 +275,26 @@ def test_refused_lists_no_processor_or_stopping_rule():
     assert (s.stop_strings, s.max_time, s.stopping_criteria) == (("x",), 3.0, (abs,))
     plain = SamplingParams.from_generation_config(None)
     assert plain.processors is None and plain.stopping is None and not plain.uses_history
+
+
+def test_a_failing_custom_processor_fails_its_request_alone(model):
+    """A request whose own logits processor raises (or returns the wrong shape) fails with the reason; the requests
+    sharing its steps finish with generate()'s tokens. Token ids outside the vocabulary are refused when added."""
+
+    def broken(ids, scores):
+        if ids.shape[1] > 8:
+            raise RuntimeError("boom")
+        return scores
+
+    prompt = prompt_of(6, 12)
+    with hf_paged.init_continuous_batching(model, pool=BlockPool(block_size=4, num_blocks=64)) as manager:
+        ids = [manager.add_request(prompt, max_new_tokens=NEW, logits_processor=[broken], eos_token_id=[]),
+               manager.add_request(prompt, max_new_tokens=NEW, logits_processor=[lambda ids, scores: scores[0]]),
+               manager.add_request(prompt, max_new_tokens=NEW, no_repeat_ngram_size=2)]
+        outs = [manager.get_result(rid, timeout=60) for rid in ids]
+        with pytest.raises(ValueError, match="outside the model's vocabulary"):
+            manager.add_request(prompt, max_new_tokens=2, bad_words_ids=[[VOCAB + 3]])
+    assert "boom" in outs[0].error and len(outs[0].generated_tokens) == 3  # the ids [1, 9] call raised
+    assert "not scores" in outs[1].error and not outs[1].generated_tokens
+    assert outs[2].error is None
+    assert outs[2].generated_tokens == reference(model, prompt, no_repeat_ngram_size=2)

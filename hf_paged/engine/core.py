@@ -240,7 +240,11 @@ class EngineCore:
         lps = result.logprobs or [None] * len(reqs)
         tops = result.top_logprobs or [None] * len(reqs)
         stopped = result.stopped or [False] * len(reqs)
-        for req, token, lp, top, stop in zip(reqs, result.tokens, lps, tops, stopped):
+        for i, (req, token, lp, top, stop) in enumerate(zip(reqs, result.tokens, lps, tops, stopped)):
+            if i in result.errors:  # its own processor or criterion failed: it alone fails
+                req.error = result.errors[i]
+                self.end(req, RequestStatus.FAILED)
+                continue
             if req.timestamps:
                 self.inter_token.append(now - req.timestamps[-1])
             else:

@@ -216,7 +216,7 @@ class ContinuousBatchingManager:
             params = SamplingParams.from_generation_config(config, prompt_length=len(prompt),
                                                            max_new_tokens=max_new_tokens, **overrides)
             self._core.check_fits(len(prompt), params.max_new_tokens)
-            self._core.sampler.check(params)
+            self._core.sampler.check(params, self.vocab_size)
             if self._sync is not None:
                 check_broadcastable(params)
             prepared.append((prompt, params, request_id))

@@ -159,6 +159,20 @@ class ProcessorSettings:
             out["logits_processor"] = _callables(settings["logits_processor"], "logits_processor")
         return cls(**out) if out else None
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """``ValueError`` naming the first token id at or past ``vocab_size`` (checked when a request is added, so
+        it never reaches the engine's step)."""
+        named = [("sequence_bias", [t for seq, _ in self.sequence_bias for t in seq]),
+                 ("bad_words_ids", [t for seq in self.bad_words_ids for t in seq]),
+                 ("forced_bos_token_id", [] if self.forced_bos_token_id is None else [self.forced_bos_token_id]),
+                 ("forced_eos_token_id", list(self.forced_eos_token_id)),
+                 ("suppress_tokens", list(self.suppress_tokens)),
+                 ("begin_suppress_tokens", list(self.begin_suppress_tokens))]
+        for name, ids in named:
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} holds token id {bad[0]}, outside the model's vocabulary [0, {vocab_size})")
+
 
 class NGramIndex:
     """The n-grams of one request's ids, grown as tokens are appended: ``banned(ids)`` is the set of tokens that would
@@ -214,14 +228,16 @@ class Processors:
         self._shared: dict[tuple, object] = {}  # transformers processors shared by the rows with the same setting
 
     def __call__(self, scores: torch.Tensor, params: list, states: list, histories: list[list[int]],
-                 num_generated: list[int] | None = None) -> torch.Tensor:
+                 num_generated: list[int] | None = None, errors: dict[int, str] | None = None) -> torch.Tensor:
         """``scores`` ``[n, vocab]`` with each row's processors applied (the same tensor when no row has any, else a
         new one). ``histories[i]``: row i's prompt + generated ids; ``num_generated[i]``: how many of them it
-        generated (default 0); ``states[i]``: its ``join`` state."""
+        generated (default 0); ``states[i]``: its ``Sampler.join`` state. A request's own callable that raises
+        leaves that row's scores as they were and records ``errors[i]`` (the engine fails that request alone); without
+        ``errors`` it raises."""
         rows = [i for i, p in enumerate(params) if p.processors is not None or p.repetition_penalty is not None]
         if not rows:
             return scores
-        step = _Step(scores.clone(), histories, num_generated)
+        step = _Step(scores.clone(), histories, num_generated, errors)
         with_settings = [(i, params[i].processors) for i in rows if params[i].processors is not None]
         self._sequence_bias(step, [(i, s) for i, s in with_settings if s.sequence_bias])
         self._repetition_penalty(step, [(i, params[i].repetition_penalty) for i in rows
@@ -236,7 +252,8 @@ class Processors:
         for i, s in with_settings:
             if s.prefix_allowed_tokens_fn is not None:
                 step.per_row(i, self._get(("prefix", s.prefix_allowed_tokens_fn),
-                                          lambda: PrefixConstrainedLogitsProcessor(s.prefix_allowed_tokens_fn, 1)))
+                                          lambda: PrefixConstrainedLogitsProcessor(s.prefix_allowed_tokens_fn, 1)),
+                             users=True)
         step.force([(i, (s.forced_bos_token_id,)) for i, s in with_settings
                     if s.forced_bos_token_id is not None and len(histories[i]) == 1])
         step.force([(i, s.forced_eos_token_id) for i, s in with_settings if s.forced_eos_token_id
@@ -255,7 +272,7 @@ class Processors:
                    for t in s.begin_suppress_tokens])
         for i, s in with_settings:
             for processor in s.logits_processor:
-                step.per_row(i, processor)
+                step.per_row(i, processor, users=True)
         return step.scores
 
     def _get(self, key: tuple, make):
@@ -301,10 +318,12 @@ def _begin_index(settings: ProcessorSettings, prompt_length: int) -> int:
 class _Step:
     """One step's scores (written in place) and the ways a processor reaches its rows."""
 
-    def __init__(self, scores: torch.Tensor, histories: list[list[int]], num_generated: list[int] | None):
+    def __init__(self, scores: torch.Tensor, histories: list[list[int]], num_generated: list[int] | None,
+                 errors: dict[int, str] | None):
         self.scores = scores  # [n, vocab], a copy the stage owns
         self.histories = histories
         self.num_generated = num_generated
+        self.errors = errors
         self._row_ids: dict[int, torch.Tensor] = {}
 
     def generated(self, row: int) -> int:
@@ -317,8 +336,23 @@ class _Step:
                                                     device=self.scores.device)  # [1, n]
         return ids
 
-    def per_row(self, row: int, processor) -> None:
-        """``processor`` on the row's whole ids ``[1, n]`` and its scores ``[1, vocab]``."""
+    def per_row(self, row: int, processor, users: bool = False) -> None:
+        """``processor`` on the row's whole ids ``[1, n]`` and its scores ``[1, vocab]`` (``users``: the request's
+        own callable, whose failure fails that request only)."""
+        if users and self.errors is not None:
+            if row in self.errors:
+                return
+            try:
+                out = processor(self.ids(row), self.scores[row:row + 1])
+                if not isinstance(out, torch.Tensor) or tuple(out.shape) != (1, self.scores.shape[-1]):
+                    raise ValueError(f"it returned {type(out).__name__} "
+                                     f"{tuple(out.shape) if isinstance(out, torch.Tensor) else ''}, not scores "
+                                     f"[1, {self.scores.shape[-1]}]")
+            except Exception as err:
+                self.errors[row] = f"this request's logits processor {processor!r} failed: {type(err).__name__}: {err}"
+                return
+            self.scores[row:row + 1] = out
+            return
         self.scores[row:row + 1] = processor(self.ids(row), self.scores[row:row + 1])
 
     def windowed(self, rows: list[int], processor, window: int) -> None:

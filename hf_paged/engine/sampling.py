@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import numbers
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import (
@@ -351,13 +351,16 @@ class SampleResult:
     ``logprobs[i]`` is row i's sampled token's log-probability and ``top_logprobs[i]`` its ``params[i].logprobs``
     most likely ``(token, log-probability)`` pairs, most likely first; both are None where no row asked, and
     ``None`` / ``[]`` for the rows that did not. ``stopped[i]``: row i's token ends it (a stop string, ``max_time``
-    or its own stopping criteria; finish reason "stop"); None where no row has such settings.
+    or its own stopping criteria; finish reason "stop"); None where no row has such settings. ``errors``: row ->
+    why that request's own ``logits_processor`` / ``prefix_allowed_tokens_fn`` / ``stopping_criteria`` failed (the
+    engine fails that request alone); empty when none did.
     """
 
     tokens: list[int]
     logprobs: list[float | None] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     stopped: list[bool] | None = None
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 class Sampler:
@@ -387,10 +390,12 @@ class Sampler:
         self.processors = Processors()
         self.stopping = Stopping(tokenizer)
 
-    def check(self, params: SamplingParams) -> None:
-        """``ValueError`` if this engine cannot serve ``params`` (stop strings without a tokenizer); call it when a
-        request is added."""
+    def check(self, params: SamplingParams, vocab_size: int | None = None) -> None:
+        """``ValueError`` if this engine cannot serve ``params`` (stop strings without a tokenizer, token ids past
+        ``vocab_size``); call it when a request is added."""
         self.stopping.check(params.stopping)
+        if params.processors is not None and vocab_size is not None:
+            params.processors.check_vocab(vocab_size)
 
     @staticmethod
     def join(params: SamplingParams) -> RequestState | None:
@@ -440,7 +445,8 @@ class Sampler:
         scores = _mask_min_tokens(logits.float(), params, num_generated)  # [n, vocab]
         if bitmask is not None:
             scores = apply_bitmask(scores, bitmask, bitmask_rows)
-        scores = self.processors(scores, params, states, histories, num_generated)  # [n, vocab]
+        errors: dict[int, str] = {}
+        scores = self.processors(scores, params, states, histories, num_generated, errors)  # [n, vocab]
         groups: dict[tuple, list[int]] = {}
         for row, p in enumerate(params):
             groups.setdefault(_chain_key(p), []).append(row)
@@ -467,10 +473,10 @@ class Sampler:
         token_list = tokens.tolist()
         stopped = self.stopping([p.stopping for p in params],
                                 [s.started if s is not None else None for s in states], histories, token_list,
-                                processed)
+                                processed, errors)
         if all(p.logprobs is None for p in params):
-            return SampleResult(token_list, stopped=stopped)
-        return SampleResult(token_list, *_logprobs(processed, tokens, params), stopped=stopped)
+            return SampleResult(token_list, stopped=stopped, errors=errors)
+        return SampleResult(token_list, *_logprobs(processed, tokens, params), stopped=stopped, errors=errors)
 
     def _chain(self, key: tuple) -> LogitsProcessorList:
         chain = self._chains.get(key)

@@ -104,10 +104,11 @@ class Stopping:
         return found
 
     def __call__(self, settings: list, started: list, histories: list[list[int]], tokens: list[int],
-                 scores: torch.Tensor) -> list[bool] | None:
+                 scores: torch.Tensor, errors: dict[int, str] | None = None) -> list[bool] | None:
         """Which rows end on ``tokens`` (one per row, not yet in ``histories``): ``[n]`` bools, or None when no row
         has stop settings. ``settings[i]``: row i's ``StopSettings`` or None; ``started[i]``: the ``time.time()`` its
-        clock started at (read for ``max_time``); ``scores`` ``[n, vocab]``: the processed scores."""
+        clock started at (read for ``max_time``); ``scores`` ``[n, vocab]``: the processed scores. A request's own
+        criterion that raises records ``errors[i]`` (without ``errors`` it raises)."""
         rows = [i for i, s in enumerate(settings) if s is not None]
         if not rows:
             return None
@@ -121,10 +122,16 @@ class Stopping:
             if s.max_time is not None and time.time() - started[i] > s.max_time:
                 ended[i] = True
             for criterion in s.stopping_criteria:
-                if not ended[i]:
-                    ids = torch.tensor([[*histories[i], tokens[i]]], dtype=torch.long,
-                                       device=scores.device)  # [1, n]
+                if ended[i] or (errors is not None and i in errors):
+                    continue
+                ids = torch.tensor([[*histories[i], tokens[i]]], dtype=torch.long, device=scores.device)  # [1, n]
+                if errors is None:
                     ended[i] = _true(criterion(ids, scores[i:i + 1]))
+                    continue
+                try:
+                    ended[i] = _true(criterion(ids, scores[i:i + 1]))
+                except Exception as err:
+                    errors[i] = f"this request's stopping criterion {criterion!r} failed: {type(err).__name__}: {err}"
         for (strings, width), members in groups.items():
             tails = [[*histories[i][len(histories[i]) - width + 1:], tokens[i]] for i in members]
             hits = self.criteria(strings)(torch.tensor(tails, dtype=torch.long), None)  # [g]
