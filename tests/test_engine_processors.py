@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers.engine_shadow import one_thread
 from helpers.models import EOS, VOCAB, tiny_model
-from transformers import AutoTokenizer, DynamicCache, LogitsProcessorList, StoppingCriteriaList
+from transformers import AutoTokenizer, DynamicCache, LogitsProcessorList, StoppingCriteriaList, WatermarkingConfig
 
 import hf_paged
 from hf_paged import BlockPool, compat, embedded
@@ -110,6 +110,9 @@ def cases(model) -> list[tuple[str, list[int], dict]]:
             (f"top_h{j}", prompt, dict(do_sample=True, top_h=0.3, seed=40 + j)),
             (f"sampled_mix{j}", prompt, dict(do_sample=True, typical_p=0.9, no_repeat_ngram_size=2,
                                             bad_words_ids=[[a]], seed=50 + j)),
+            (f"watermark{j}", prompt, dict(watermarking_config=WatermarkingConfig(bias=4.0, context_width=2))),
+            (f"watermark_selfhash{j}", prompt, dict(do_sample=True, seed=60 + j, watermarking_config=WatermarkingConfig(
+                bias=3.0, seeding_scheme="selfhash", context_width=3))),
         ]
     out.append(("forced_bos", [9], dict(forced_bos_token_id=5, begin_suppress_tokens=[5, 6])))
     out.append(("forced_bos_only", [9], dict(forced_bos_token_id=5)))
@@ -127,7 +130,8 @@ def test_each_option_alone_equals_generate(model):
     options) from the plain output, so the test would see it ignored."""
     all_cases = cases(model)
     plain = {name[-1]: expected(model, name, p, s) for name, p, s in all_cases if name.startswith("plain")}
-    for name, prompt, settings in all_cases[:19] + all_cases[-2:]:  # the first prompt's options, and forced BOS
+    per_prompt = (len(all_cases) - 2) // 3
+    for name, prompt, settings in all_cases[:per_prompt] + all_cases[-2:]:  # the first prompt's options, forced BOS
         want = expected(model, name, prompt, settings)
         out = hf_paged.generate_batch(model, [prompt], progress_bar=False, pool=BlockPool(block_size=4, num_blocks=64),
                                       **engine_settings(settings))["req_0"]
@@ -135,6 +139,8 @@ def test_each_option_alone_equals_generate(model):
         assert out.generated_tokens == want, name
         if settings.get("do_sample"):
             base = {k: v for k, v in settings.items() if k in ("do_sample", "temperature", "top_k", "seed")}
+            if "watermarking_config" in settings:
+                base["watermarking_config"] = WatermarkingConfig(bias=1e-3, seeding_scheme="selfhash")
             unchanged = want == expected(model, name, prompt, base)
         else:
             unchanged = want == plain["0"] and not name.startswith(("plain", "invalid", "forced_bos"))
@@ -252,12 +258,12 @@ def test_ngram_index_equals_transformers_on_random_histories():
 
 def test_refused_lists_no_processor_or_stopping_rule():
     """REFUSED keeps no logits processor, warper or stopping rule of generate(): only beams, speculation, modes that
-    need more than the engine's step (contrastive search, DoLa, guidance), watermarking, token healing,
+    need more than the engine's step (contrastive search, DoLa, guidance), SynthID watermarking, token healing,
     encoder-decoder settings and generate()'s return-value options; each served one is read into SamplingParams."""
     served = {"no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "min_length", "suppress_tokens",
               "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
               "exponential_decay_length_penalty", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h", "stop_strings",
-              "max_time", "remove_invalid_values"}
+              "max_time", "remove_invalid_values", "watermarking_config"}
     assert not served & set(REFUSED)
     params = SamplingParams.from_generation_config(
         None, do_sample=True, no_repeat_ngram_size=2, bad_words_ids=[[4]], sequence_bias=[[[5], 1.0]], min_length=3,

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from transformers import (
     ExponentialDecayLengthPenalty,
+    WatermarkingConfig,
     InfNanRemoveLogitsProcessor,
     NoBadWordsLogitsProcessor,
     PrefixConstrainedLogitsProcessor,
@@ -109,6 +110,7 @@ class ProcessorSettings:
     suppress_tokens: tuple[int, ...] = ()
     begin_suppress_tokens: tuple[int, ...] = ()
     logits_processor: tuple = ()
+    watermarking_config: object = None
 
     @classmethod
     def from_settings(cls, settings: dict) -> "ProcessorSettings | None":
@@ -157,6 +159,16 @@ class ProcessorSettings:
             out["begin_suppress_tokens"] = _ids(settings["begin_suppress_tokens"], "begin_suppress_tokens")
         if settings.get("logits_processor"):
             out["logits_processor"] = _callables(settings["logits_processor"], "logits_processor")
+        mark = settings.get("watermarking_config")
+        if mark is not None:
+            if isinstance(mark, dict):
+                mark = WatermarkingConfig.from_dict(mark)
+            if type(mark) is not WatermarkingConfig:
+                raise ValueError(f"watermarking_config: only transformers' WatermarkingConfig (green-list "
+                                 f"watermarking) is served by the engine, got {type(mark).__name__} (SynthID's "
+                                 f"processor keeps state across a whole batch's steps); run model.generate() for it")
+            mark.validate()
+            out["watermarking_config"] = mark
         return cls(**out) if out else None
 
     def check_vocab(self, vocab_size: int) -> None:
@@ -273,6 +285,25 @@ class Processors:
         for i, s in with_settings:
             for processor in s.logits_processor:
                 step.per_row(i, processor, users=True)
+        return step.scores
+
+    def after_warpers(self, scores: torch.Tensor, params: list, histories: list[list[int]]) -> torch.Tensor:
+        """``scores`` with the rows' watermarks applied (``generate()`` applies them after the warpers); the same
+        tensor when no row has one. Rows with the same watermark settings share one processor, on a window of their
+        last ``context_width`` ids (all it reads)."""
+        rows = [i for i, p in enumerate(params) if p.processors is not None and p.processors.watermarking_config]
+        if not rows:
+            return scores
+        step = _Step(scores.clone(), histories, None, None)
+        vocab, device = scores.shape[-1], scores.device
+        groups: dict[tuple, list[int]] = {}
+        for i in rows:
+            config = params[i].processors.watermarking_config
+            groups.setdefault(tuple(sorted(config.to_dict().items())), []).append(i)
+        for key, members in groups.items():
+            config = params[members[0]].processors.watermarking_config
+            processor = self._get(("watermark", key, vocab), lambda: config.construct_processor(vocab, device))
+            step.windowed(members, processor, processor.context_width)
         return step.scores
 
     def _get(self, key: tuple, make):

@@ -20,8 +20,9 @@ given the tokenizer), ``max_new_tokens`` (or ``max_length`` less the prompt), ``
 Refused with a ValueError naming the setting (see ``REFUSED``, each with its reason): beam search and its variants
 (constrained, diverse), assisted / prompt-lookup / speculative decoding, contrastive search and DoLa (they read hidden
 states the engine's step does not return), classifier-free guidance (a second, unconditional forward per request),
-watermarking, token healing (it rewrites the prompt), encoder-decoder settings, and the per-step scores, attentions
-and hidden states of ``generate()``'s return value (ask for ``logprobs`` instead).
+SynthID watermarking (its processor keeps whole-batch state; green-list watermarking is served), token healing (it
+rewrites the prompt), encoder-decoder settings, and the per-step scores, attentions and hidden states of
+``generate()``'s return value (ask for ``logprobs`` instead).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from .stopping import Stopping, StopSettings
 PROCESSOR_FIELDS = frozenset({
     "sequence_bias", "no_repeat_ngram_size", "bad_words_ids", "min_length", "forced_bos_token_id",
     "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
-    "begin_suppress_tokens",
+    "begin_suppress_tokens", "watermarking_config",
 })
 STOP_FIELDS = frozenset({"stop_strings", "max_time"})
 WARPERS = ("top_h", "typical_p", "epsilon_cutoff", "eta_cutoff")
@@ -87,7 +88,6 @@ REFUSED = {
                        "model.generate() with a PagedCache for it"),
     "encoder_no_repeat_ngram_size": "applies to encoder-decoder models only (the engine serves decoder-only models)",
     "encoder_repetition_penalty": "applies to encoder-decoder models only (the engine serves decoder-only models)",
-    "watermarking_config": "watermarking is not served by the engine; run model.generate() with a PagedCache for it",
     "token_healing": ("token healing rewrites the prompt's last tokens with the tokenizer before generating; heal "
                       "the prompt before add_request, or run model.generate() with a PagedCache"),
     "prompt_lookup_num_tokens": _SPECULATION,
@@ -460,6 +460,8 @@ class Sampler:
             for chain, rows in active:
                 index = torch.tensor(rows, device=scores.device)  # [g]
                 processed[index] = chain(None, scores[index])  # [g, vocab]
+
+        processed = self.processors.after_warpers(processed, params, histories)  # watermarks
 
         greedy = [row for row, p in enumerate(params) if not p.do_sample]
         if len(greedy) == n:
