@@ -19,6 +19,7 @@ ratios new / old.
 
     python bench/processors.py                       # 3 rounds, 32 requests x 64 tokens (~3 min on 2 CPU cores)
     python bench/processors.py --rounds 5 --requests 64 --old /path/to/other/checkout
+    python bench/processors.py --sampler-only --rounds 8   # the sampler's time alone (~2 min)
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def _sampler(workload: str, args) -> float:
     generators = [sampler.new_generator(p) for p in params]
     extra = {"states": [sampler.join(p) for p in params]} if hasattr(sampler, "join") else {}
     calls, best = 30, float("inf")
-    for _ in range(3):
+    for _ in range(5):
         start = time.process_time()
         for _ in range(calls):
             sampler(logits, params, generators, histories, [5] * n, **extra)
@@ -116,14 +117,16 @@ def worker(args) -> None:
     model = _model(args.vocab)
     out = {}
     for workload in args.workloads.split(","):
-        out[workload] = {**_engine(model, workload, args), "sampler_us": _sampler(workload, args)}
+        engine = {"steps": 1, "cpu_s": 1.0, "wall_s": 1.0} if args.sampler_only else _engine(model, workload, args)
+        out[workload] = {**engine, "sampler_us": _sampler(workload, args)}
     print("RESULT " + json.dumps(out), flush=True)
 
 
 def run_worker(checkout: Path, workloads: list[str], args) -> dict:
     env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--workloads", ",".join(workloads),
-           "--requests", str(args.requests), "--new-tokens", str(args.new_tokens), "--vocab", str(args.vocab)]
+           "--requests", str(args.requests), "--new-tokens", str(args.new_tokens), "--vocab", str(args.vocab),
+           *(["--sampler-only"] if args.sampler_only else [])]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     if done.returncode or not line:
@@ -138,6 +141,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--sampler-only", action="store_true", help="time the sampler alone (no engine runs)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workloads", default="plain", help=argparse.SUPPRESS)
     args = parser.parse_args()

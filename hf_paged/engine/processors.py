@@ -25,6 +25,7 @@ object, each with its own row, so keep per-request state keyed by what ``ids`` s
 from __future__ import annotations
 
 import numbers
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ from transformers import (
 )
 
 NEG_INF = float("-inf")
+SHARED_CACHE = 1024  # prepared processors kept per engine (a server sees many distinct biases and bad-word lists)
 
 
 def _is_int(value) -> bool:
@@ -237,7 +239,8 @@ class Processors:
     """
 
     def __init__(self):
-        self._shared: dict[tuple, object] = {}  # transformers processors shared by the rows with the same setting
+        # transformers processors shared by the rows with the same setting, the most recently used kept
+        self._shared: OrderedDict[tuple, object] = OrderedDict()
 
     def __call__(self, scores: torch.Tensor, params: list, states: list, histories: list[list[int]],
                  num_generated: list[int] | None = None, errors: dict[int, str] | None = None) -> torch.Tensor:
@@ -310,6 +313,10 @@ class Processors:
         processor = self._shared.get(key)
         if processor is None:
             processor = self._shared[key] = make()
+            if len(self._shared) > SHARED_CACHE:
+                self._shared.popitem(last=False)
+        else:
+            self._shared.move_to_end(key)
         return processor
 
     def _sequence_bias(self, step: "_Step", rows: list) -> None:
