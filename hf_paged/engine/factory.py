@@ -130,7 +130,8 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     if sync is not None:
         runner = AgreeingRunner(runner, sync)
     limit, reason = context_limit(config)
-    core = EngineCore(scheduler, runner, Sampler(device=device, tokenizer=tokenizer), max_context=limit, context_reason=reason)
+    core = EngineCore(scheduler, runner, Sampler(device=device, tokenizer=tokenizer), max_context=limit,
+                      context_reason=reason)
     defaults = {"logprobs": options.pop("logprobs")} if "logprobs" in options else {}
     return ContinuousBatchingManager(core, generation_config if generation_config is not None
                                      else model.generation_config, vocab_size=config.vocab_size,

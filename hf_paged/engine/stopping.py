@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers import StopStringCriteria
 
-CRITERIA_CACHE = 64  # StopStringCriteria kept per engine, one per set of stop strings (each costs a pass over the vocab)
+CRITERIA_CACHE = 64  # StopStringCriteria kept per engine, one per set of stop strings (each a pass over the vocab)
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,8 @@ class Stopping:
     Example::
 
         stopping = Stopping(tokenizer)
-        stopping.check(params)                                        # when a request is added: ValueError if unservable
-        ended = stopping(params, started, histories, tokens, scores)  # after a step: [n] bools, or None if no row can end
+        stopping.check(settings)                                        # when a request is added: ValueError if not
+        ended = stopping(settings, started, histories, tokens, scores)  # after a step: [n] bools (None: none can end)
     """
 
     def __init__(self, tokenizer=None):
