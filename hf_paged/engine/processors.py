@@ -5,11 +5,12 @@ prompt + generated ids (no padding seen, the prompt's length known).
 ``Processors`` is the stage the ``Sampler`` runs each step, before the warpers: it takes the rows that have settings,
 in ``generate()``'s order (sequence bias, repetition penalty, n-gram blocking, bad words, min length, prefix-allowed
 tokens, forced BOS / EOS, inf/nan removal, length decay, suppression, begin-suppression, then the request's own
-``logits_processor``), and leaves the others untouched: a step whose requests set none of them pays one attribute
-check per row. Where rows agree on a setting they are processed together: the repetition penalty and masks
-(n-gram, min length, suppression, forced tokens) in one indexed write across rows, the bias and bad-word processors
-(which read only the last few ids) on one ``[g, w]`` window of the rows' last ids. The others run per row on that
-row's ids ``[1, n]`` with transformers' own classes, so each row gets exactly what ``generate()`` computes for it alone.
+``logits_processor``; after the warpers, a green-list watermark), and leaves the others untouched: a step whose
+requests set none of them pays one attribute check per row. Where rows agree on a setting they are processed
+together: the repetition penalty (on each row's distinct ids only) and the masks (n-gram, min length, suppression,
+forced tokens) in one indexed write across rows; the bias, bad-word and watermark processors (which read only the last
+few ids) on one ``[g, w]`` window of the rows' last ids. The others run per row on that row's ids ``[1, n]`` with
+transformers' own classes, so each row gets exactly what ``generate()`` computes for it alone.
 
 A request's own state (its n-gram index) is a :class:`RequestState`, made when the request joins the engine
 (``Sampler.join``), copied when it forks (``RequestState.fork``), kept across preemptions, and dropped with the request
@@ -35,7 +36,6 @@ from transformers import (
     InfNanRemoveLogitsProcessor,
     NoBadWordsLogitsProcessor,
     PrefixConstrainedLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
 )
 
@@ -336,13 +336,23 @@ class Processors:
                 [list(w) for w in words], list(eos) or None))
             step.windowed(members, processor, max(len(w) for w in words) - 1)
 
-    def _repetition_penalty(self, step: "_Step", rows: list) -> None:
+    @staticmethod
+    def _repetition_penalty(step: "_Step", rows: list) -> None:
+        """``RepetitionPenaltyLogitsProcessor``'s arithmetic (the same float32 operations, the penalty a Python
+        float) on just the (row, token) pairs of each row's distinct ids: one gather and one write per penalty value,
+        not a pass over ``[g, vocab]``."""
         groups: dict[float, list[int]] = {}
         for i, penalty in rows:
             groups.setdefault(float(penalty), []).append(i)
+        vocab, device = step.scores.shape[-1], step.scores.device
         for penalty, members in groups.items():
-            processor = self._get(("penalty", penalty), lambda: RepetitionPenaltyLogitsProcessor(penalty=penalty))
-            step.group(members, processor, width=None)
+            pairs = [(i, t) for i in members for t in set(step.histories[i]) if t < vocab]
+            if not pairs:
+                continue
+            index = (torch.tensor([i for i, _ in pairs], device=device),
+                     torch.tensor([t for _, t in pairs], device=device))  # [m], [m]
+            score = step.scores[index]  # [m]
+            step.scores[index] = torch.where(score < 0, score * penalty, score / penalty)
 
 
 def _begin_index(settings: ProcessorSettings, prompt_length: int) -> int:
@@ -402,17 +412,9 @@ class _Step:
         for width, members in by_width.items():
             self.group(members, processor, width)
 
-    def group(self, rows: list[int], processor, width: int | None) -> None:
-        """``processor`` on ``rows`` at once, with their last ``width`` ids (None: all, padded with ``vocab``, for a
-        processor that skips that id)."""
-        vocab = self.scores.shape[-1]
-        if width is None:
-            longest = max(len(self.histories[row]) for row in rows)
-            ids = torch.full((len(rows), longest), vocab, dtype=torch.long)  # [g, longest]
-            for j, row in enumerate(rows):
-                history = self.histories[row]
-                ids[j, :len(history)] = torch.tensor(history, dtype=torch.long)
-        elif width == 0:
+    def group(self, rows: list[int], processor, width: int) -> None:
+        """``processor`` on ``rows`` at once, with their last ``width`` ids."""
+        if width == 0:
             ids = torch.empty((len(rows), 0), dtype=torch.long)  # [g, 0]
         else:
             ids = torch.tensor([self.histories[row][-width:] for row in rows], dtype=torch.long)  # [g, width]
