@@ -236,7 +236,7 @@ class SamplingParams:
         unknown = sorted(set(given) - set(defaults) - set(fields) - ENGINE_OPTIONS - CALLABLES)
         if unknown:
             raise ValueError(f"unknown generation setting(s) {unknown}; the engine reads GenerationConfig fields and "
-                             f"{sorted(ENGINE_OPTIONS)}")
+                             f"{sorted(ENGINE_OPTIONS | CALLABLES)}")
         settings = {**defaults, **{k: v for k, v in fields.items() if v is not None}, **given}
 
         for key, value in settings.items():
