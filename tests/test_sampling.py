@@ -12,6 +12,7 @@ from transformers import (
     LogitsProcessorList,
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
+    SynthIDTextWatermarkingConfig,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -114,7 +115,7 @@ def test_each_row_gets_its_own_processed_distribution():
         torch.testing.assert_close(got[finite], want[finite], rtol=0, atol=1e-5)
         assert math.isfinite(result.logprobs[row]) and result.logprobs[row] == pytest.approx(
             want[result.tokens[row]].item(), abs=1e-5)
-    assert len(sampler._chains) == len(ROW_SETTINGS) - 1
+    assert len(sampler._chains) == len(ROW_SETTINGS) - 2  # one warper chain per setting; the greedy rows share one
 
 
 def test_draws_follow_the_processed_distribution():
@@ -220,16 +221,22 @@ def test_settings_follow_generate_defaults_and_overrides():
     (dict(do_sample=True, num_beam_groups=2, num_beams=2), "num_beam"),
     (dict(force_words_ids=[[3]]), "force_words_ids"),
     (dict(penalty_alpha=0.6), "penalty_alpha"),
-    (dict(no_repeat_ngram_size=3), "no_repeat_ngram_size=3"),
+    (dict(no_repeat_ngram_size=-3), "no_repeat_ngram_size"),
     (dict(min_new_tokens=20, max_new_tokens=8), "min_tokens=20"),  # honoured as min_tokens, checked
-    (dict(bad_words_ids=[[4]]), "bad_words_ids"),
+    (dict(bad_words_ids=[[4, -1]]), "bad_words_ids"),
+    (dict(sequence_bias={(4,): "x"}), "sequence_bias"),
     (dict(guidance_scale=2.0), "guidance_scale=2.0"),
-    (dict(do_sample=True, typical_p=0.5), "typical_p=0.5"),
-    (dict(stop_strings=["\n"]), "stop_strings"),
+    (dict(do_sample=True, typical_p=1.5), "typical_p"),
+    (dict(do_sample=True, eta_cutoff=-0.5), "eta_cutoff"),
+    (dict(stop_strings=[3]), "stop_strings"),
     (dict(output_scores=True), "logprobs"),
-    (dict(max_time=1.0), "max_time"),
-    (dict(logits_processor=[lambda ids, scores: scores]), "logits_processor"),
-    (dict(stopping_criteria=[]), "stopping_criteria"),
+    (dict(max_time=-1.0), "max_time"),
+    (dict(exponential_decay_length_penalty=(2, 0.5)), "exponential_decay_length_penalty"),
+    (dict(suppress_tokens=[-2]), "suppress_tokens"),
+    (dict(logits_processor=[3]), "logits_processor"),
+    (dict(stopping_criteria=["x"]), "stopping_criteria"),
+    (dict(watermarking_config={"greenlist_ratio": 2.0}), "watermarking_config"),
+    (dict(watermarking_config=SynthIDTextWatermarkingConfig(keys=[1, 2], ngram_len=2)), "SynthID"),
     (dict(not_a_setting=1), "not_a_setting"),
     (dict(do_sample=True, temperature=0.0), "do_sample=False"),
     (dict(do_sample=True, top_k=2.5), "top_k"),
@@ -246,9 +253,8 @@ def test_settings_follow_generate_defaults_and_overrides():
 ])
 def test_unsupported_or_invalid_settings_are_refused_by_name(settings, named):
     """Each setting the engine cannot apply, or a value out of range, raises a ValueError naming it."""
-    config_keys = {"num_beams", "num_beam_groups", "force_words_ids", "penalty_alpha", "no_repeat_ngram_size",
-                   "min_new_tokens", "bad_words_ids", "guidance_scale", "typical_p", "stop_strings", "output_scores",
-                   "max_time"}
+    config_keys = {"num_beams", "num_beam_groups", "force_words_ids", "penalty_alpha", "min_new_tokens",
+                   "guidance_scale", "output_scores"}
     in_config = {k: v for k, v in settings.items() if k in config_keys}
     overrides = {k: v for k, v in settings.items() if k not in config_keys}
     config = GenerationConfig(**in_config) if in_config else None

@@ -411,7 +411,7 @@ def test_bad_requests_get_their_4xx_and_the_server_keeps_serving(served, tokeniz
     assert status == 400 and body["param"] == "max_tokens" and body["type"] == "invalid_request_error"
     assert status_of(temperature=3.5)[0] == 400
     assert status_of(n=0)[0] == 400
-    status, body = status_of(logit_bias={"5": 1.0})
+    status, body = status_of(logit_bias={"5": 101.0})
     assert status == 400 and "logit_bias" in body["message"]
     assert status_of(presence_penalty=0.5)[0] == 400
     status, body = status_of(model="no-such-model")
@@ -423,8 +423,8 @@ def test_bad_requests_get_their_4xx_and_the_server_keeps_serving(served, tokeniz
     assert status == 400 and f"{n_tokens:,}" in body["message"] and "512" in body["message"]
     with pytest.raises(openai.APIStatusError) as info:  # a vLLM field the engine cannot do is refused by name
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                       extra_body={"bad_words": ["x"]})
-    assert info.value.status_code == 400 and "bad_words" in info.value.body["message"]
+                                       extra_body={"allowed_token_ids": [5]})
+    assert info.value.status_code == 400 and "allowed_token_ids" in info.value.body["message"]
     with pytest.raises(openai.APIStatusError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x"}}]}])

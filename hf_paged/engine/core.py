@@ -112,6 +112,7 @@ class EngineCore:
                 prompt_top_logprobs=[None] if params.prompt_logprobs is not None else None,
                 matcher=params.grammar.matcher() if params.grammar is not None else None, media=media,
                 bidirectional_spans=list(media.bidirectional_spans) if media is not None else [],
+                sampling_state=self.sampler.join(params),
             )
 
         request = make(request_id, 0)
@@ -235,16 +236,24 @@ class EngineCore:
             logits = logits[torch.tensor(sources, device=logits.device)]  # [k + forks, vocab]
         bitmask, constrained = self._bitmask(reqs, logits.shape[-1])
         result = self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs],
-                              [r.tokens for r in reqs], [r.num_generated for r in reqs], bitmask, constrained)
+                              [r.tokens for r in reqs], [r.num_generated for r in reqs], bitmask, constrained,
+                              states=[r.sampling_state for r in reqs])
         now = time.perf_counter()
         lps = result.logprobs or [None] * len(reqs)
         tops = result.top_logprobs or [None] * len(reqs)
-        for req, token, lp, top in zip(reqs, result.tokens, lps, tops):
+        stopped = result.stopped or [False] * len(reqs)
+        for i, (req, token, lp, top, stop) in enumerate(zip(reqs, result.tokens, lps, tops, stopped)):
+            if i in result.errors:  # its own processor or criterion failed: it alone fails
+                req.error = result.errors[i]
+                self.end(req, RequestStatus.FAILED)
+                continue
             if req.timestamps:
                 self.inter_token.append(now - req.timestamps[-1])
             else:
                 self.ttft.append(now - req.created_time)
             req.append(token, now, lp, top)
+            if stop:  # a stop string, max_time or the request's own stopping criteria (see stopping.py)
+                req.finish_reason = "stop"
             self.generated_tokens += 1
             if req.matcher is not None and req.finish_reason is None:
                 if not req.matcher.accept(token):

@@ -3,6 +3,7 @@ sampler, tensor-parallel channel), and :func:`generate_batch` runs a list of pro
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Mapping
 
@@ -17,7 +18,7 @@ from . import graphs
 from .core import EngineCore
 from .distributed import AgreeingRunner, agree_on_pool, make_sync
 from .kv import RequestKV
-from .manager import DEFAULT_MAX_UNREAD, SAMPLING_KEYS, ContinuousBatchingManager
+from .manager import DEFAULT_MAX_UNREAD, ContinuousBatchingManager, is_request_setting
 from .multimodal import DEFAULT_ENCODER_CACHE_BYTES, MultimodalInputs, takes_images
 from .options import (DEFAULT_WATERMARK, context_limit, default_batch_tokens, default_pool,
                       from_continuous_batching_config)
@@ -34,7 +35,8 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
                              watermark: float | None = None, backend: str = "auto",
                              cuda_graphs: bool | None = None, tensor_parallel: bool | None = None,
                              tp_timeout_s: float = 60.0, tp_heartbeat_s: float = 1.0,
-                             encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES) -> ContinuousBatchingManager:
+                             encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES,
+                             tokenizer=None) -> ContinuousBatchingManager:
     """A continuous-batching manager serving ``model`` from a shared block pool (start it, or use ``with``).
 
     Args:
@@ -71,6 +73,8 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
             used out), so a preempted request or another with the same images does not run the vision encoder again
             (0: keep features only while their request's image tokens are prefilled). See
             ``hf_paged/engine/multimodal.py``.
+        tokenizer: the model's tokenizer, for requests with ``stop_strings`` (as ``generate(tokenizer=...)``);
+            without it such requests are refused.
 
     Requires transformers >= 5.24 (the attention plumbing the packed forward needs); ``generate()`` with a
     ``PagedCache`` works from 4.56.
@@ -135,7 +139,8 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     if sync is not None:
         runner = AgreeingRunner(runner, sync)
     limit, reason = context_limit(config)
-    core = EngineCore(scheduler, runner, Sampler(device=device), max_context=limit, context_reason=reason)
+    core = EngineCore(scheduler, runner, Sampler(device=device, tokenizer=tokenizer), max_context=limit,
+                      context_reason=reason)
     defaults = {"logprobs": options.pop("logprobs")} if "logprobs" in options else {}
     return ContinuousBatchingManager(core, generation_config if generation_config is not None
                                      else model.generation_config, vocab_size=config.vocab_size,
@@ -186,8 +191,10 @@ def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool 
     ``options``: those of :func:`init_continuous_batching` (``pool``, ``max_batch_tokens``, ``cuda_graphs``,
     ``continuous_batching_config``, ...) and per-request settings for every prompt (``do_sample``, ``temperature``,
     ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``, ``eos_token_id``, ``stop_token_ids``,
-    ``logprobs``, ``num_return_sequences``, ``ignore_eos``, ``min_tokens``, ``prompt_logprobs``, ``grammar``; see
-    :meth:`ContinuousBatchingManager.add_request`).
+    ``logprobs``, ``num_return_sequences``, ``ignore_eos``, ``min_tokens``, ``prompt_logprobs``, ``grammar``, any
+    other ``GenerationConfig`` field such as ``no_repeat_ngram_size`` or ``stop_strings``, and ``logits_processor`` /
+    ``stopping_criteria`` / ``prefix_allowed_tokens_fn``; see :meth:`ContinuousBatchingManager.add_request`).
+    ``tokenizer``: the model's tokenizer, needed for ``stop_strings``.
 
     Example::
 
@@ -195,7 +202,7 @@ def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool 
         for out in outputs.values():
             print(tok.decode(out.generated_tokens))
     """
-    request_options = {k: options.pop(k) for k in SAMPLING_KEYS if k in options}
+    request_options = {k: options.pop(k) for k in list(options) if is_request_setting(k) and k not in _INIT_OPTIONS}
     for name in ("persistent_manager", "warmup", "record_timestamps"):  # transformers' options with no meaning here
         options.pop(name, None)
     # Every rank of a tensor-parallel model calls generate_batch with the same prompts: each runs its own engine
@@ -238,3 +245,6 @@ def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool 
                 bar.update(1)
                 bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.1f} tok/s")
     return {rid: results[rid] for ids in order for rid in ids if rid in results}
+
+
+_INIT_OPTIONS = frozenset(inspect.signature(init_continuous_batching).parameters)

@@ -16,6 +16,7 @@ from typing import Iterator
 
 import torch
 
+from .. import compat
 from ..distributed import sum_over_ranks
 from .core import EngineCore
 from .distributed import check_broadcastable
@@ -23,12 +24,19 @@ from .handoff import Handoff, call_back
 from .loop import run_engine, run_tp_engine
 from .multimodal import MediaPrompt
 from .outputs import EngineStats, GenerationOutput, RequestStatus
-from .sampling import SamplingParams
+from .sampling import CALLABLES, SamplingParams
 
 DEFAULT_MAX_UNREAD = 100_000  # finished results kept until read; the oldest unread are dropped past it
 SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
                  "eos_token_id", "stop_token_ids", "logprobs", "num_return_sequences", "ignore_eos", "min_tokens",
                  "prompt_logprobs", "grammar")
+
+
+def is_request_setting(name: str) -> bool:
+    """Whether ``name`` is a per-request setting: the engine's own (``SAMPLING_KEYS``), a ``GenerationConfig`` field,
+    or one of generate()'s per-call callables (``logits_processor``, ``stopping_criteria``,
+    ``prefix_allowed_tokens_fn``)."""
+    return name in SAMPLING_KEYS or name in CALLABLES or name in compat.generation_defaults()
 
 
 class ContinuousBatchingManager:
@@ -234,7 +242,7 @@ class ContinuousBatchingManager:
                     eos_token_id=None, stop_token_ids: list[int] | None = None, logprobs: int | None = None,
                     num_return_sequences: int | None = None, ignore_eos: bool | None = None,
                     min_tokens: int | None = None, prompt_logprobs: int | None = None, grammar=None, callback=None,
-                    record_timestamps: bool | None = None) -> str:
+                    record_timestamps: bool | None = None, **settings) -> str:
         """Queue one request; returns its id.
 
         Args:
@@ -259,6 +267,11 @@ class ContinuousBatchingManager:
                 token bitmask each step; the request ends "stop" when the grammar's text is complete).
             callback: called from the engine thread with each step's :class:`GenerationOutput` delta (keep it short).
             record_timestamps: accepted for transformers' signature; timestamps are always recorded.
+            settings: any other ``GenerationConfig`` field for this request (``no_repeat_ngram_size``,
+                ``bad_words_ids``, ``sequence_bias``, ``suppress_tokens``, ``typical_p``, ``stop_strings`` (needs the
+                engine's ``tokenizer=``), ``max_time``, ...), and generate()'s ``logits_processor``,
+                ``stopping_criteria`` and ``prefix_allowed_tokens_fn``, applied to this request alone with its own
+                ids (contracts in ``hf_paged/engine/processors.py`` and ``stopping.py``).
 
         Raises:
             QueueFullError: ``max_queue_size`` requests are already waiting.
@@ -271,7 +284,8 @@ class ContinuousBatchingManager:
                               repetition_penalty=repetition_penalty, seed=seed, eos_token_id=eos_token_id,
                               stop_token_ids=stop_token_ids, logprobs=logprobs,
                               num_return_sequences=num_return_sequences, ignore_eos=ignore_eos,
-                              min_tokens=min_tokens, prompt_logprobs=prompt_logprobs, grammar=grammar))[0]
+                              min_tokens=min_tokens, prompt_logprobs=prompt_logprobs, grammar=grammar,
+                              **settings))[0]
 
     def add_requests(self, inputs, max_new_tokens: int | None = None, streaming: bool = False, **options) -> list[str]:
         """Queue several prompts with the same settings (all or none: every one is checked before any is queued).
@@ -283,7 +297,7 @@ class ContinuousBatchingManager:
         generation_config = options.pop("generation_config", None)
         callback = options.pop("callback", None)
         options.pop("record_timestamps", None)
-        unknown = set(options) - set(SAMPLING_KEYS)
+        unknown = [name for name in options if not is_request_setting(name)]
         if unknown:
             raise TypeError(f"add_requests got unexpected options {sorted(unknown)}.")
         return self._add(list(zip(inputs, ids)), max_new_tokens, streaming, generation_config, callback, options)
@@ -298,6 +312,7 @@ class ContinuousBatchingManager:
             params = SamplingParams.from_generation_config(config, prompt_length=length,
                                                            max_new_tokens=max_new_tokens, **overrides)
             self._core.check_fits(length, params.max_new_tokens)
+            self._core.sampler.check(params, self.vocab_size)
             if self._sync is not None:
                 check_broadcastable(params)
             prepared.append((prompt, params, request_id))

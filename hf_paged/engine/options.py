@@ -24,8 +24,9 @@ CB_MAPPED = {
     "max_requests_per_batch": "max_num_seqs", "allow_block_sharing": "prefix_caching",
     "max_queue_size": "max_queue_size", "safety_margin": "watermark", "return_logprobs": "logprobs",
 }
-# Fields about transformers' own machinery (attention switching, NCCL, processor lists, flash decode tables,
-# deprecated knobs): nothing here reads them and no value changes what the engine computes.
+# Fields about transformers' own machinery (attention switching, NCCL, flash decode tables, deprecated knobs) and its
+# processor switches (this engine always applies every processor per request, on the request's own ids, and refuses
+# by name what it cannot apply rather than dropping it): no value changes what the engine computes.
 CB_IRRELEVANT = {
     "auto_switch_to_flash", "disable_nccl_graph_mixing", "cpu_group_timeout", "per_request_processors",
     "drop_unsupported_processors", "max_blocks_per_request", "use_default_compile_configs", "max_cached_graphs",

@@ -56,6 +56,7 @@ class Request:
     prompt_ranks: list[int | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     matcher: object = None  # structured output: its GrammarMatcher (advanced by each sampled token)
+    sampling_state: object = None  # the sampler's per-request state (Sampler.join; a fork takes state.fork())
     created_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     end_time: float | None = None

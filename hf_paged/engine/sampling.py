@@ -2,47 +2,65 @@
 
 ``SamplingParams`` is a request's settings, read from a transformers ``GenerationConfig`` (with ``generate()``'s
 defaults for what it leaves unset) and validated once, at ``add_request``. ``Sampler`` turns the last-token logits of
-the n requests sampled in a step into n tokens: rows that share settings are processed together by transformers' own
-logits processors (the same classes, in the same order, as ``generate()``), greedy rows take one argmax, unseeded
-sampled rows one multinomial draw, and each seeded row draws from its own ``torch.Generator``, so a seeded request gets
-the same tokens whatever else shares its steps (and, alone, the tokens ``generate()`` gives after
-``torch.manual_seed(seed)``).
+the n requests sampled in a step into n tokens, in stages: the engine's masks (``min_tokens``, a grammar's bitmask);
+the per-request processors that read a request's own ids (``processors.py``: sequence bias, repetition penalty,
+n-gram blocking, bad words, min length, prefix-allowed tokens, forced BOS / EOS, inf/nan removal, length decay,
+suppression, a request's own ``logits_processor``); the warpers, rows that share settings processed together by
+transformers' own classes in ``generate()``'s order (temperature, top-h, top-k, top-p, min-p, typical, epsilon, eta);
+then the choice: greedy rows one argmax, unseeded sampled rows one multinomial draw, and each seeded row a draw from
+its own ``torch.Generator``, so a seeded request gets the same tokens whatever else shares its steps (and, alone, the
+tokens ``generate()`` gives after ``torch.manual_seed(seed)``). Last, ``stopping.py`` tells which requests the new
+tokens end (stop strings, ``max_time``, a request's own ``stopping_criteria``).
 
-Served: greedy and multinomial sampling, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
-EOS and stop token ids, ``max_new_tokens`` (or ``max_length`` less the prompt), ``num_return_sequences`` (the engine
-forks the request; each fork gets its own generator), per-request ``seed``, ``logprobs``, ``ignore_eos``,
-``min_tokens`` (or ``min_new_tokens``: EOS / stop ids masked until then), ``prompt_logprobs`` (computed by the engine).
-Refused with a ValueError naming the setting (see ``REFUSED``): beam search and its variants, constraints,
-contrastive search, DoLa, guidance, assisted / prompt-lookup decoding, the processors that depend on the position
-or the history beyond a repetition penalty (n-gram blocking, bad words, sequence bias, min length, forced tokens,
-begin-suppression, length decay), the warpers not listed above (typical, epsilon, eta, top-h), watermarking, stop
-strings, token healing, ``max_time``, per-step scores (ask for ``logprobs`` instead), and any custom
-``logits_processor`` / ``stopping_criteria`` / ``prefix_allowed_tokens_fn`` (they may keep state across steps).
+Served: everything a decoder-only ``generate()`` applies to one sequence without beams or an assistant: greedy and
+multinomial sampling, every logits processor and warper above, EOS and stop token ids, stop strings (the engine is
+given the tokenizer), ``max_new_tokens`` (or ``max_length`` less the prompt), ``min_new_tokens`` / ``min_tokens``,
+``num_return_sequences`` (the engine forks the request; each fork gets its own generator), per-request ``seed``,
+``logprobs``, ``ignore_eos``, ``prompt_logprobs`` (computed by the engine).
+Refused with a ValueError naming the setting (see ``REFUSED``, each with its reason): beam search and its variants
+(constrained, diverse), assisted / prompt-lookup / speculative decoding, contrastive search and DoLa (they read hidden
+states the engine's step does not return), classifier-free guidance (a second, unconditional forward per request),
+SynthID watermarking (its processor keeps whole-batch state; green-list watermarking is served), token healing (it
+rewrites the prompt), encoder-decoder settings, and the per-step scores, attentions and hidden states of
+``generate()``'s return value (ask for ``logprobs`` instead).
 """
 
 from __future__ import annotations
 
 import hashlib
 import numbers
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 from transformers import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
     LogitsProcessorList,
     MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
+    TopHLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
+    TypicalLogitsWarper,
 )
 
 from .. import compat
+from .processors import NGramIndex, Processors, ProcessorSettings, RequestState
+from .stopping import Stopping, StopSettings
 
-# GenerationConfig fields read into SamplingParams.
+# GenerationConfig fields read into SamplingParams (the processors' and stopping's through their settings).
+PROCESSOR_FIELDS = frozenset({
+    "sequence_bias", "no_repeat_ngram_size", "bad_words_ids", "min_length", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
+    "begin_suppress_tokens", "watermarking_config",
+})
+STOP_FIELDS = frozenset({"stop_strings", "max_time"})
+WARPERS = ("top_h", "typical_p", "epsilon_cutoff", "eta_cutoff")
 MAPPED = frozenset({
     "do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens", "max_length",
-    "eos_token_id", "num_return_sequences", "min_new_tokens",
-})
+    "eos_token_id", "num_return_sequences", "min_new_tokens", *WARPERS,
+}) | PROCESSOR_FIELDS | STOP_FIELDS
 # Fields that never change the tokens a request gets (ids of special tokens, caching and compile choices, beam-only
 # settings without beams, assistant settings without an assistant, the layout of generate()'s return value).
 NO_EFFECT = frozenset({
@@ -53,35 +71,31 @@ NO_EFFECT = frozenset({
     "is_assistant", "return_dict_in_generate", "continuous_batching_config", "transformers_version",
 })
 _BEAMS = "beam search is not served by the engine; run model.generate() with a PagedCache for it"
-_POSITIONAL = ("depends on each request's prompt length or history, which the engine's sampler does not track; "
-               "run model.generate() with a PagedCache for it")
-_WARPER = "is not one of the engine's warpers (temperature, top_k, top_p, min_p); use those or model.generate()"
-# Settings refused when set to anything but generate()'s default, with the reason.
+_SPECULATION = "speculative decoding is not served by the engine; run model.generate() with a PagedCache for it"
+_RETURN = ("is part of generate()'s return value, which the engine does not build; ask for logprobs=k (the "
+           "processed distribution's top k) instead")
+# Settings refused when set to anything but generate()'s default, with the reason: what a decoder-only engine step
+# cannot apply, and the decoding modes other pieces of the engine own (beams, speculation).
 REFUSED = {
     "num_beams": _BEAMS, "num_beam_groups": _BEAMS, "diversity_penalty": _BEAMS,
-    "constraints": "constrained beam search is not served by the engine",
-    "force_words_ids": "constrained beam search is not served by the engine",
-    "penalty_alpha": "contrastive search is not served by the engine",
-    "dola_layers": "DoLa decoding is not served by the engine",
-    "guidance_scale": "classifier-free guidance needs a second, unconditional forward per request",
-    "no_repeat_ngram_size": _POSITIONAL, "bad_words_ids": _POSITIONAL, "sequence_bias": _POSITIONAL,
-    "min_length": _POSITIONAL, "forced_bos_token_id": _POSITIONAL,
-    "forced_eos_token_id": _POSITIONAL, "begin_suppress_tokens": _POSITIONAL, "suppress_tokens": _POSITIONAL,
-    "exponential_decay_length_penalty": _POSITIONAL,
-    "encoder_no_repeat_ngram_size": "applies to encoder-decoder models only",
-    "encoder_repetition_penalty": "applies to encoder-decoder models only",
-    "remove_invalid_values": "is not applied by the engine's sampler; fix the model's inf/nan logits instead",
-    "typical_p": _WARPER, "epsilon_cutoff": _WARPER, "eta_cutoff": _WARPER, "top_h": _WARPER,
-    "watermarking_config": "watermarking is not served by the engine",
-    "stop_strings": "needs a tokenizer in the engine; pass stop_token_ids (token ids) instead",
-    "token_healing": "token healing is not served by the engine",
-    "max_time": "the engine does not stop requests on a clock; cancel_request() one instead",
-    "prompt_lookup_num_tokens": "assisted / prompt-lookup decoding is not served by the engine",
-    "assistant_early_exit": "assisted decoding is not served by the engine",
-    "speculation_type": "speculative decoding is not served by the engine",
+    "constraints": "constrained beam search needs beams; run model.generate() with a PagedCache for it",
+    "force_words_ids": "constrained beam search needs beams; run model.generate() with a PagedCache for it",
+    "penalty_alpha": ("contrastive search re-ranks candidates by the model's hidden states, which the engine's "
+                      "packed step does not return; run model.generate() with a PagedCache for it"),
+    "dola_layers": ("DoLa contrasts early-exit layers' logits, which the engine's packed step does not compute; "
+                    "run model.generate() with a PagedCache for it"),
+    "guidance_scale": ("classifier-free guidance needs a second, unconditional forward per request and step; run "
+                       "model.generate() with a PagedCache for it"),
+    "encoder_no_repeat_ngram_size": "applies to encoder-decoder models only (the engine serves decoder-only models)",
+    "encoder_repetition_penalty": "applies to encoder-decoder models only (the engine serves decoder-only models)",
+    "token_healing": ("token healing rewrites the prompt's last tokens with the tokenizer before generating; heal "
+                      "the prompt before add_request, or run model.generate() with a PagedCache"),
+    "prompt_lookup_num_tokens": _SPECULATION,
+    "assistant_early_exit": _SPECULATION,
+    "speculation_type": _SPECULATION,
     "use_mtp": "multi-token prediction is not served by the engine",
-    "output_scores": "per-step scores are not returned by the engine; ask for logprobs=k instead",
-    "output_logits": "per-step logits are not returned by the engine; ask for logprobs=k instead",
+    "output_scores": "per-step scores " + _RETURN,
+    "output_logits": "per-step logits " + _RETURN,
     "output_attentions": "attentions are not returned by the engine",
     "output_hidden_states": "hidden states are not returned by the engine",
 }
@@ -90,7 +104,7 @@ NEUTRAL = {"min_new_tokens": 0, "guidance_scale": 1.0, "diversity_penalty": 0.0,
 # Options of the engine's add_request that are not GenerationConfig fields.
 ENGINE_OPTIONS = frozenset({"seed", "logprobs", "stop_token_ids", "ignore_eos", "min_tokens", "prompt_logprobs",
                             "grammar"})
-# Per-call callables generate() accepts; refused because they may keep state across steps and see padded batches.
+# Per-call callables generate() accepts, applied per request (see processors.py and stopping.py for their contract).
 CALLABLES = frozenset({"logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn"})
 
 
@@ -116,6 +130,10 @@ class SamplingParams:
     ``grammar``: a :class:`~hf_paged.engine.structured.CompiledGrammar` the output must match (structured output),
     applied as a token bitmask before the other processors.
     ``num_return_sequences`` > 1 (sampling only) asks the engine for that many forks of the request.
+    ``top_h`` / ``typical_p`` / ``epsilon_cutoff`` / ``eta_cutoff``: the other warpers of ``generate()`` (None: off).
+    ``processors``: the history-dependent processors (:class:`~hf_paged.engine.processors.ProcessorSettings`; None:
+    none). ``stopping``: stop strings, ``max_time`` and own criteria
+    (:class:`~hf_paged.engine.stopping.StopSettings`; None: none).
 
     Example::
 
@@ -136,6 +154,12 @@ class SamplingParams:
     min_tokens: int = 0
     prompt_logprobs: int | None = None
     grammar: object = None
+    top_h: float | None = None
+    typical_p: float | None = None
+    epsilon_cutoff: float | None = None
+    eta_cutoff: float | None = None
+    processors: ProcessorSettings | None = None
+    stopping: StopSettings | None = None
 
     def __post_init__(self):
         if not isinstance(self.do_sample, bool):
@@ -149,6 +173,16 @@ class SamplingParams:
             raise ValueError(f"top_p must be a number in [0, 1], got {self.top_p!r}")
         if self.min_p is not None and (not _is_number(self.min_p) or not 0 <= self.min_p <= 1):
             raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if self.top_h is not None and (not _is_number(self.top_h) or not 0 < self.top_h <= 1):
+            raise ValueError(f"top_h must be a number in (0, 1], got {self.top_h!r}")
+        for name in ("typical_p", "epsilon_cutoff", "eta_cutoff"):
+            value = getattr(self, name)
+            if value is not None and (not _is_number(value) or not 0 < value < 1):
+                raise ValueError(f"{name} must be a number in (0, 1) (or None for off), got {value!r}")
+        if self.processors is not None and not isinstance(self.processors, ProcessorSettings):
+            raise ValueError(f"processors must be a ProcessorSettings, got {type(self.processors).__name__}")
+        if self.stopping is not None and not isinstance(self.stopping, StopSettings):
+            raise ValueError(f"stopping must be a StopSettings, got {type(self.stopping).__name__}")
         if self.repetition_penalty is not None and (
                 not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0):
             raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
@@ -197,17 +231,12 @@ class SamplingParams:
             SamplingParams.from_generation_config(GenerationConfig(do_sample=True, temperature=0.7), seed=3)
         """
         given = {key: value for key, value in overrides.items() if value is not None}
-        callables = sorted(given.keys() & CALLABLES)
-        if callables:
-            raise ValueError(f"{', '.join(callables)} is not supported by the engine: custom processors and criteria "
-                             f"may keep state across steps and expect generate()'s padded batch; use the built-in "
-                             f"settings (temperature, top_k, top_p, min_p, repetition_penalty, eos / stop_token_ids)")
         defaults = compat.generation_defaults()
         fields = dict(vars(config)) if config is not None else {}  # to_dict() would deep-copy it
-        unknown = sorted(set(given) - set(defaults) - set(fields) - ENGINE_OPTIONS)
+        unknown = sorted(set(given) - set(defaults) - set(fields) - ENGINE_OPTIONS - CALLABLES)
         if unknown:
             raise ValueError(f"unknown generation setting(s) {unknown}; the engine reads GenerationConfig fields and "
-                             f"{sorted(ENGINE_OPTIONS)}")
+                             f"{sorted(ENGINE_OPTIONS | CALLABLES)}")
         settings = {**defaults, **{k: v for k, v in fields.items() if v is not None}, **given}
 
         for key, value in settings.items():
@@ -237,11 +266,18 @@ class SamplingParams:
             min_p = None
         if _is_number(penalty) and penalty == 1:
             penalty = None
+        warpers = {name: settings.get(name) for name in WARPERS}
+        if _is_number(warpers["typical_p"]) and warpers["typical_p"] == 1:
+            warpers["typical_p"] = None  # generate() applies these only strictly inside (0, 1)
+        for name in ("epsilon_cutoff", "eta_cutoff"):
+            if _is_number(warpers[name]) and warpers[name] == 0:
+                warpers[name] = None
         # the warpers are validated even where greedy decoding will not apply them (temperature=0 means greedy there)
         cls(do_sample=True, temperature=1.0 if temperature == 0 and not do_sample else temperature,
-            top_k=top_k, top_p=top_p, min_p=min_p)
+            top_k=top_k, top_p=top_p, min_p=min_p, **warpers)
         if not do_sample:
             temperature, top_k, top_p, min_p = 1.0, None, None, None
+            warpers = dict.fromkeys(WARPERS)
 
         max_new_tokens = settings.get("max_new_tokens")
         if max_new_tokens is None:
@@ -265,6 +301,8 @@ class SamplingParams:
             seed=settings.get("seed"), logprobs=settings.get("logprobs"),
             num_return_sequences=settings.get("num_return_sequences") or 1,
             min_tokens=min_tokens, prompt_logprobs=settings.get("prompt_logprobs"), grammar=settings.get("grammar"),
+            **warpers, processors=ProcessorSettings.from_settings(settings),
+            stopping=StopSettings.from_settings(settings),
         )
 
     def finish_reason(self, token: int, num_generated: int) -> str | None:
@@ -277,8 +315,8 @@ class SamplingParams:
 
     @property
     def uses_history(self) -> bool:
-        """Whether ``Sampler`` reads this request's token history (only a repetition penalty does)."""
-        return self.repetition_penalty is not None
+        """Whether ``Sampler`` reads this request's token history (its processors or stopping do)."""
+        return self.repetition_penalty is not None or self.processors is not None or self.stopping is not None
 
 
 def _same(value, default) -> bool:
@@ -312,34 +350,63 @@ class SampleResult:
 
     ``logprobs[i]`` is row i's sampled token's log-probability and ``top_logprobs[i]`` its ``params[i].logprobs``
     most likely ``(token, log-probability)`` pairs, most likely first; both are None where no row asked, and
-    ``None`` / ``[]`` for the rows that did not.
+    ``None`` / ``[]`` for the rows that did not. ``stopped[i]``: row i's token ends it (a stop string, ``max_time``
+    or its own stopping criteria; finish reason "stop"); None where no row has such settings. ``errors``: row ->
+    why that request's own ``logits_processor`` / ``prefix_allowed_tokens_fn`` / ``stopping_criteria`` failed (the
+    engine fails that request alone); empty when none did.
     """
 
     tokens: list[int]
     logprobs: list[float | None] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    stopped: list[bool] | None = None
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 class Sampler:
     """Chooses the next token of each request in a step.
 
     Log-probabilities are those of the distribution the token was drawn from, after processing: for sampled rows
-    after the repetition penalty, temperature, top-k, top-p and min-p (tokens they removed have ``-inf``), for
-    greedy rows the model's distribution after the repetition penalty. Logits are processed in float32, as in
-    ``generate()``.
+    after the processors and warpers (tokens they removed have ``-inf``), for greedy rows the model's distribution
+    after the processors. Logits are processed in float32, as in ``generate()``.
+
+    Args:
+        device: where seeded requests' generators live.
+        tokenizer: the model's tokenizer, for requests with ``stop_strings`` (None: such requests are refused).
 
     Example::
 
         sampler = Sampler(device=model.device)
         params = [SamplingParams(), SamplingParams(do_sample=True, top_p=0.9, seed=1)]
         generators = [sampler.new_generator(p) for p in params]        # once per request, kept across steps
-        result = sampler(logits, params, generators, histories)         # logits [2, vocab]
+        states = [sampler.join(p) for p in params]                     # once per request, kept across steps
+        result = sampler(logits, params, generators, histories, states=states)   # logits [2, vocab]
         result.tokens                                                   # [2] token ids
     """
 
-    def __init__(self, device: torch.device | str | None = None):
+    def __init__(self, device: torch.device | str | None = None, tokenizer=None):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._chains: dict[tuple, LogitsProcessorList] = {}
+        self.processors = Processors()
+        self.stopping = Stopping(tokenizer)
+
+    def check(self, params: SamplingParams, vocab_size: int | None = None) -> None:
+        """``ValueError`` if this engine cannot serve ``params`` (stop strings without a tokenizer, token ids past
+        ``vocab_size``); call it when a request is added."""
+        self.stopping.check(params.stopping)
+        if params.processors is not None and vocab_size is not None:
+            params.processors.check_vocab(vocab_size)
+
+    @staticmethod
+    def join(params: SamplingParams) -> RequestState | None:
+        """The per-request state a request with ``params`` keeps across its steps (its n-gram index, the start of its
+        ``max_time`` clock); None when it needs none. Keep it with the request; a fork takes ``state.fork()``."""
+        settings = params.processors
+        ngram = settings.no_repeat_ngram_size if settings is not None else 0
+        timed = params.stopping is not None and params.stopping.max_time is not None
+        if not ngram and not timed:
+            return None
+        return RequestState(ngrams=NGramIndex(ngram) if ngram else None, started=time.time() if timed else None)
 
     def new_generator(self, params: SamplingParams, index: int = 0,
                       device: torch.device | str | None = None) -> torch.Generator | None:
@@ -357,36 +424,44 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None], histories: list[list[int]],
                  num_generated: list[int] | None = None, bitmask: torch.Tensor | None = None,
-                 bitmask_rows: list[int] | None = None) -> SampleResult:
+                 bitmask_rows: list[int] | None = None, states: list[RequestState | None] | None = None
+                 ) -> SampleResult:
         """Tokens for ``logits`` ``[n, vocab]`` (the last-token logits of n rows).
 
         ``generators[i]`` is row i's ``new_generator`` (None: the global RNG); ``histories[i]`` its prompt +
         generated ids, read only when ``params[i].uses_history`` (others may pass ``[]``); ``num_generated[i]``: the
-        tokens row i has generated so far (read for ``min_tokens``; default 0 for every row). ``bitmask``
-        ``int32 [r, ceil(vocab / 32)]``: the allowed tokens of rows ``bitmask_rows`` (structured output; bit j of
-        word w set = token 32 w + j allowed); None when no row is constrained.
+        tokens row i has generated so far (read for ``min_tokens`` and the processors that count generated tokens;
+        default 0 for every row). ``bitmask`` ``int32 [r, ceil(vocab / 32)]``: the allowed tokens of rows
+        ``bitmask_rows`` (structured output; bit j of word w set = token 32 w + j allowed); None when no row is
+        constrained. ``states[i]``: row i's :meth:`join` state (default: a fresh one each call, which is exact but
+        re-reads a no-repeat-n-gram row's whole history).
         """
         n, vocab = logits.shape
         if not len(params) == len(generators) == len(histories) == n:
             raise ValueError(f"logits hold {n} requests' scores but {len(params)} params, {len(generators)} generators "
                              f"and {len(histories)} histories were given; pass one of each per request")
+        if states is None:
+            states = [self.join(p) for p in params]
         scores = _mask_min_tokens(logits.float(), params, num_generated)  # [n, vocab]
         if bitmask is not None:
             scores = apply_bitmask(scores, bitmask, bitmask_rows)
+        errors: dict[int, str] = {}
+        scores = self.processors(scores, params, states, histories, num_generated, errors)  # [n, vocab]
         groups: dict[tuple, list[int]] = {}
         for row, p in enumerate(params):
             groups.setdefault(_chain_key(p), []).append(row)
         processed = scores
         active = [(self._chain(key), rows) for key, rows in groups.items() if self._chain(key)]
         if len(groups) == 1 and active:
-            chain, rows = active[0]
-            processed = chain(self._history_ids(params, histories, rows, vocab, scores.device), scores)
+            chain, _ = active[0]
+            processed = chain(None, scores)
         elif active:
             processed = scores.clone()
             for chain, rows in active:
                 index = torch.tensor(rows, device=scores.device)  # [g]
-                ids = self._history_ids(params, histories, rows, vocab, scores.device)
-                processed[index] = chain(ids, scores[index])  # [g, vocab]
+                processed[index] = chain(None, scores[index])  # [g, vocab]
+
+        processed = self.processors.after_warpers(processed, params, histories)  # watermarks
 
         greedy = [row for row, p in enumerate(params) if not p.do_sample]
         if len(greedy) == n:
@@ -398,43 +473,37 @@ class Sampler:
                 tokens[index] = processed[index].argmax(dim=-1)
             self._draw(processed, params, generators, tokens)
         token_list = tokens.tolist()
+        stopped = self.stopping([p.stopping for p in params],
+                                [s.started if s is not None else None for s in states], histories, token_list,
+                                processed, errors)
         if all(p.logprobs is None for p in params):
-            return SampleResult(token_list)
-        return SampleResult(token_list, *_logprobs(processed, tokens, params))
+            return SampleResult(token_list, stopped=stopped, errors=errors)
+        return SampleResult(token_list, *_logprobs(processed, tokens, params), stopped=stopped, errors=errors)
 
     def _chain(self, key: tuple) -> LogitsProcessorList:
         chain = self._chains.get(key)
         if chain is None:
-            do_sample, temperature, top_k, top_p, min_p, penalty = key
+            do_sample, temperature, top_h, top_k, top_p, min_p, typical_p, epsilon, eta = key
             chain = LogitsProcessorList()
-            if penalty is not None:
-                chain.append(RepetitionPenaltyLogitsProcessor(penalty=float(penalty)))
             if do_sample:  # generate()'s order
                 if temperature != 1.0:
                     chain.append(TemperatureLogitsWarper(float(temperature)))
+                if top_h is not None:
+                    chain.append(TopHLogitsWarper(top_h=float(top_h)))
                 if top_k is not None:
                     chain.append(TopKLogitsWarper(top_k=int(top_k)))
                 if top_p is not None:
                     chain.append(TopPLogitsWarper(top_p=float(top_p)))
                 if min_p is not None:
                     chain.append(MinPLogitsWarper(min_p=float(min_p)))
+                if typical_p is not None:
+                    chain.append(TypicalLogitsWarper(mass=float(typical_p)))
+                if epsilon is not None:
+                    chain.append(EpsilonLogitsWarper(epsilon=float(epsilon)))
+                if eta is not None:
+                    chain.append(EtaLogitsWarper(epsilon=float(eta), device=self.device))
             self._chains[key] = chain
         return chain
-
-    @staticmethod
-    def _history_ids(params, histories, rows: list[int], vocab: int, device) -> torch.Tensor | None:
-        """``[g, longest]`` ids of the rows' histories, padded with ``vocab`` (the penalty drops that column)."""
-        if not params[rows[0]].uses_history:
-            return None  # the warpers do not read input_ids
-        lengths = [len(histories[row]) for row in rows]
-        width = max(max(lengths), 1)
-        flat = torch.tensor([t for row in rows for t in histories[row]], dtype=torch.long)  # [sum(lengths)]
-        counts = torch.tensor(lengths)  # [g]
-        row_of = torch.repeat_interleave(torch.arange(len(rows)), counts)  # [sum(lengths)]
-        starts = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)  # [sum(lengths)]
-        ids = torch.full((len(rows), width), vocab, dtype=torch.long)  # [g, width]
-        ids[row_of, torch.arange(flat.numel()) - starts] = flat
-        return ids.to(device)
 
     @staticmethod
     def _draw(processed: torch.Tensor, params, generators, tokens: torch.Tensor) -> None:
@@ -501,8 +570,8 @@ def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int):
 
 def _chain_key(p: SamplingParams) -> tuple:
     if not p.do_sample:
-        return (False, 1.0, None, None, None, p.repetition_penalty)
-    return (True, p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty)
+        return (False, 1.0, None, None, None, None, None, None, None)
+    return (True, p.temperature, p.top_h, p.top_k, p.top_p, p.min_p, p.typical_p, p.epsilon_cutoff, p.eta_cutoff)
 
 
 def _logprobs(processed: torch.Tensor, tokens: torch.Tensor, params):

@@ -18,7 +18,7 @@ from .errors import APIError, error_body
 from .media import MediaPolicy, has_images
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .middleware import DEFAULT_MAX_BODY_BYTES, ServeMiddleware
-from .protocol import SamplingParams, parse_chat, parse_messages, parse_completion, parse_json
+from .protocol import SamplingParams, bad_words_ids, parse_chat, parse_messages, parse_completion, parse_json
 from .responses import DONE, Shape, echo_logprobs, sse, usage, vllm_prompt_logprobs
 from .tools import MISTRAL, NAMED, REQUIRED, ToolCallParser, template_reads_tools, tool_format
 
@@ -203,6 +203,8 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
         check_model(req.model)
         prompts = [p if isinstance(p, list) else await engine.encode(p) for p in req.prompts]
         limits = await engine.run(budgets, prompts, req.params.max_tokens)
+        if req.params.bad_words:
+            req.params.bad_words_ids = await engine.run(bad_words_ids, engine.tokenizer, req.params.bad_words)
         if req.params.grammar_spec is not None:
             req.params.grammar = await engine.compile_grammar(req.params.grammar_spec)
         gen = engine.generate(prompts, req.params, req.n, limits, record.start)
@@ -225,6 +227,8 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
         else:
             prompt = await engine.chat_prompt(req.messages, tools=req.tools)
         limits = await engine.run(budgets, [prompt_ids(prompt)], req.params.max_tokens)
+        if req.params.bad_words:
+            req.params.bad_words_ids = await engine.run(bad_words_ids, engine.tokenizer, req.params.bad_words)
         parser = tool_parser(req.tools, req.params)
         if req.params.grammar_spec is not None:
             req.params.grammar = await engine.compile_grammar(req.params.grammar_spec)

@@ -108,7 +108,7 @@ def build(args, load=None):
     manager = init_continuous_batching(model, pool=pool, max_batch_tokens=args.max_batch_tokens,
                                        max_queue_size=args.max_queue,
                                        cuda_graphs=False if args.no_cuda_graphs else None,
-                                       tp_timeout_s=getattr(args, "tp_timeout", 60.0))
+                                       tp_timeout_s=getattr(args, "tp_timeout", 60.0), tokenizer=tokenizer)
     settings = ServeSettings(model_name=name, api_key=args.api_key,
                              max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
                              drain_timeout=args.drain_timeout, cors_origins=tuple(args.cors_origin),

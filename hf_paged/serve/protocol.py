@@ -3,11 +3,13 @@ benchmark and evaluation tools send, checked.
 
 Honoured beyond OpenAI's own: ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``skip_special_tokens``, ``stream_options.continuous_usage_stats``, ``prompt_logprobs``, ``top_k``, ``min_p``,
-``repetition_penalty``; completions' ``echo`` with ``logprobs`` (prompt logprobs) and ``max_tokens: 0`` with ``echo``.
+``repetition_penalty``, ``bad_words`` (vLLM's: each word's token sequences, with and without a leading space, never
+generated), ``no_repeat_ngram_size`` (transformers'); OpenAI's ``logit_bias`` ({token id: bias in [-100, 100]},
+added to the logits); completions' ``echo`` with ``logprobs`` (prompt logprobs) and ``max_tokens: 0`` with ``echo``.
 A field this server does not know is ignored and logged once per name (``UNKNOWN_LOGGED``); a known field of the
-wrong type or out of range is a 400 naming it; a feature the engine does not have (``REFUSED_FIELDS``:
-``logit_bias``, presence / frequency penalties, ``suffix``, beam search, allowed / bad words, ...) is a 400 naming it
-rather than silently dropped.
+wrong type or out of range is a 400 naming it; a feature the engine does not have (``REFUSED_FIELDS``: presence /
+frequency penalties, ``suffix``, beam search, allowed token ids, ...) is a 400 naming it rather than silently
+dropped.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class _Common(_Strict):
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    bad_words: list[str] | None = None
+    no_repeat_ngram_size: int | None = Field(None, ge=0)
 
 
 class CompletionFields(_Common):
@@ -103,6 +107,10 @@ class SamplingParams:
     grammar_spec: GrammarSpec | None = None  # structured output asked for (compiled by the app)
     grammar: object = None  # its CompiledGrammar
     generate: bool = True  # False: max_tokens 0 with echo (one token runs, none is returned)
+    logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> bias added to its logit
+    bad_words: list[str] = field(default_factory=list)  # vLLM's: words never generated
+    bad_words_ids: list[list[int]] | None = None  # their token sequences (see bad_words_ids(), filled by the app)
+    no_repeat_ngram_size: int | None = None
 
     @property
     def engine_prompt_logprobs(self) -> int | None:
@@ -130,7 +138,26 @@ class SamplingParams:
                 kwargs[name] = getattr(self, name)
         if self.seed is not None:
             kwargs["seed"] = self.seed + index
+        if self.logit_bias:
+            kwargs["sequence_bias"] = [[[token], bias] for token, bias in self.logit_bias.items()]
+        if self.bad_words_ids:
+            kwargs["bad_words_ids"] = self.bad_words_ids
+        if self.no_repeat_ngram_size:
+            kwargs["no_repeat_ngram_size"] = self.no_repeat_ngram_size
         return kwargs
+
+
+def bad_words_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """The token sequences of vLLM's ``bad_words``: each word alone and after a space (as it appears mid-text),
+    without special tokens; the engine never completes one (transformers' ``bad_words_ids``)."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = word.lstrip()
+        for text in (bare, " " + bare):
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if ids and ids not in out:
+                out.append(ids)
+    return out
 
 
 @dataclass
@@ -188,7 +215,7 @@ _BODY_FIELDS = {"completion": {"prompt", "stop", *_STRUCTURED}, "chat": {"messag
                                                                         *_STRUCTURED}}
 # vLLM / OpenAI fields that change what is generated and that the engine cannot do: a 400 when set (truthy).
 REFUSED_FIELDS = {
-    "use_beam_search": "beam search", "allowed_token_ids": "allowed token ids", "bad_words": "bad words",
+    "use_beam_search": "beam search", "allowed_token_ids": "allowed token ids",
     "logits_processors": "custom logits processors", "truncate_prompt_tokens": "prompt truncation",
     "length_penalty": "beam search",
     "functions": "function calling", "audio": "audio output", "prediction": "predicted outputs",
@@ -217,8 +244,6 @@ def _log_unknown(body: dict, model_cls, kind: str) -> None:
 
 def _unsupported(body: dict, fields: _Common) -> None:
     named = []
-    if fields.logit_bias:
-        named.append("logit_bias")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(fields, name):
             named.append(name)
@@ -253,13 +278,34 @@ def _common(body: dict, fields: _Common, max_tokens: int | None, logprobs: int |
                        param="min_tokens")
     if fields.stop_token_ids and not all(t >= 0 for t in fields.stop_token_ids):
         raise APIError(400, "'stop_token_ids' must hold token ids >= 0.", param="stop_token_ids")
-    return SamplingParams(max_tokens=max_tokens, temperature=fields.temperature, top_p=fields.top_p,
+    if fields.bad_words is not None and not all(w.strip() for w in fields.bad_words):
+        raise APIError(400, "'bad_words' must hold non-empty words.", param="bad_words")
+    params = SamplingParams(max_tokens=max_tokens, temperature=fields.temperature, top_p=fields.top_p,
                           top_k=fields.top_k, min_p=fields.min_p, repetition_penalty=fields.repetition_penalty,
                           seed=fields.seed, stop=_stop(body.get("stop")), logprobs=logprobs,
                           ignore_eos=bool(fields.ignore_eos), min_tokens=fields.min_tokens,
                           stop_token_ids=fields.stop_token_ids, include_stop=bool(fields.include_stop_str_in_output),
                           skip_special_tokens=fields.skip_special_tokens is not False,
                           prompt_logprobs=fields.prompt_logprobs)
+    params.logit_bias = _logit_bias(fields.logit_bias)
+    params.bad_words = list(fields.bad_words or [])
+    params.no_repeat_ngram_size = fields.no_repeat_ngram_size or None
+    return params
+
+
+def _logit_bias(value: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias``: token ids (as JSON object keys) -> a bias in [-100, 100]."""
+    if not value:
+        return None
+    out = {}
+    for key, bias in value.items():
+        if not key.isdigit():
+            raise APIError(400, f"'logit_bias' keys must be token ids, got {key!r}.", param="logit_bias")
+        if not -100 <= bias <= 100:
+            raise APIError(400, f"'logit_bias' values must be in [-100, 100], got {bias} for token {key}.",
+                           param="logit_bias")
+        out[int(key)] = float(bias)
+    return out
 
 
 def _schema_text(value, where: str) -> str:
