@@ -23,6 +23,7 @@ from .outputs import GenerationOutput, RequestStatus
 from .runner import ModelRunner
 from .sampling import Sampler
 from .scheduler import Scheduler
+from .speculative import DEFAULT_NUM_TOKENS, Speculation, SpeculationPolicy
 from .states import install as install_state_mixers
 
 
@@ -31,7 +32,9 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
                              max_num_seqs: int | None = None, max_unread_results: int = DEFAULT_MAX_UNREAD,
                              watermark: float | None = None, backend: str = "auto",
                              cuda_graphs: bool | None = None, tensor_parallel: bool | None = None,
-                             tp_timeout_s: float = 60.0, tp_heartbeat_s: float = 1.0) -> ContinuousBatchingManager:
+                             tp_timeout_s: float = 60.0, tp_heartbeat_s: float = 1.0, speculative=None,
+                             num_speculative_tokens: int = DEFAULT_NUM_TOKENS,
+                             speculative_max_tokens: int | None = None) -> ContinuousBatchingManager:
     """A continuous-batching manager serving ``model`` from a shared block pool (start it, or use ``with``).
 
     Args:
@@ -64,6 +67,14 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
             loaded with ``tp_plan`` under torchrun (``model.tp_size > 1``). Call this on every rank.
         tp_timeout_s: (tensor parallel) seconds a rank waits for the others before the engine stops with an error.
         tp_heartbeat_s: (tensor parallel) how often an idle rank 0 tells the others it is alive.
+        speculative: speculative decoding for every request that does not choose (``prompt_lookup_num_tokens``):
+            None (off), ``"ngram"`` (prompt lookup in each request's own tokens) or a draft model (a small causal LM
+            with the same tokenizer; its K/V gets its own pool). A per-step policy runs drafts only where they pay
+            (see ``hf_paged/engine/speculative.py``). Greedy requests get the tokens they get without it; sampled
+            ones the same distribution.
+        num_speculative_tokens: draft tokens per request and step.
+        speculative_max_tokens: a step of more tokens than this never speculates (default: the policy decides from
+            the step costs it measures).
 
     Requires transformers >= 5.24 (the attention plumbing the packed forward needs); ``generate()`` with a
     ``PagedCache`` works from 4.56.
@@ -126,7 +137,12 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     if sync is not None:
         runner = AgreeingRunner(runner, sync)
     limit, reason = context_limit(config)
-    core = EngineCore(scheduler, runner, Sampler(device=device), max_context=limit, context_reason=reason)
+    if speculative is not None and (state_layers or sync is not None):
+        raise ValueError("speculative decoding needs rows that can be cut back after a rejection: not served for "
+                         "models with state layers or under tensor parallelism. Leave speculative unset.")
+    speculation = Speculation(speculative, num_speculative_tokens, SpeculationPolicy(speculative_max_tokens))
+    core = EngineCore(scheduler, runner, Sampler(device=device), max_context=limit, context_reason=reason,
+                      speculation=speculation)
     defaults = {"logprobs": options.pop("logprobs")} if "logprobs" in options else {}
     return ContinuousBatchingManager(core, generation_config if generation_config is not None
                                      else model.generation_config, vocab_size=config.vocab_size,
@@ -175,8 +191,9 @@ def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool 
     ``options``: those of :func:`init_continuous_batching` (``pool``, ``max_batch_tokens``, ``cuda_graphs``,
     ``continuous_batching_config``, ...) and per-request settings for every prompt (``do_sample``, ``temperature``,
     ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``, ``eos_token_id``, ``stop_token_ids``,
-    ``logprobs``, ``num_return_sequences``, ``ignore_eos``, ``min_tokens``, ``prompt_logprobs``, ``grammar``; see
-    :meth:`ContinuousBatchingManager.add_request`).
+    ``logprobs``, ``num_return_sequences``, ``ignore_eos``, ``min_tokens``, ``prompt_logprobs``, ``grammar``,
+    ``num_beams``, ``length_penalty``, ``early_stopping``, ``prompt_lookup_num_tokens``; see
+    :meth:`ContinuousBatchingManager.add_request`). ``assistant_model=`` (generate()'s name) is ``speculative=``.
 
     Example::
 
@@ -187,6 +204,9 @@ def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool 
     request_options = {k: options.pop(k) for k in SAMPLING_KEYS if k in options}
     for name in ("persistent_manager", "warmup", "record_timestamps"):  # transformers' options with no meaning here
         options.pop(name, None)
+    if options.get("assistant_model") is not None:
+        options["speculative"] = options.pop("assistant_model")
+    options.pop("assistant_model", None)
     # Every rank of a tensor-parallel model calls generate_batch with the same prompts: each runs its own engine
     # (same events at the same steps, by construction), so no rank 0 driver is needed unless asked.
     options.setdefault("tensor_parallel", False)

@@ -26,7 +26,8 @@ from .sampling import SamplingParams
 DEFAULT_MAX_UNREAD = 100_000  # finished results kept until read; the oldest unread are dropped past it
 SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
                  "eos_token_id", "stop_token_ids", "logprobs", "num_return_sequences", "ignore_eos", "min_tokens",
-                 "prompt_logprobs", "grammar")
+                 "prompt_logprobs", "grammar", "num_beams", "length_penalty", "early_stopping",
+                 "prompt_lookup_num_tokens")
 
 
 class ContinuousBatchingManager:
@@ -143,7 +144,9 @@ class ContinuousBatchingManager:
                     eos_token_id=None, stop_token_ids: list[int] | None = None, logprobs: int | None = None,
                     num_return_sequences: int | None = None, ignore_eos: bool | None = None,
                     min_tokens: int | None = None, prompt_logprobs: int | None = None, grammar=None, callback=None,
-                    record_timestamps: bool | None = None) -> str:
+                    record_timestamps: bool | None = None, num_beams: int | None = None,
+                    length_penalty: float | None = None, early_stopping=None,
+                    prompt_lookup_num_tokens: int | None = None) -> str:
         """Queue one request; returns its id.
 
         Args:
@@ -162,6 +165,10 @@ class ContinuousBatchingManager:
                 it already has (after a preemption), so a cache hit never loses them. ``grammar``: a
                 :class:`~hf_paged.engine.structured.CompiledGrammar` the output must match (structured output: a
                 token bitmask each step; the request ends "stop" when the grammar's text is complete).
+                ``num_beams`` > 1: beam search (with ``length_penalty``, ``early_stopping``; ``num_return_sequences``
+                best sequences, the 2nd and later as ``{id}__child#i``), handed out once finished.
+                ``prompt_lookup_num_tokens``: n-gram speculation with that many draft tokens (0: none for this
+                request, whatever the engine's ``speculative``).
             callback: called from the engine thread with each step's :class:`GenerationOutput` delta (keep it short).
             record_timestamps: accepted for transformers' signature; timestamps are always recorded.
 
@@ -176,7 +183,9 @@ class ContinuousBatchingManager:
                               repetition_penalty=repetition_penalty, seed=seed, eos_token_id=eos_token_id,
                               stop_token_ids=stop_token_ids, logprobs=logprobs,
                               num_return_sequences=num_return_sequences, ignore_eos=ignore_eos,
-                              min_tokens=min_tokens, prompt_logprobs=prompt_logprobs, grammar=grammar))[0]
+                              min_tokens=min_tokens, prompt_logprobs=prompt_logprobs, grammar=grammar,
+                              num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping,
+                              prompt_lookup_num_tokens=prompt_lookup_num_tokens))[0]
 
     def add_requests(self, inputs, max_new_tokens: int | None = None, streaming: bool = False, **options) -> list[str]:
         """Queue several prompts with the same settings (all or none: every one is checked before any is queued).
@@ -201,7 +210,7 @@ class ContinuousBatchingManager:
             prompt = self._prompt(input_ids)
             params = SamplingParams.from_generation_config(config, prompt_length=len(prompt),
                                                            max_new_tokens=max_new_tokens, **overrides)
-            self._core.check_fits(len(prompt), params.max_new_tokens)
+            self._core.check_fits(len(prompt), params.max_new_tokens, params.num_beams)
             if self._sync is not None:
                 check_broadcastable(params)
             prepared.append((prompt, params, request_id))

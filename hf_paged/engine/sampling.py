@@ -42,25 +42,24 @@ from .. import compat
 MAPPED = frozenset({
     "do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens", "max_length",
     "eos_token_id", "num_return_sequences", "min_new_tokens",
+    "num_beams", "length_penalty", "early_stopping", "prompt_lookup_num_tokens",
 })
 # Fields that never change the tokens a request gets (ids of special tokens, caching and compile choices, beam-only
 # settings without beams, assistant settings without an assistant, the layout of generate()'s return value).
 NO_EFFECT = frozenset({
     "pad_token_id", "bos_token_id", "decoder_start_token_id", "use_cache", "cache_implementation", "cache_config",
     "compile_config", "disable_compile", "prefill_chunk_size", "low_memory", "max_cache_len", "renormalize_logits",
-    "length_penalty", "early_stopping", "num_assistant_tokens", "num_assistant_tokens_schedule",
+    "num_assistant_tokens", "num_assistant_tokens_schedule",
     "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind", "max_matching_ngram_size",
     "is_assistant", "return_dict_in_generate", "continuous_batching_config", "transformers_version",
 })
-_BEAMS = "beam search is not served by the engine; run model.generate() with a PagedCache for it"
+_HUB = "moved out of transformers to the Hub (custom_generate) in transformers 5; not served by the engine"
 _POSITIONAL = ("depends on each request's prompt length or history, which the engine's sampler does not track; "
                "run model.generate() with a PagedCache for it")
 _WARPER = "is not one of the engine's warpers (temperature, top_k, top_p, min_p); use those or model.generate()"
 # Settings refused when set to anything but generate()'s default, with the reason.
 REFUSED = {
-    "num_beams": _BEAMS, "num_beam_groups": _BEAMS, "diversity_penalty": _BEAMS,
-    "constraints": "constrained beam search is not served by the engine",
-    "force_words_ids": "constrained beam search is not served by the engine",
+    "num_beam_groups": _HUB, "diversity_penalty": _HUB, "constraints": _HUB, "force_words_ids": _HUB,
     "penalty_alpha": "contrastive search is not served by the engine",
     "dola_layers": "DoLa decoding is not served by the engine",
     "guidance_scale": "classifier-free guidance needs a second, unconditional forward per request",
@@ -76,7 +75,6 @@ REFUSED = {
     "stop_strings": "needs a tokenizer in the engine; pass stop_token_ids (token ids) instead",
     "token_healing": "token healing is not served by the engine",
     "max_time": "the engine does not stop requests on a clock; cancel_request() one instead",
-    "prompt_lookup_num_tokens": "assisted / prompt-lookup decoding is not served by the engine",
     "assistant_early_exit": "assisted decoding is not served by the engine",
     "speculation_type": "speculative decoding is not served by the engine",
     "use_mtp": "multi-token prediction is not served by the engine",
@@ -136,6 +134,10 @@ class SamplingParams:
     min_tokens: int = 0
     prompt_logprobs: int | None = None
     grammar: object = None
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    prompt_lookup_num_tokens: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.do_sample, bool):
@@ -173,7 +175,26 @@ class SamplingParams:
                              "lower min_tokens or raise max_new_tokens")
         if not _is_int(self.num_return_sequences) or self.num_return_sequences < 1:
             raise ValueError(f"num_return_sequences must be an integer >= 1, got {self.num_return_sequences!r}")
-        if self.num_return_sequences > 1 and not self.do_sample:
+        if not _is_int(self.num_beams) or self.num_beams < 1:
+            raise ValueError(f"num_beams must be an integer >= 1, got {self.num_beams!r}")
+        if not _is_number(self.length_penalty):
+            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or \"never\", got {self.early_stopping!r}")
+        if self.prompt_lookup_num_tokens is not None and (
+                not _is_int(self.prompt_lookup_num_tokens) or self.prompt_lookup_num_tokens < 0):
+            raise ValueError(f"prompt_lookup_num_tokens must be an integer >= 0 (0: no speculation for this request), "
+                             f"got {self.prompt_lookup_num_tokens!r}")
+        if self.num_beams > 1:
+            if self.num_return_sequences > self.num_beams:
+                raise ValueError(f"num_return_sequences={self.num_return_sequences} is more than num_beams="
+                                 f"{self.num_beams}: beam search returns at most its num_beams best sequences")
+            for name, value in (("grammar", self.grammar), ("logprobs", self.logprobs),
+                                ("prompt_lookup_num_tokens", self.prompt_lookup_num_tokens or None)):
+                if value is not None:
+                    raise ValueError(f"{name} with num_beams={self.num_beams} is not supported by the engine; "
+                                     f"drop one of them")
+        elif self.num_return_sequences > 1 and not self.do_sample:
             raise ValueError(f"num_return_sequences={self.num_return_sequences} with greedy decoding would return "
                              f"{self.num_return_sequences} identical sequences; pass do_sample=True (as generate() "
                              f"requires)")
@@ -265,6 +286,10 @@ class SamplingParams:
             seed=settings.get("seed"), logprobs=settings.get("logprobs"),
             num_return_sequences=settings.get("num_return_sequences") or 1,
             min_tokens=min_tokens, prompt_logprobs=settings.get("prompt_logprobs"), grammar=settings.get("grammar"),
+            num_beams=settings.get("num_beams") or 1,
+            length_penalty=1.0 if settings.get("length_penalty") is None else settings["length_penalty"],
+            early_stopping=settings.get("early_stopping") or False,
+            prompt_lookup_num_tokens=settings.get("prompt_lookup_num_tokens"),
         )
 
     def finish_reason(self, token: int, num_generated: int) -> str | None:
@@ -518,3 +543,29 @@ def _logprobs(processed: torch.Tensor, tokens: torch.Tensor, params):
             k = min(p.logprobs or 0, top_k)
             tops[row] = list(zip(indices[row][:k], values[row][:k]))
     return [lp if want else None for lp, want in zip(chosen, wanted)], tops
+
+
+def processed_scores(scores: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
+                     num_generated: list[int] | None = None) -> torch.Tensor:
+    """``scores`` ``[n, vocab]`` after each row's ``min_tokens`` mask, repetition penalty and (sampled rows) warpers,
+    in float32 and ``generate()``'s order: what :class:`Sampler` draws row i's token from (as a softmax), for the
+    engine's beam search (``scores`` = log-probabilities, which ``generate()``'s beam search processes) and
+    speculative rejection sampling (``scores`` = logits). ``histories[i]``: row i's prompt + generated ids.
+
+    Example::
+
+        probs = processed_scores(logits, params, histories, num_generated).softmax(-1)   # [n, vocab]
+    """
+    out = _mask_min_tokens(scores.float(), params, num_generated).clone()  # [n, vocab]
+    for row, p in enumerate(params):
+        if p.repetition_penalty is not None:
+            ids = torch.tensor([histories[row]], dtype=torch.long, device=out.device)  # [1, len]
+            out[row:row + 1] = RepetitionPenaltyLogitsProcessor(float(p.repetition_penalty))(ids, out[row:row + 1])
+        if p.do_sample:  # generate()'s order of the warpers
+            warpers = [TemperatureLogitsWarper(float(p.temperature))] if p.temperature != 1.0 else []
+            warpers += [TopKLogitsWarper(top_k=int(p.top_k))] if p.top_k is not None else []
+            warpers += [TopPLogitsWarper(top_p=float(p.top_p))] if p.top_p is not None else []
+            warpers += [MinPLogitsWarper(min_p=float(p.min_p))] if p.min_p is not None else []
+            for warper in warpers:
+                out[row:row + 1] = warper(None, out[row:row + 1])
+    return out
