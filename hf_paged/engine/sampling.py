@@ -275,6 +275,11 @@ class SamplingParams:
             else:
                 max_new_tokens = cls.max_new_tokens
 
+        num_beams = settings.get("num_beams") or 1
+        length_penalty, early_stopping = 1.0, False  # beam-only settings: no effect without beams
+        if num_beams > 1:
+            length_penalty = 1.0 if settings.get("length_penalty") is None else settings["length_penalty"]
+            early_stopping = settings.get("early_stopping") or False
         eos = () if settings.get("ignore_eos") else _token_ids(settings.get("eos_token_id"), "eos_token_id")
         min_tokens = settings.get("min_tokens")
         if min_tokens is None:
@@ -286,9 +291,7 @@ class SamplingParams:
             seed=settings.get("seed"), logprobs=settings.get("logprobs"),
             num_return_sequences=settings.get("num_return_sequences") or 1,
             min_tokens=min_tokens, prompt_logprobs=settings.get("prompt_logprobs"), grammar=settings.get("grammar"),
-            num_beams=settings.get("num_beams") or 1,
-            length_penalty=1.0 if settings.get("length_penalty") is None else settings["length_penalty"],
-            early_stopping=settings.get("early_stopping") or False,
+            num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping,
             prompt_lookup_num_tokens=settings.get("prompt_lookup_num_tokens"),
         )
 
