@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--num-speculative-tokens", type=int, default=8)
     parser.add_argument("--draft-layers", type=int, default=10)
+    parser.add_argument("--draft-tokens", type=int, default=4, help="draft tokens per step of the draft model")
     parser.add_argument("--contenders", nargs="+", default=["plain", "ngram", "ngram-always", "draft"])
     args = parser.parse_args()
     torch.set_grad_enabled(False)
@@ -83,14 +84,15 @@ def main() -> None:
     draft = attach_paged_attention(draft_model(model, args.draft_layers)) if "draft" in args.contenders else None
     print(f"# {cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; SmolLM2-135M fp32, greedy, "
-          f"{args.max_new_tokens} new tokens, {args.num_speculative_tokens} draft tokens, draft model = first "
-          f"{args.draft_layers} of {model.config.num_hidden_layers} layers")
+          f"{args.max_new_tokens} new tokens, {args.num_speculative_tokens} n-gram draft tokens, draft model = first "
+          f"{args.draft_layers} of {model.config.num_hidden_layers} layers ({args.draft_tokens} tokens)")
     speculative = {"plain": None, "ngram": "ngram", "ngram-always": "ngram", "draft": draft}
     managers = {}
     for name in args.contenders:
         managers[name] = init_continuous_batching(model, pool=BlockPool(16, num_blocks=2048),
                                                   speculative=speculative[name],
-                                                  num_speculative_tokens=args.num_speculative_tokens)
+                                                  num_speculative_tokens=args.draft_tokens if name == "draft"
+                                                  else args.num_speculative_tokens)
         managers[name].start()
         if name == "ngram-always":
             managers[name]._core.speculation.policy.decide = lambda *a, **k: True

@@ -180,6 +180,8 @@ class SpeculationPolicy:
     draft_costs: dict[int, tuple[float, int]] = field(default_factory=dict)  # draft model: requests bucket -> s
     step: int = 0
     last_decision: bool = False
+    last_speculated: int = 0  # the step that last speculated (a policy that keeps drafts off re-tries them now and
+    # then, so the acceptance rates it decides from stay measured)
 
     @staticmethod
     def bucket(tokens: int) -> int:
@@ -208,13 +210,15 @@ class SpeculationPolicy:
         spec = self._cost(spec_tokens, self.costs)
         plain = self._cost(plain_tokens, self.costs)
         drafting = self._cost(draft_requests, self.draft_costs) if draft_requests else 0.0
-        if spec is None or drafting is None:
+        if spec is None or drafting is None or self.step - self.last_speculated > REEXPLORE:
             decision = True  # measure it
         elif plain is None:
             decision = False
         else:
             decision = expected / (spec + drafting) > plain_tokens / plain
         self.last_decision = decision
+        if decision:
+            self.last_speculated = self.step
         return decision
 
 
@@ -247,7 +251,8 @@ class Speculation:
         self.policy = policy if policy is not None else SpeculationPolicy()
         self.stats = SpeculationStats()
         self._acceptance: dict[int, float] = {}  # id(request) -> its per-token acceptance rate
-        self._last_step: tuple[int, int, bool] | None = None  # (tokens, drafting requests, speculated)
+        self._mode_acceptance = {"ngram": PRIOR_ACCEPTANCE, "draft": PRIOR_ACCEPTANCE}  # a new request's prior
+        self._modes: dict[int, str] = {}  # id(request) -> how it drafts this step
 
     def _mode(self, req: Request) -> tuple[str | None, int]:
         p = req.params
@@ -279,13 +284,13 @@ class Speculation:
             if mode is None or k < 1:
                 continue
             (ngram if mode == "ngram" else drafting).append((req, k))
+        self._modes = {id(req): "ngram" for req, _ in ngram} | {id(req): "draft" for req, _ in drafting}
         proposals = [(req, self.ngram.propose(req, k)) for req, k in ngram]
         proposals = [(req, d) for req, d in proposals if d]
         n = len(decoding)
         spec_tokens = n + sum(len(d) for _, d in proposals) + sum(k for _, k in drafting)
         expected = n + sum(self._gain(req, len(d)) for req, d in proposals) + sum(self._gain(req, k)
                                                                                 for req, k in drafting)
-        self._last_step = None
         if (proposals or drafting) and self.policy.decide(n, spec_tokens, expected, len(drafting)):
             if drafting:
                 t1 = time.perf_counter()
@@ -296,14 +301,11 @@ class Speculation:
             for req, draft in proposals:
                 req.draft = draft
             self.stats.speculative_steps += 1
-            self._last_step = (spec_tokens, len(drafting), True)
-        elif n:
-            self._last_step = (n, 0, False)
         self.stats.propose_time_s += time.perf_counter() - t0
 
     def _gain(self, req: Request, m: int) -> float:
         """Expected extra tokens from a draft of ``m`` tokens."""
-        a = min(self._acceptance.get(id(req), PRIOR_ACCEPTANCE), 0.99)
+        a = min(self._acceptance.get(id(req), self._mode_acceptance[self._modes[id(req)]]), 0.99)
         return (1 - a ** (m + 1)) / (1 - a) - 1
 
     def observe_step(self, batch: Batch, forward_seconds: float) -> None:
@@ -331,9 +333,11 @@ class Speculation:
         self.stats.proposed += m
         self.stats.accepted += accepted
         self.stats.verified_requests += 1
-        old = self._acceptance.get(id(req), PRIOR_ACCEPTANCE)
+        mode = self._modes.get(id(req), "ngram")
+        old = self._acceptance.get(id(req), self._mode_acceptance[mode])
         rate = accepted / m if accepted < m else 1.0
         self._acceptance[id(req)] = ACCEPTANCE_DECAY * old + (1 - ACCEPTANCE_DECAY) * rate
+        self._mode_acceptance[mode] = ACCEPTANCE_DECAY * self._mode_acceptance[mode] + (1 - ACCEPTANCE_DECAY) * rate
         return out
 
     def forget(self, req: Request) -> None:
