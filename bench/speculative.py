@@ -95,7 +95,7 @@ def main() -> None:
                                                   else args.num_speculative_tokens)
         managers[name].start()
         if name == "ngram-always":
-            managers[name]._core.speculation.policy.decide = lambda *a, **k: True
+            managers[name]._core.speculation.policy.choose = lambda options: len(options) - 1
     rows = []
     try:
         for c in args.concurrency:

@@ -50,7 +50,7 @@ def grounded_prompts(model, n: int, seed: int) -> list[list[int]]:
 
 def always(engine_core) -> None:
     """Make the policy speculate at every step (the tests check tokens, not speed)."""
-    engine_core.speculation.policy.decide = lambda *args, **kwargs: True
+    engine_core.speculation.policy.choose = lambda options: len(options) - 1
 
 
 def specs_with_drafts(model, seed: int):
@@ -218,19 +218,29 @@ def test_sampling_with_speculation_matches_the_target_distribution(model):
 
 
 def test_policy_turns_drafts_off_where_a_step_costs_its_tokens():
-    """With steps whose cost is flat in their tokens, drafts run; once cost grows with tokens (compute-bound), a
-    step of many requests runs plain; unmeasured sizes are measured first."""
+    """The policy runs the draft length with the most expected tokens per second: with step costs flat in their
+    tokens, the longest drafts; where cost grows with tokens (compute-bound), a plain step; unmeasured step sizes
+    are measured first; a token cap keeps larger steps plain."""
     policy = SpeculationPolicy()
-    assert policy.decide(1, 9, expected=3.0)  # nothing measured: measure the drafting step
-    policy.observe(9, 0.010)
-    assert not policy.decide(1, 9, expected=3.0)  # now measure the plain step
-    policy.observe(1, 0.008)
-    assert policy.decide(1, 9, expected=3.0)  # 3 tokens / 10 ms beats 1 / 8 ms
-    policy.observe(16, 0.100)
-    policy.observe(128, 0.800)
-    assert not policy.decide(16, 128, expected=40.0)  # 40 / 800 ms loses to 16 / 100 ms
-    capped = SpeculationPolicy(max_tokens=8)
-    assert not capped.decide(1, 9, expected=3.0)
+    one = [(1, 1.0, 0, 0), (2, 1.6, 0, 0), (5, 2.8, 0, 0)]  # (tokens, expected tokens, drafting, draft forwards)
+    assert policy.choose(one) == 0  # nothing measured: measure (the plain step first)
+    for tokens, seconds in ((1, 0.010), (2, 0.011), (5, 0.012)):
+        policy.observe(tokens, seconds)
+    assert policy.choose(one) == 2  # 2.8 tokens / 12 ms
+    many = [(16, 16.0, 0, 0), (32, 25.0, 0, 0), (80, 40.0, 0, 0)]
+    for tokens, seconds in ((16, 0.1), (32, 0.2), (80, 0.5)):
+        policy.observe(tokens, seconds)
+    assert policy.choose(many) == 0  # 16 / 100 ms beats 25 / 200 ms and 40 / 500 ms
+    drafted = [(1, 1.0, 0, 0), (5, 4.0, 1, 4)]  # a draft model: 4 draft forwards of 5 ms each
+    policy.observe(1, 0.005, policy.draft_costs)
+    assert policy.choose(drafted) == 1  # 4 / 32 ms beats 1 / 10 ms
+    policy.observe(1, 0.050, policy.draft_costs)
+    policy.observe(1, 0.050, policy.draft_costs)
+    assert policy.choose(drafted) == 0  # drafting became expensive
+    capped = SpeculationPolicy(max_tokens=4)
+    for tokens in (1, 2, 5):
+        capped.observe(tokens, 0.01)
+    assert capped.choose(one) == 1
 
 
 def test_ngram_proposer_takes_what_followed_the_latest_match():

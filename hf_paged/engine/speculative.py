@@ -19,11 +19,11 @@ model's own:
 The scheduler cuts the rejected tokens' K/V off the request's row (``Scheduler.rollback``: the block table is
 truncated, emptied blocks go back to the pool).
 
-:class:`SpeculationPolicy` decides per step whether to speculate: it learns what a decode step of T tokens costs on
-this machine (forward seconds of decode-only steps, per power-of-two bucket of T) and each request's acceptance rate,
-and speculates only when the expected tokens per second beat those of a plain step. A compute-bound batch (many
-requests, where a forward's time grows with its tokens) turns speculation off; a small one (memory- or
-latency-bound, one forward per token) turns it on.
+:class:`SpeculationPolicy` chooses per step how many draft tokens run (0: none): it learns what a decode step of T
+tokens costs on this machine (forward seconds of decode-only steps; for a draft model, seconds per draft forward) and
+the acceptance rates of each request and proposer, and runs the draft length with the most expected tokens per
+second. A compute-bound batch (many requests, where a forward's time grows with its tokens) runs plain steps; a small
+one (memory- or latency-bound, one forward per token) runs drafts.
 """
 
 from __future__ import annotations
@@ -167,59 +167,60 @@ class DraftModelProposer:
 
 @dataclass
 class SpeculationPolicy:
-    """Speculate in a step only when its expected tokens per second beat a plain step's.
+    """Chooses, per step, how many draft tokens the decoding requests run (0: a plain step), for the most expected
+    tokens per second.
 
-    ``cost(T)``: the forward seconds of a decode-only step of T tokens, learned from the engine's own steps per
-    power-of-two bucket of T (a bucket not measured yet, or not for ``REEXPLORE`` steps, is measured by running it).
-    A request's expected tokens from a draft of m tokens at per-token acceptance rate a: ``(1 - a^(m+1)) / (1 - a)``.
-    ``max_tokens``: a step with more tokens than this never speculates (None: no such cap).
+    ``cost(T)``: the forward seconds of a decode-only step of T tokens, learned from the engine's own steps (per token
+    count up to 16, per power-of-two bucket above); a draft model's seconds per draft forward likewise, per count of
+    drafting requests. A request's expected tokens from a draft of m tokens at per-token acceptance rate a:
+    ``(1 - a^(m+1)) / (1 - a)``. An option whose cost was never measured (or not for ``REEXPLORE`` steps) is run now
+    and then to measure it. ``max_tokens``: a step of more tokens than this never speculates (None: no cap).
     """
 
     max_tokens: int | None = None
     costs: dict[int, tuple[float, int]] = field(default_factory=dict)  # bucket -> (seconds, step last measured)
     draft_costs: dict[int, tuple[float, int]] = field(default_factory=dict)  # draft model: requests bucket -> s
     step: int = 0
-    last_decision: bool = False
-    last_speculated: int = 0  # the step that last speculated (a policy that keeps drafts off re-tries them now and
-    # then, so the acceptance rates it decides from stay measured)
+    last_explored: int = -REEXPLORE
 
     @staticmethod
     def bucket(tokens: int) -> int:
-        return 1 << max(tokens - 1, 0).bit_length()
+        return tokens if tokens <= 16 else 1 << (tokens - 1).bit_length()
 
     def observe(self, tokens: int, seconds: float, table: dict | None = None) -> None:
-        """A decode-only step of ``tokens`` took ``seconds`` (its forward)."""
+        """A decode-only step of ``tokens`` took ``seconds`` (its forward); or, with ``table=draft_costs``, one draft
+        forward for ``tokens`` requests."""
         table = self.costs if table is None else table
         b = self.bucket(tokens)
         old = table.get(b)
         table[b] = (seconds if old is None else COST_DECAY * old[0] + (1 - COST_DECAY) * seconds, self.step)
 
-    def _cost(self, tokens: int, table: dict) -> float | None:
-        entry = table.get(self.bucket(tokens))
+    def cost(self, tokens: int, table: dict | None = None) -> float | None:
+        entry = (self.costs if table is None else table).get(self.bucket(tokens))
         if entry is None or self.step - entry[1] > REEXPLORE:
             return None
         return entry[0]
 
-    def decide(self, plain_tokens: int, spec_tokens: int, expected: float, draft_requests: int = 0) -> bool:
-        """Whether a step of ``plain_tokens`` decode tokens should run ``spec_tokens`` instead, expecting
-        ``expected`` tokens out (vs ``plain_tokens``); ``draft_requests``: requests a draft model proposes for."""
+    def choose(self, options: list[tuple[int, float, int, int]]) -> int:
+        """The index of the option to run. ``options[i]``: ``(step tokens, expected tokens, drafting requests,
+        draft forwards)``; option 0 is the plain step."""
         self.step += 1
-        if self.max_tokens is not None and spec_tokens > self.max_tokens:
-            self.last_decision = False
-            return False
-        spec = self._cost(spec_tokens, self.costs)
-        plain = self._cost(plain_tokens, self.costs)
-        drafting = self._cost(draft_requests, self.draft_costs) if draft_requests else 0.0
-        if spec is None or drafting is None or self.step - self.last_speculated > REEXPLORE:
-            decision = True  # measure it
-        elif plain is None:
-            decision = False
-        else:
-            decision = expected / (spec + drafting) > plain_tokens / plain
-        self.last_decision = decision
-        if decision:
-            self.last_speculated = self.step
-        return decision
+        best, best_rate, unknown = 0, None, []
+        for i, (tokens, expected, drafting, forwards) in enumerate(options):
+            if i and self.max_tokens is not None and tokens > self.max_tokens:
+                continue
+            cost = self.cost(tokens)
+            per_forward = self.cost(drafting, self.draft_costs) if forwards else 0.0
+            if cost is None or per_forward is None:
+                unknown.append(i)
+                continue
+            rate = expected / (cost + forwards * per_forward)
+            if best_rate is None or rate > best_rate:
+                best, best_rate = i, rate
+        if unknown and (best_rate is None or self.step - self.last_explored > REEXPLORE // 4):
+            self.last_explored = self.step
+            return unknown[0]
+        return best
 
 
 class Speculation:
@@ -287,20 +288,25 @@ class Speculation:
         self._modes = {id(req): "ngram" for req, _ in ngram} | {id(req): "draft" for req, _ in drafting}
         proposals = [(req, self.ngram.propose(req, k)) for req, k in ngram]
         proposals = [(req, d) for req, d in proposals if d]
-        n = len(decoding)
-        spec_tokens = n + sum(len(d) for _, d in proposals) + sum(k for _, k in drafting)
-        expected = n + sum(self._gain(req, len(d)) for req, d in proposals) + sum(self._gain(req, k)
-                                                                                for req, k in drafting)
-        if (proposals or drafting) and self.policy.decide(n, spec_tokens, expected, len(drafting)):
-            if drafting:
-                t1 = time.perf_counter()
-                k = max(k for _, k in drafting)
-                drafts = self.draft.propose_all([req for req, _ in drafting], k)
-                proposals += [(req, d[:own]) for (req, own), d in zip(drafting, drafts)]
-                self.policy.observe(len(drafting), time.perf_counter() - t1, self.policy.draft_costs)
-            for req, draft in proposals:
-                req.draft = draft
-            self.stats.speculative_steps += 1
+        longest = max([len(d) for _, d in proposals] + [k for _, k in drafting], default=0)
+        if longest:
+            n = len(decoding)
+            options = [(n, float(n), 0, 0)]  # option m: drafts cut to m tokens
+            for m in range(1, longest + 1):
+                lengths = [min(len(d), m) for _, d in proposals] + [min(k, m) for _, k in drafting]
+                expected = n + sum(self._gain(req, min(len(d), m)) for req, d in proposals) + sum(
+                    self._gain(req, min(k, m)) for req, k in drafting)
+                options.append((n + sum(lengths), expected, len(drafting), m if drafting else 0))
+            m = self.policy.choose(options)
+            if m:
+                if drafting:
+                    t1 = time.perf_counter()
+                    drafts = self.draft.propose_all([req for req, _ in drafting], m)
+                    proposals += [(req, d[:own]) for (req, own), d in zip(drafting, drafts)]
+                    self.policy.observe(len(drafting), (time.perf_counter() - t1) / m, self.policy.draft_costs)
+                for req, draft in proposals:
+                    req.draft = draft[:m]
+                self.stats.speculative_steps += 1
         self.stats.propose_time_s += time.perf_counter() - t0
 
     def _gain(self, req: Request, m: int) -> float:

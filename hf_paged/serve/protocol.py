@@ -63,6 +63,9 @@ class _Common(_Strict):
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    use_beam_search: bool | None = False  # vLLM's: beam search of width best_of (completions) or n
+    length_penalty: float | None = None
+    early_stopping: bool | str | None = None
 
 
 class CompletionFields(_Common):
@@ -103,6 +106,10 @@ class SamplingParams:
     grammar_spec: GrammarSpec | None = None  # structured output asked for (compiled by the app)
     grammar: object = None  # its CompiledGrammar
     generate: bool = True  # False: max_tokens 0 with echo (one token runs, none is returned)
+    num_beams: int = 1  # > 1: one beam search per prompt, its n best sequences the n choices
+    num_return: int = 1  # beam search: the choices per prompt (n)
+    length_penalty: float | None = None
+    early_stopping: bool | str | None = None
 
     @property
     def engine_prompt_logprobs(self) -> int | None:
@@ -111,6 +118,17 @@ class SamplingParams:
 
     def engine_kwargs(self, index: int) -> dict:
         kwargs: dict[str, Any] = {}
+        if self.num_beams > 1:  # deterministic beam search (vLLM's): no sampling settings
+            kwargs.update(num_beams=self.num_beams, num_return_sequences=self.num_return, do_sample=False)
+            for name in ("length_penalty", "early_stopping", "repetition_penalty"):
+                if getattr(self, name) is not None:
+                    kwargs[name] = getattr(self, name)
+            for name, value in (("ignore_eos", self.ignore_eos or None), ("min_tokens", self.min_tokens or None),
+                                ("stop_token_ids", self.stop_token_ids or None),
+                                ("prompt_logprobs", self.engine_prompt_logprobs)):
+                if value is not None:
+                    kwargs[name] = value
+            return kwargs
         if self.ignore_eos:
             kwargs["ignore_eos"] = True
         if self.min_tokens:
@@ -188,9 +206,8 @@ _BODY_FIELDS = {"completion": {"prompt", "stop", *_STRUCTURED}, "chat": {"messag
                                                                         *_STRUCTURED}}
 # vLLM / OpenAI fields that change what is generated and that the engine cannot do: a 400 when set (truthy).
 REFUSED_FIELDS = {
-    "use_beam_search": "beam search", "allowed_token_ids": "allowed token ids", "bad_words": "bad words",
+    "allowed_token_ids": "allowed token ids", "bad_words": "bad words",
     "logits_processors": "custom logits processors", "truncate_prompt_tokens": "prompt truncation",
-    "length_penalty": "beam search",
     "functions": "function calling", "audio": "audio output", "prediction": "predicted outputs",
     "modalities": "output modalities", "web_search_options": "web search", "continue_final_message":
     "continuing the final message",
@@ -260,6 +277,22 @@ def _common(body: dict, fields: _Common, max_tokens: int | None, logprobs: int |
                           stop_token_ids=fields.stop_token_ids, include_stop=bool(fields.include_stop_str_in_output),
                           skip_special_tokens=fields.skip_special_tokens is not False,
                           prompt_logprobs=fields.prompt_logprobs)
+
+
+def _beams(params: SamplingParams, fields: _Common, n: int, width: int | None) -> None:
+    """``use_beam_search``: one beam search of ``width`` (default ``n``) beams per prompt, its ``n`` best the
+    choices."""
+    if not fields.use_beam_search:
+        for name in ("length_penalty", "early_stopping"):
+            if getattr(fields, name) is not None:
+                raise APIError(400, f"'{name}' applies to beam search only; send 'use_beam_search': true.",
+                               param=name)
+        return
+    if params.logprobs is not None or params.grammar_spec is not None or params.stop:
+        raise APIError(400, "beam search does not combine with logprobs, response_format or stop strings here.",
+                       param="use_beam_search")
+    params.num_beams, params.num_return = max(width or n, n), n
+    params.length_penalty, params.early_stopping = fields.length_penalty, fields.early_stopping
 
 
 def _schema_text(value, where: str) -> str:
@@ -360,7 +393,10 @@ def parse_completion(body: dict) -> CompletionRequest:
     if fields.suffix:
         raise APIError(400, "this server's engine does not support 'suffix' (insertion); remove it.", param="suffix")
     n = fields.n or 1
-    if fields.best_of is not None and fields.best_of != n:
+    if fields.use_beam_search and fields.best_of is not None and fields.best_of < n:
+        raise APIError(400, f"'best_of' ({fields.best_of}) is less than 'n' ({n}): beam search returns its best_of "
+                            "beams' n best.", param="best_of")
+    if not fields.use_beam_search and fields.best_of is not None and fields.best_of != n:
         raise APIError(400, f"'best_of' ({fields.best_of}) other than 'n' ({n}) is not supported: the engine does "
                             "not rank samples; use 'n'.", param="best_of")
     if fields.max_tokens == 0 and not fields.echo:
@@ -372,6 +408,7 @@ def parse_completion(body: dict) -> CompletionRequest:
     if fields.max_tokens == 0:
         params.max_tokens, params.generate = 1, False
     params.grammar_spec = grammar_spec(body)
+    _beams(params, fields, n, fields.best_of)
     return CompletionRequest(fields.model, _prompts(body.get("prompt")), params, n, bool(fields.stream),
                              _include_usage(fields), bool(fields.echo), _continuous_usage(fields))
 
@@ -443,5 +480,6 @@ def parse_chat(body: dict) -> ChatRequest:
                                 "constraint (response_format / structured_outputs).", param="tool_choice")
         schema = required_schema(tools) if tools.choice == REQUIRED else named_schema(tools)
         params.grammar_spec = GrammarSpec("json_schema", json.dumps(schema))
+    _beams(params, fields, fields.n or 1, None)
     return ChatRequest(fields.model, parse_messages(body.get("messages")), params, fields.n or 1, bool(fields.stream),
                        _include_usage(fields), _continuous_usage(fields), tools)
