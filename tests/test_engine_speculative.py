@@ -259,3 +259,17 @@ def test_speculation_settings_are_validated(model):
         SamplingParams(num_beams=2, prompt_lookup_num_tokens=3)
     with pytest.raises(ValueError, match="speculative must be None, 'ngram' or a draft model"):
         init_continuous_batching(model, pool=BlockPool(block_size=BLOCK, num_blocks=16), speculative="eagle")
+
+
+def test_sliding_window_model_drafts_within_its_window():
+    """On a sliding-window model (window 4) drafts are capped at 3 tokens, so a row can always be cut back; greedy
+    tokens stay generate()'s."""
+    model = enable_paged_attention(tiny_model("mistral", seed=3, sliding_window=4), backend="torch")
+    core = init_continuous_batching(model, pool=BlockPool(block_size=BLOCK, num_blocks=128), speculative="ngram")._core
+    assert core.speculation.max_draft == 3
+    always(core)
+    specs = [(f"r{i}", p * 3, SamplingParams(max_new_tokens=16, eos_token_ids=(EOS,)))
+             for i, p in enumerate(random_prompts(3, VOCAB, (4, 8), seed=1))]
+    reqs = drive(core, specs, seed=0)
+    check_greedy(model, reqs, specs)
+    assert core.speculation.stats.proposed > 0

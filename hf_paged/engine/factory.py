@@ -140,7 +140,11 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     if speculative is not None and (state_layers or sync is not None):
         raise ValueError("speculative decoding needs rows that can be cut back after a rejection: not served for "
                          "models with state layers or under tensor parallelism. Leave speculative unset.")
-    speculation = Speculation(speculative, num_speculative_tokens, SpeculationPolicy(speculative_max_tokens))
+    windows = [w for w in (*groups.windows, *groups.chunks) if w is not None]
+    # a row is cut back after a rejection: not possible through a state, and not past a sliding window's edge
+    max_draft = 0 if state_layers or sync is not None else (min(windows) - 1 if windows else None)
+    speculation = Speculation(speculative, num_speculative_tokens, SpeculationPolicy(speculative_max_tokens),
+                              max_draft=max_draft)
     core = EngineCore(scheduler, runner, Sampler(device=device), max_context=limit, context_reason=reason,
                       speculation=speculation)
     defaults = {"logprobs": options.pop("logprobs")} if "logprobs" in options else {}

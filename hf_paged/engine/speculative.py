@@ -231,14 +231,17 @@ class Speculation:
             or a draft model (an attention-only causal LM with the target's vocabulary).
         num_tokens: draft tokens per request and step (a request's ``prompt_lookup_num_tokens`` overrides it for
             n-gram lookup).
-        policy: the per-step on/off :class:`SpeculationPolicy`.
+        policy: the per-step :class:`SpeculationPolicy`.
+        max_draft: the longest draft a row may be cut back from (a sliding window of W tokens: W - 1), None: no cap;
+            0: no speculation at all (models whose rows cannot be cut back; every request decodes plainly).
 
     A request speculates when it decodes (its next step runs one known token), asks for no ``logprobs``, has no
     grammar and no beams, and either sets ``prompt_lookup_num_tokens`` > 0 (n-gram lookup) or leaves it unset under
     an engine default. ``prompt_lookup_num_tokens=0`` turns speculation off for it.
     """
 
-    def __init__(self, default=None, num_tokens: int = DEFAULT_NUM_TOKENS, policy: SpeculationPolicy | None = None):
+    def __init__(self, default=None, num_tokens: int = DEFAULT_NUM_TOKENS, policy: SpeculationPolicy | None = None,
+                 max_draft: int | None = None):
         if not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {num_tokens!r}")
         self.ngram = NgramProposer()
@@ -249,6 +252,7 @@ class Speculation:
             self.draft = DraftModelProposer(default)
         self.default = default
         self.num_tokens = num_tokens
+        self.max_draft = max_draft
         self.policy = policy if policy is not None else SpeculationPolicy()
         self.stats = SpeculationStats()
         self._acceptance: dict[int, float] = {}  # id(request) -> its per-token acceptance rate
@@ -257,7 +261,7 @@ class Speculation:
 
     def _mode(self, req: Request) -> tuple[str | None, int]:
         p = req.params
-        if p is None or p.num_beams > 1 or req.matcher is not None or p.logprobs is not None:
+        if self.max_draft == 0 or p is None or p.num_beams > 1 or req.matcher is not None or p.logprobs is not None:
             return None, 0
         own = p.prompt_lookup_num_tokens
         if own == 0:
@@ -281,7 +285,7 @@ class Speculation:
             decoding.append(req)
             mode, k = self._mode(req)
             room = min(req.max_new_tokens - req.num_generated, req.max_length - len(req.tokens)) - 1
-            k = min(k, room)
+            k = min(k, room) if self.max_draft is None else min(k, room, self.max_draft)
             if mode is None or k < 1:
                 continue
             (ngram if mode == "ngram" else drafting).append((req, k))
