@@ -102,7 +102,7 @@ def main() -> None:
             batch = prompts(tokenizer, c, offset=c)
             results = {}
             for name in args.contenders:  # warm-up: the policy measures this machine's step costs
-                run(managers[name], prompts(tokenizer, c, offset=c + 7), args.max_new_tokens // 2)
+                run(managers[name], prompts(tokenizer, c, offset=c + 7), args.max_new_tokens)
             for name in args.contenders:
                 stats = managers[name]._core.speculation.stats
                 before = (stats.steps, stats.speculative_steps, stats.accepted, stats.verified_requests)

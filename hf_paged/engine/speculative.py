@@ -48,7 +48,7 @@ MAX_NGRAM = 3  # the longest suffix n-gram looked up (transformers' max_matching
 PRIOR_ACCEPTANCE = 0.5  # a request's per-token acceptance rate before it has any
 ACCEPTANCE_DECAY = 0.7  # weight of the past in a request's acceptance rate
 COST_DECAY = 0.8  # weight of the past in a step-cost bucket
-REEXPLORE = 64  # steps after which a cost bucket is measured again
+REEXPLORE = 64  # steps after which the longest drafts run again (to measure them)
 
 
 @dataclass
@@ -173,15 +173,16 @@ class SpeculationPolicy:
     ``cost(T)``: the forward seconds of a decode-only step of T tokens, learned from the engine's own steps (per token
     count up to 16, per power-of-two bucket above); a draft model's seconds per draft forward likewise, per count of
     drafting requests. A request's expected tokens from a draft of m tokens at per-token acceptance rate a:
-    ``(1 - a^(m+1)) / (1 - a)``. An option whose cost was never measured (or not for ``REEXPLORE`` steps) is run now
-    and then to measure it. ``max_tokens``: a step of more tokens than this never speculates (None: no cap).
+    ``(1 - a^(m+1)) / (1 - a)``. Sizes not measured are interpolated between measured ones; the plain step and the
+    longest drafts are measured first, and the longest drafts run again every ``REEXPLORE`` steps (so costs and
+    acceptance rates stay measured). ``max_tokens``: a step of more tokens than this never speculates (None: no cap).
     """
 
     max_tokens: int | None = None
     costs: dict[int, tuple[float, int]] = field(default_factory=dict)  # bucket -> (seconds, step last measured)
     draft_costs: dict[int, tuple[float, int]] = field(default_factory=dict)  # draft model: requests bucket -> s
     step: int = 0
-    last_explored: int = -REEXPLORE
+    last_explored: int = 0
 
     @staticmethod
     def bucket(tokens: int) -> int:
@@ -196,31 +197,47 @@ class SpeculationPolicy:
         table[b] = (seconds if old is None else COST_DECAY * old[0] + (1 - COST_DECAY) * seconds, self.step)
 
     def cost(self, tokens: int, table: dict | None = None) -> float | None:
-        entry = (self.costs if table is None else table).get(self.bucket(tokens))
-        if entry is None or self.step - entry[1] > REEXPLORE:
+        """The estimated seconds of a step of ``tokens`` (or of one draft forward for ``tokens`` requests, with
+        ``table=draft_costs``): measured, else interpolated between the measured sizes around it (extrapolated past
+        the largest along the last two); None while fewer than two sizes were measured."""
+        table = self.costs if table is None else table
+        b = self.bucket(tokens)
+        if b in table:
+            return table[b][0]
+        known = sorted((size, entry[0]) for size, entry in table.items())
+        if len(known) < 2:
             return None
-        return entry[0]
+        below = [k for k in known if k[0] < b]
+        above = [k for k in known if k[0] > b]
+        if below and above:
+            (x0, y0), (x1, y1) = below[-1], above[0]
+            return y0 + (y1 - y0) * (b - x0) / (x1 - x0)
+        if not below:
+            return known[0][1]
+        (x0, y0), (x1, y1) = known[-2], known[-1]
+        return y1 + max((y1 - y0) / (x1 - x0), 0.0) * (b - x1)
 
     def choose(self, options: list[tuple[int, float, int, int]]) -> int:
         """The index of the option to run. ``options[i]``: ``(step tokens, expected tokens, drafting requests,
-        draft forwards)``; option 0 is the plain step."""
+        draft forwards)``; option 0 is the plain step, the last the longest drafts."""
         self.step += 1
-        best, best_rate, unknown = 0, None, []
-        for i, (tokens, expected, drafting, forwards) in enumerate(options):
-            if i and self.max_tokens is not None and tokens > self.max_tokens:
-                continue
+        allowed = [i for i, (tokens, *_) in enumerate(options)
+                   if i == 0 or self.max_tokens is None or tokens <= self.max_tokens]
+        rates = {}
+        for i in allowed:
+            tokens, expected, drafting, forwards = options[i]
             cost = self.cost(tokens)
             per_forward = self.cost(drafting, self.draft_costs) if forwards else 0.0
             if cost is None or per_forward is None:
-                unknown.append(i)
                 continue
-            rate = expected / (cost + forwards * per_forward)
-            if best_rate is None or rate > best_rate:
-                best, best_rate = i, rate
-        if unknown and (best_rate is None or self.step - self.last_explored > REEXPLORE // 4):
-            self.last_explored = self.step
-            return unknown[0]
-        return best
+            rates[i] = expected / (cost + forwards * per_forward)
+        if self.cost(options[0][0]) is None:
+            return 0  # measure the plain step first
+        largest = allowed[-1]
+        if largest not in rates or (largest and self.step - self.last_explored > REEXPLORE):
+            self.last_explored = self.step  # measure the longest drafts (their cost, and the acceptance rates)
+            return largest
+        return max(rates, key=rates.get)
 
 
 class Speculation:
