@@ -12,6 +12,11 @@ First come, first served. Each step:
    their first chunk with a small watermark to spare. An admitted request starts from the cached blocks its tokens
    begin with; one whose next blocks are being computed by another running request waits for them instead.
 
+A beam request (``beams.py``) runs its rows together: all of them in a step, one token each, or none; it is admitted
+only with room for its worst case, and preempted whole (every row back, restarted from its prompt). A decoding request
+with a draft (``speculative.py``) runs it with its token, from the budget the decode tokens leave; afterwards
+:meth:`Scheduler.rollback` cuts the rejected tokens off its row.
+
 The scheduler owns the waiting queue, the running list and each request's ``num_computed``, ``row`` and status;
 the rows' blocks are asked of :class:`~hf_paged.engine.kv.RequestKV`. Its schedule of a step is a :class:`Batch`;
 the runner plans and runs it; :meth:`Scheduler.advance` then records what ran.
