@@ -13,6 +13,7 @@ from .embedded import local_model_dir as embedded_model_dir
 from .engine import EngineStats, GenerationOutput, QueueFullError, RequestStatus, RequestTooLargeError
 from .engine.factory import generate_batch, init_continuous_batching
 from .engine.manager import ContinuousBatchingManager
+from .engine.transformers_api import engine_of, keep_engine
 from .errors import CacheFileError, OutOfBlocksError
 from .pool import BlockPool, parse_memory
 from .stats import MemoryStats
@@ -35,10 +36,12 @@ __all__ = [
     "attach_paged_attention",
     "disable_paged_attention",
     "embedded_model_dir",
+    "engine_of",
     "enable_paged_attention",
     "generate_batch",
     "init_continuous_batching",
     "is_paged",
+    "keep_engine",
     "ops",
     "paged_backend",
     "parse_memory",

@@ -126,6 +126,7 @@ class BlockAllocator:
         self.prefix_queries = 0  # prompt tokens looked up (in whole blocks)
         self.prefix_hits = 0  # of which found
         self.evictions = 0
+        self.prefix_epoch = 0  # reset_prefix_cache() calls so far (blocks keyed before the last one are forgotten)
         if num_blocks is not None:
             self._grow(num_blocks)
 
@@ -372,6 +373,19 @@ class BlockAllocator:
         with self.lock:
             while self._cached:
                 self._free.append(self._evict())
+
+    def reset_prefix_cache(self) -> None:
+        """Nothing written before this call is ever found by :meth:`match_prefix` again: cached blocks return to the
+        free list, blocks live sequences hold lose their keys (they are freed, not cached, when let go), and live
+        sequences stop keying the blocks they fill from now on (their K/V mixes before and after). For K/V made
+        stale, e.g. by new weights. Bumps :attr:`prefix_epoch`."""
+        with self.lock:
+            self.clear_cached()
+            self._key_of.clear()
+            self._block_of.clear()
+            for seq in self._seq_keys:
+                self._seq_keys[seq], self._seq_tail[seq], self._published[seq] = None, [], 0
+            self.prefix_epoch += 1
 
     # ------------------------------------------------------------- internals
     def _append_one(self, seq: int, n: int, copies: list[tuple[int, int]]) -> None:

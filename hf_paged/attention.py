@@ -289,6 +289,7 @@ def _wrap_generate(model, generate, state: PagedModel):
                                       max_new_tokens=_generate_flag(model, kwargs, "max_new_tokens")))
         token = _GENERATE_CACHE.set(cache)
         try:
+            cache.pool.check_weights(model)  # a prefix cached before the weights changed is never reused
             cache.start_from_prefix(input_ids, mask)
             if cache.is_compileable:
                 cache.pool.preallocate()  # the compiled steps read the pool at fixed addresses
@@ -369,6 +370,8 @@ def attach_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module
         compat.use_attention(model, _PREFIX + original, _make_attention(original), _make_mask(original))
         model._hf_paged_state = state
     state.backend = backend
+    from .engine import transformers_api  # the engine builds on this module: imported when a model is paged
+    transformers_api.install(model)  # model.generate_batch & co. on hf_paged's engine
     return model
 
 
@@ -408,6 +411,8 @@ def disable_paged_attention(model: nn.Module) -> nn.Module:
     state = getattr(model, "_hf_paged_state", None)
     if state is None:
         return model
+    from .engine import transformers_api  # (see attach_paged_attention)
+    transformers_api.uninstall(model)  # transformers' own generate_batch & co. again
     for handle in state.handles:
         handle.remove()
     compat.use_attention(model, state.original)

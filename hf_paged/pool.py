@@ -30,6 +30,7 @@ from .ops.reference import FP8_SCALE_DTYPE
 from .states import StateStore
 from .stats import MemoryStats
 from .step import StepBuffers
+from .weights import WeightsWatch
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -153,6 +154,7 @@ class BlockPool:
         self.states = StateStore()
         if self.max_memory is not None:
             self.states.limit_bytes = self._state_budget
+        self._weights = WeightsWatch()  # the weights the cached prefixes were computed with (prefix caching)
 
     def lend_step_buffers(self, cache) -> StepBuffers:
         """Step buffers for ``cache``, given back to this pool when the cache is collected. A later cache on the same
@@ -465,3 +467,66 @@ class BlockPool:
                 seen.add(tensor)
                 total += self.block_bytes(self.layer_shapes[layer])
         return total
+
+    # ---------------------------------------------------- stale K/V, sleeping
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix: no K/V written before this call is reused by a later prompt (rows still
+        running keep theirs but no longer offer their blocks). Cached blocks return to the free list. Call it after
+        changing the weights of the model this pool serves; :meth:`check_weights` does it by itself where the engine
+        and ``generate()`` look up prefixes.
+
+        Example::
+
+            pool = BlockPool(num_blocks=256, prefix_caching=True)
+            out = model.generate(**inputs, cache=PagedCache(model.config, pool=pool), max_new_tokens=8)
+            optimizer.step()
+            pool.reset_prefix_cache()   # optional: the next generate() on this pool notices the new weights itself
+        """
+        with self.lock:
+            self.allocator.reset_prefix_cache()
+
+    @property
+    def prefix_epoch(self) -> int:
+        """How many times the prefix cache was reset (a K/V user keyed by prefixes drops its own entries when it
+        changes: the engine's state checkpoints)."""
+        return self.allocator.prefix_epoch
+
+    def check_weights(self, model, rewalk: bool = True) -> bool:
+        """Before a prefix lookup: reset the prefix cache if ``model``'s parameters or buffers changed (in place,
+        e.g. ``optimizer.step()`` or ``load_state_dict``, or replaced) since the last call, or another model asks.
+        Returns whether it reset. A pool without prefix caching keeps nothing across rows: no check, False. Costs a
+        walk of the model's modules and a pass over its tensors' version counters; ``rewalk=False`` skips the walk
+        (the tensors the last walk found; see ``hf_paged.weights``)."""
+        if not self.prefix_caching:
+            return False
+        with self.lock:
+            if not self._weights.changed(model, rewalk):
+                return False
+            self.allocator.reset_prefix_cache()
+            return True
+
+    def release_tensors(self) -> int:
+        """Free the K/V tensors (and fp8 scale caches) while no row holds a block, e.g. between RL rollouts while the
+        trainer needs the memory; returns the bytes they took. The prefix cache is reset (its K/V is gone). The next
+        forward (or :meth:`make_tensors`) makes them again, zeroed, at the pool's current size. ``ValueError`` while
+        rows hold blocks."""
+        with self.lock:
+            live = self.allocator.sequences
+            if live:
+                raise ValueError(f"cannot release the KV pool's tensors: {len(live)} row(s) still hold blocks. Let "
+                                 "the requests finish (or free their caches) first.")
+            freed = self.bytes_reserved()
+            self.allocator.reset_prefix_cache()
+            for caches in (self.key_caches, self.value_caches, self.k_scale_caches, self.v_scale_caches):
+                caches.clear()
+            self._sized_blocks = 0
+            return freed
+
+    def make_tensors(self) -> int:
+        """Make the K/V tensors of every layer seen so far now (after :meth:`release_tensors`), instead of at the
+        next forward; returns the bytes they take."""
+        with self.lock:
+            for layer in self.layer_tensor:
+                self.layer_kv(layer)
+            self._sized_blocks = self.tensor_blocks
+            return self.bytes_reserved()

@@ -10,6 +10,8 @@ Model-specific knowledge lives here and nowhere else:
 - :func:`layer_windows`: per decoder layer, the sliding window its attention uses (``None`` = no window);
 - :func:`check_supported` / :func:`check_model`: refuse, before any forward and by layer, what the paged path
   cannot do (``support.py``);
+- :data:`IMAGE_VERIFIED` / :func:`bidirectional_image_families`: vision-language families with images in the
+  engine, and those refused there (``vision.py``);
 - :func:`supported_models` / :func:`format_models_table`: the table ``python -m hf_paged models`` prints
   (``table.py``).
 
@@ -32,10 +34,13 @@ from .support import (
     required_features, state_mixers,
 )
 from .table import format_models_table, supported_models
+from .vision import IMAGE_VERIFIED, bidirectional_image_families
 from .windows import WindowRule, layer_types_window, text_config
 
 __all__ = [
     "GENERIC_VERIFIED",
+    "IMAGE_VERIFIED",
+    "bidirectional_image_families",
     "STATE_VERIFIED",
     "check_engine_supported",
     "state_mixers",

@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 from .registry import GENERIC_VERIFIED, REFUSED, STATE_VERIFIED, _registry, generic_patch
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
 from .support import available_features
+from .vision import BIDIRECTIONAL_IMAGES, IMAGE_VERIFIED
 
 
 def supported_models() -> list[dict]:
     """One row per model type the suite knows: ``model_type``, ``features`` (a patched family's), ``path``
-    ("patch", "generic" or "refused"), ``status`` ("verified", what is missing, or the refusal)."""
+    ("patch", "generic" or "refused"), ``status`` ("verified", what is missing, or the refusal), ``images``
+    (vision-language families: how their images run in the engine; "-" for text models)."""
     have = available_features()
     rows = []
     for model_type, patch in sorted(_registry().items()):
@@ -25,8 +29,17 @@ def supported_models() -> list[dict]:
         status = (f"verified (state layers: {mixer})"
                   if generic_patch(model_type) is not None else "not in this transformers")
         rows.append({"model_type": model_type, "features": ("state_layers",), "path": "generic", "status": status})
+    for model_type, how in IMAGE_VERIFIED.items():  # vision-language models: their text model is paged as above
+        status = "verified" if model_type in CONFIG_MAPPING_NAMES else "not in this transformers"
+        rows.append({"model_type": model_type, "features": (), "path": "generic", "status": status,
+                     "images": f"engine ({how})"})
+    for model_type in sorted(BIDIRECTIONAL_IMAGES & {"gemma3"}):
+        rows.append({"model_type": model_type, "features": (), "path": "generic", "status": "verified (text only)",
+                     "images": "refused in the engine (image tokens attend both ways)"})
     for model_type, why in REFUSED.items():
         rows.append({"model_type": model_type, "features": (), "path": "refused", "status": f"refused: {why}"})
+    for row in rows:
+        row.setdefault("images", "-")
     return sorted(rows, key=lambda r: (("patch", "generic", "refused").index(r["path"]), r["model_type"]))
 
 
@@ -38,8 +51,8 @@ GENERIC_NOTE = ("Any other model type whose attention goes through transformers'
 def format_models_table(markdown: bool = False) -> str:
     """The table ``python -m hf_paged models`` prints (``markdown=True``: the one in docs/guide/families.md)."""
     rows = supported_models()
-    header = ("model type", "path", "features", "status")
-    lines = [(r["model_type"], r["path"], ", ".join(r["features"]) or "-", r["status"]) for r in rows]
+    header = ("model type", "path", "features", "status", "images")
+    lines = [(r["model_type"], r["path"], ", ".join(r["features"]) or "-", r["status"], r["images"]) for r in rows]
     if markdown:
         out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         out += ["| " + " | ".join(f"`{c}`" if i == 0 else c for i, c in enumerate(row)) + " |" for row in lines]

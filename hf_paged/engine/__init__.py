@@ -12,6 +12,7 @@
 - ``loop.py``: the engine thread (single-process, and tensor-parallel over ``distributed.py``'s channel);
 - ``manager.py``: ``ContinuousBatchingManager``, the user-facing API;
 - ``factory.py``: ``init_continuous_batching`` (builds the engine for a model) and ``generate_batch``;
+- ``transformers_api.py``: transformers' ``model.generate_batch`` & co. on a paged model, routed here;
 - ``outputs.py``: what comes back (``GenerationOutput``, ``RequestStatus``, ``EngineStats``) and the errors.
 """
 

@@ -106,8 +106,9 @@ class EngineCore:
                     f"(BlockPool(num_blocks=...) or max_memory=...).")
 
     def new_request(self, request_id: str, prompt: list[int], params, streaming: bool = False,
-                    callback=None) -> Request:
-        """A request ready for :meth:`add` (sizes already checked)."""
+                    callback=None, media=None) -> Request:
+        """A request ready for :meth:`add` (sizes already checked); ``media``: its images (a
+        :class:`~hf_paged.engine.multimodal.MediaPrompt` of this prompt), if any."""
         max_length = self.max_context if self.max_context is not None else len(prompt) + params.max_new_tokens
 
         def make(rid, index):
@@ -121,7 +122,8 @@ class EngineCore:
                 prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                 prompt_ranks=[None] if params.prompt_logprobs is not None else None,
                 prompt_top_logprobs=[None] if params.prompt_logprobs is not None else None,
-                matcher=params.grammar.matcher() if params.grammar is not None else None,
+                matcher=params.grammar.matcher() if params.grammar is not None else None, media=media,
+                bidirectional_spans=list(media.bidirectional_spans) if media is not None else [],
             )
 
         request = make(request_id, 0)

@@ -4,6 +4,7 @@ sampler, tensor-parallel channel), and :func:`generate_batch` runs a list of pro
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 import torch
 from tqdm.auto import tqdm
@@ -17,6 +18,7 @@ from .core import EngineCore
 from .distributed import AgreeingRunner, agree_on_pool, make_sync
 from .kv import RequestKV
 from .manager import DEFAULT_MAX_UNREAD, SAMPLING_KEYS, ContinuousBatchingManager
+from .multimodal import DEFAULT_ENCODER_CACHE_BYTES, MultimodalInputs, takes_images
 from .options import (DEFAULT_WATERMARK, context_limit, default_batch_tokens, default_pool,
                       from_continuous_batching_config)
 from .outputs import GenerationOutput, RequestStatus
@@ -32,7 +34,8 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
                              max_num_seqs: int | None = None, max_unread_results: int = DEFAULT_MAX_UNREAD,
                              watermark: float | None = None, backend: str = "auto",
                              cuda_graphs: bool | None = None, tensor_parallel: bool | None = None,
-                             tp_timeout_s: float = 60.0, tp_heartbeat_s: float = 1.0, speculative=None,
+                             tp_timeout_s: float = 60.0, tp_heartbeat_s: float = 1.0,
+                             encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES, speculative=None,
                              num_speculative_tokens: int = DEFAULT_NUM_TOKENS,
                              speculative_max_tokens: int | None = None) -> ContinuousBatchingManager:
     """A continuous-batching manager serving ``model`` from a shared block pool (start it, or use ``with``).
@@ -67,6 +70,10 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
             loaded with ``tp_plan`` under torchrun (``model.tp_size > 1``). Call this on every rank.
         tp_timeout_s: (tensor parallel) seconds a rank waits for the others before the engine stops with an error.
         tp_heartbeat_s: (tensor parallel) how often an idle rank 0 tells the others it is alive.
+        encoder_cache_bytes: a vision-language model's encoder cache: image features kept by content (least recently
+            used out), so a preempted request or another with the same images does not run the vision encoder again
+            (0: keep features only while their request's image tokens are prefilled). See
+            ``hf_paged/engine/multimodal.py``.
         speculative: speculative decoding for every request that does not choose (``prompt_lookup_num_tokens``):
             None (off), ``"ngram"`` (prompt lookup in each request's own tokens) or a draft model (a small causal LM
             with the same tokenizer; its K/V gets its own pool). A per-step policy runs drafts only where they pay
@@ -122,7 +129,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     state_layers = kv_geometry(config).state_layers
     if state_layers:  # hybrid models: their state mixers run per group of requests (engine/states.py)
         install_state_mixers(model)
-    kv = RequestKV(pool, groups, batch_tokens, state_layers)
+    kv = RequestKV(pool, groups, batch_tokens, state_layers, model=model)  # model: stale-prefix check
     watermark = options.pop("watermark", None)
     scheduler = Scheduler(kv, batch_tokens, max_num_seqs=options.pop("max_num_seqs", None),
                           watermark=DEFAULT_WATERMARK if watermark is None else watermark)
@@ -132,8 +139,10 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     if state_layers and wanted_graphs:
         raise ValueError("cuda_graphs=True is not supported for models with state layers (their mixers run per group "
                          "of requests, outside a graph). Leave cuda_graphs unset.")
+    media = MultimodalInputs(model, encoder_cache_bytes) if takes_images(model) and sync is None else None
     runner = ModelRunner(model, kv, paged_backend(model), num_layers,
-                         None if state_layers else _decode_graphs(wanted_graphs, device, pool, scheduler.max_num_seqs))
+                         None if state_layers else _decode_graphs(wanted_graphs, device, pool, scheduler.max_num_seqs),
+                         media=media)
     if sync is not None:
         runner = AgreeingRunner(runner, sync)
     limit, reason = context_limit(config)
@@ -151,7 +160,8 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     return ContinuousBatchingManager(core, generation_config if generation_config is not None
                                      else model.generation_config, vocab_size=config.vocab_size,
                                      max_queue_size=options.pop("max_queue_size", None),
-                                     max_unread_results=max_unread_results, default_options=defaults, sync=sync)
+                                     max_unread_results=max_unread_results, default_options=defaults, sync=sync,
+                                     media=media)
 
 
 def _decode_graphs(wanted: bool | None, device, pool, max_rows: int):
@@ -188,7 +198,8 @@ def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool 
     """Generate for many prompts with continuous batching; returns ``{request_id: GenerationOutput}`` in input order.
 
     A drop-in for transformers' ``model.generate_batch(inputs, generation_config)``: ``inputs`` is a list of prompts
-    (lists of token ids), ids are ``req_0``, ``req_1``, ... (forks of ``num_return_sequences`` follow their parent as
+    (lists of token ids; for a vision-language model also one prompt's processor outputs, a mapping or
+    ``BatchFeature`` of batch 1 with ``input_ids`` and its image tensors), ids are ``req_0``, ``req_1``, ... (forks of ``num_return_sequences`` follow their parent as
     ``req_0__child#0``, ...). A prompt that can never fit (too long for the pool or the context) or has a bad setting
     gets a ``FAILED`` result with the reason; the others run. ``progress_bar`` shows requests done and tokens/s.
 
@@ -229,7 +240,8 @@ def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool 
                 generation_config or model.generation_config, "num_return_sequences", None) or 1
             order.append([rid, *(f"{rid}__child#{j}" for j in range(n - 1))])
         except (ValueError, RuntimeError) as err:
-            prompt_ids = list(prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)
+            ids = prompt.get("input_ids", []) if isinstance(prompt, Mapping) else prompt  # (processor outputs)
+            prompt_ids = list(ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else ids)
             now = time.perf_counter()
             results[rid] = GenerationOutput(rid, prompt_ids=prompt_ids, status=RequestStatus.FAILED,
                                             error=f"{type(err).__name__}: {err}", created_time=now, end_time=now)

@@ -197,3 +197,9 @@ class DecodeGraphs:
         self._entries.clear()
         warnings.warn(f"hf_paged engine: CUDA graphs turned off, decode steps run eagerly: {reason}.", RuntimeWarning,
                       stacklevel=3)
+
+    def release(self) -> None:
+        """Drop every captured graph and its memory (the pool's tensors are about to move, e.g. the engine sleeps);
+        later decode steps capture again."""
+        self._entries.clear()
+        self._pool = self.graph.new_pool(self.device)

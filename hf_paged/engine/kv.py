@@ -26,9 +26,12 @@ class RequestKV:
         pool: a :class:`~hf_paged.BlockPool`.
         groups: the model's layer groups.
         max_batch_tokens: the per-step token budget (sizes a sliding group's worst case).
+        model: the model whose K/V the rows hold: before each prefix lookup the pool checks that its weights did not
+            change since the cached prefixes were computed (``BlockPool.check_weights``), so no K/V made with older
+            weights is reused. None: no check.
     """
 
-    def __init__(self, pool, groups: LayerGroups, max_batch_tokens: int, state_layers=()):
+    def __init__(self, pool, groups: LayerGroups, max_batch_tokens: int, state_layers=(), model=None):
         self.pool = pool
         self.allocator = pool.allocator
         self.groups = groups
@@ -42,6 +45,9 @@ class RequestKV:
         self.checkpoints = StateCheckpoints(pool, CHECKPOINTS) if self.prefix_caching and self.state_layers else None
         self._matched: dict[int, int] = {}  # id(tokens) -> its cached K/V blocks, for the open() following match()
         self._targets: dict[int, int] = {}  # id(row) -> a block boundary its prefill stops at, to checkpoint there
+        self.model = model
+        self._epoch = pool.prefix_epoch  # the pool's prefix cache resets seen (checkpoints are dropped with it)
+        self._weights_checked = False  # since the last forward (one check per step, at its first lookup)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -98,7 +104,9 @@ class RequestKV:
 
     def match(self, tokens: list[int], max_tokens: int, root: bytes = _ROOT_KEY) -> list[int]:
         """Cached blocks (written by a finished forward) that start ``tokens`` under ``root``, at most ``max_tokens``
-        tokens; on hybrid models only as many as end where a state checkpoint was kept."""
+        tokens; on hybrid models only as many as end where a state checkpoint was kept. Nothing computed before the
+        model's weights last changed is found."""
+        self.check_weights()
         blocks = self.rows.match_prefix(tokens, max_tokens, root)
         if self.checkpoints is None or not blocks:
             return blocks
@@ -106,6 +114,26 @@ class RequestKV:
         usable = next((i for i in range(len(blocks), 0, -1) if keys[i - 1] in self.checkpoints), 0)
         self._matched = {id(tokens): len(blocks)}  # the latest lookup only: open() follows it
         return blocks[:usable]
+
+    def check_weights(self, rewalk: bool = False) -> None:
+        """Drop what was cached before the model's weights changed (the pool's prefixes, this engine's state
+        checkpoints), whoever noticed the change: this engine, another user of the pool, or an explicit reset.
+        Looks at the model's version counters once per step (the tensors found by the last walk of its modules);
+        ``rewalk=True`` (each session's start) walks the modules again, finding replaced tensors too."""
+        if not self.prefix_caching:
+            return
+        if self.model is not None and (rewalk or not self._weights_checked):
+            self.pool.check_weights(self.model, rewalk)
+            self._weights_checked = True
+        if self.pool.prefix_epoch != self._epoch:
+            self._epoch = self.pool.prefix_epoch
+            if self.checkpoints is not None:
+                self.checkpoints.clear()
+            self._targets.clear()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix now (the pool's, and this engine's state checkpoints at the next lookup)."""
+        self.pool.reset_prefix_cache()
 
     def note_lookup(self, query_tokens: int, hit_tokens: int) -> None:
         """Count an admission's prefix lookup in the pool's figures (``pool.memory_stats()``)."""
@@ -168,6 +196,7 @@ class RequestKV:
         """The forward that wrote these rows' blocks has run: make their keyed blocks findable now, so a request
         waiting for that prefix can be admitted at the next step (the allocator would otherwise publish them at the
         rows' next append)."""
+        self._weights_checked = False  # a forward ran: the next lookup looks at the weights again
         if self.prefix_caching and rows:
             self.rows.publish(rows)
         if self.checkpoints is not None:  # rows whose states now end at a block boundary: checkpoint them

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Mapping
 from functools import partial
 from typing import Iterator
 
@@ -20,6 +21,7 @@ from .core import EngineCore
 from .distributed import check_broadcastable
 from .handoff import Handoff, call_back
 from .loop import run_engine, run_tp_engine
+from .multimodal import MediaPrompt
 from .outputs import EngineStats, GenerationOutput, RequestStatus
 from .sampling import SamplingParams
 
@@ -48,7 +50,7 @@ class ContinuousBatchingManager:
 
     def __init__(self, core: EngineCore, generation_config=None, *, vocab_size: int | None = None,
                  max_queue_size: int | None = None, max_unread_results: int = DEFAULT_MAX_UNREAD,
-                 default_options: dict | None = None, sync=None):
+                 default_options: dict | None = None, sync=None, media=None):
         if max_queue_size is not None and (not isinstance(max_queue_size, int) or max_queue_size < 1):
             raise ValueError(f"max_queue_size must be a positive int or None (unlimited), got {max_queue_size!r}.")
         self._core = core
@@ -57,10 +59,17 @@ class ContinuousBatchingManager:
         self.max_queue_size = max_queue_size
         self._defaults = dict(default_options or {})
         self._sync = sync  # tensor parallelism: the ranks' control channel (engine/distributed.py), else None
+        self._media = media  # a vision-language model's image stage (engine/multimodal.py), else None
         # The engine thread holds the handoff and the core, never the manager: a manager dropped without stop() is
         # collected, its handoff is abandoned, the thread ends (cancelling what is left), then the pool is freed.
         self._handoff = Handoff(core, max_unread_results)
         self._finalizer = weakref.finalize(self, self._handoff.abandon)
+        self._kept = False  # stopped with keep_for_next_session: start() opens a new session on the same engine
+        self._asleep = False  # sleep() released the pool's tensors
+        self.warmed_up = True  # (transformers' flag: nothing to warm here, decode graphs are captured as they run)
+        # Called with this manager by stop(keep_for_next_session=True): the model's transformers-facing methods set it
+        # to keep the manager for their next call (engine/transformers_api.py).
+        self.keeper = None
 
     @property
     def max_unread_results(self) -> int:
@@ -73,17 +82,38 @@ class ContinuousBatchingManager:
 
     # -------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Start the engine thread (no-op if it runs). Requests added before ``start`` wait for it."""
+        """Start the engine thread (no-op if it runs). Requests added before ``start`` wait for it. A manager stopped
+        with ``keep_for_next_session=True`` starts a new session on the same engine (pool, prefix cache, graphs;
+        results of the last session not read are dropped); one asleep is woken first."""
+        if self._kept and self._handoff.stopped:
+            self._handoff.join()
+            self._finalizer.detach()
+            self._handoff = Handoff(self._core, self._handoff.max_unread_results)
+            self._finalizer = weakref.finalize(self, self._handoff.abandon)
+        self._kept = False
+        if self._asleep:
+            self.wake()
+        if not self.is_running():  # (engine thread not running) a walk of the model: replaced weights are seen too
+            self._core.kv.check_weights(rewalk=True)
         if self._sync is None:
             self._handoff.start(run_engine, self._handoff, self._core)
         else:
             self._handoff.start(run_tp_engine, self._handoff, self._core, self._sync)
 
-    def stop(self, block: bool = True, timeout: float | None = None, drain: bool = True) -> None:
-        """Stop serving. ``drain=True`` finishes the running and waiting requests first; ``drain=False`` cancels
-        them. With ``block``, waits for the engine thread: when ``timeout`` seconds pass while draining, what is
-        left is cancelled and the thread is joined (one more step at most). Every request ends with a final status;
-        ``add_request`` raises afterwards."""
+    def stop(self, block: bool = True, timeout: float | None = None, drain: bool = True,
+             keep_for_next_session: bool = False, hard_stop: bool = False) -> None:
+        """Stop serving. ``drain=True`` finishes the running and waiting requests first; ``drain=False`` (or
+        transformers' ``hard_stop=True``) cancels them. With ``block``, waits for the engine thread: when ``timeout``
+        seconds pass while draining, what is left is cancelled and the thread is joined (one more step at most).
+        Every request ends with a final status; ``add_request`` raises afterwards, until a ``start()`` when
+        ``keep_for_next_session=True`` (transformers' name: the engine, its pool and prefix cache are kept for a next
+        session; a manager made by ``model.init_continuous_batching()`` is then the model's persistent manager)."""
+        if hard_stop:
+            drain = False
+        if keep_for_next_session:
+            self._kept = True
+            if self.keeper is not None:
+                self.keeper(self)
         handoff = self._handoff
         call_back(handoff.stop(drain))
         if not block or not handoff.started or handoff.on_engine_thread():  # (from a callback: no self-join)
@@ -91,6 +121,62 @@ class ContinuousBatchingManager:
         if not handoff.join(timeout):
             handoff.cancel_rest()
             handoff.join()
+
+    def destroy(self) -> None:
+        """transformers' name: stop for good (cancelling what is left) and forget being kept for a next session."""
+        self._kept = False
+        self.stop(block=True, drain=False)
+
+    def warmup(self) -> None:
+        """transformers' name; nothing to do (decode graphs are captured as decode steps first run)."""
+
+    # ------------------------------------------------------- weights, memory
+    def weights_updated(self) -> None:
+        """Forget every cached prefix now: no K/V computed before this call is reused. Optional: before each prefix
+        lookup the engine checks the model's parameter version counters and does this by itself when they changed
+        (``optimizer.step()``, ``load_state_dict``, copied-in weights); call it for changes those counters do not
+        show (e.g. switching which loaded adapter is active)."""
+        self._core.kv.reset_prefix_cache()
+
+    def sleep(self) -> int:
+        """Give the KV memory back between uses (e.g. to the trainer between RL rollouts): frees the pool's K/V
+        tensors (the prefix cache goes with them) and the decode steps' CUDA graphs; returns the pool's bytes freed.
+        The manager must not be running: call it after ``stop(keep_for_next_session=True)`` (or between
+        ``generate_batch`` calls of a persistent manager). :meth:`wake` (or the next ``start()``) takes the memory
+        again; a pool shared with other users must be idle too (``ValueError`` while rows hold blocks).
+
+        Example::
+
+            manager = hf_paged.keep_engine(model)          # model.generate_batch() runs on it from now on
+            outputs = model.generate_batch(prompts, max_new_tokens=256)
+            freed = manager.sleep()                       # bytes of K/V back for the backward pass
+            loss.backward(); optimizer.step()
+            manager.wake()
+        """
+        if self.is_running():
+            raise RuntimeError("cannot sleep while the engine runs: stop it first with "
+                               "manager.stop(keep_for_next_session=True), then sleep().")
+        freed = self.pool.release_tensors()
+        graphs = getattr(self._core.runner, "graphs", None)
+        if graphs is not None:
+            graphs.release()
+        if self.pool.layer_shapes and next(iter(self.pool.layer_shapes.values())).device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._asleep = True
+        return freed
+
+    def wake(self) -> int:
+        """Take the KV memory back after :meth:`sleep` now (instead of at the next forward); returns the pool's
+        bytes. No-op while awake."""
+        if not self._asleep:
+            return self.pool.bytes_reserved()
+        self._asleep = False
+        return self.pool.make_tensors()
+
+    @property
+    def asleep(self) -> bool:
+        """Whether :meth:`sleep` released the pool's tensors and nothing took them again."""
+        return self._asleep
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the engine thread to end (after :meth:`stop`, or when the engine stopped on an error). Returns
@@ -134,6 +220,11 @@ class ContinuousBatchingManager:
         return self._core.max_context
 
     @property
+    def takes_images(self) -> bool:
+        """Whether requests may carry images (a vision-language model: ``add_request`` takes processor outputs)."""
+        return self._media is not None
+
+    @property
     def pool(self):
         return self._core.kv.pool
 
@@ -150,7 +241,11 @@ class ContinuousBatchingManager:
         """Queue one request; returns its id.
 
         Args:
-            input_ids: the prompt's token ids (a list of ints or a 1-D tensor).
+            input_ids: the prompt's token ids (a list of ints or a 1-D tensor); for a vision-language model also one
+                prompt's processor outputs (a mapping or ``BatchFeature`` of batch 1: ``input_ids`` and the model's
+                image tensors, e.g. ``processor(text=..., images=[image], return_tensors="pt")``). Its images are
+                encoded once, at its first prefill chunk that needs them; prefix caching keys its blocks by the
+                images' content.
             request_id: your id for it (default ``req_N``); must be unused.
             max_new_tokens: the most tokens to generate (default: the generation config's).
             streaming: read its tokens step by step with :meth:`request_id_iter`.
@@ -207,18 +302,29 @@ class ContinuousBatchingManager:
         overrides = {**self._defaults, **{k: v for k, v in sampling.items() if v is not None}}
         prepared = []
         for input_ids, request_id in items:
-            prompt = self._prompt(input_ids)
-            params = SamplingParams.from_generation_config(config, prompt_length=len(prompt),
+            prompt = self._prompt(input_ids)  # token ids, or a MediaPrompt (ids and images)
+            length = len(prompt.tokens) if isinstance(prompt, MediaPrompt) else len(prompt)
+            params = SamplingParams.from_generation_config(config, prompt_length=length,
                                                            max_new_tokens=max_new_tokens, **overrides)
-            self._core.check_fits(len(prompt), params.max_new_tokens, params.num_beams)
+            self._core.check_fits(length, params.max_new_tokens, params.num_beams)
             if self._sync is not None:
                 check_broadcastable(params)
             prepared.append((prompt, params, request_id))
         self._check_driver()
-        new_request = partial(self._core.new_request, streaming=streaming, callback=callback)
+        new_request = partial(_new_request, self._core, streaming=streaming, callback=callback)
         return self._handoff.add(prepared, new_request, self.max_queue_size)
 
-    def _prompt(self, input_ids) -> list[int]:
+    def _prompt(self, input_ids) -> list[int] | MediaPrompt:
+        if isinstance(input_ids, Mapping):  # one prompt's processor outputs
+            if self._media is None:
+                raise ValueError("this request is a mapping of processor outputs, but the model takes no images "
+                                 "here (no get_image_features, or a tensor-parallel engine): pass token ids.")
+            media = self._media.prepare(input_ids)
+            if media is None:
+                input_ids = input_ids["input_ids"]
+            else:
+                self._prompt(media.tokens)  # the ids' own checks
+                return media
         if isinstance(input_ids, torch.Tensor):
             if input_ids.dim() == 2 and input_ids.shape[0] == 1:
                 input_ids = input_ids[0]
@@ -306,12 +412,21 @@ class ContinuousBatchingManager:
             host_time_s=t.host, forward_time_s=t.forward, schedule_time_s=t.schedule, plan_time_s=t.plan,
             sample_time_s=t.sample, output_time_s=t.output, tokens_computed=c.tokens_computed,
             uptime_s=time.perf_counter() - core.started, **_graph_stats(getattr(core.runner, "graphs", None)),
+            **({} if self._media is None else dict(encoder_calls=self._media.encoder_calls,
+                                                    encoder_cache_hits=self._media.encoder_hits)),
         )
 
     def __repr__(self) -> str:
         state = "running" if self.is_running() else "stopped" if self._handoff.stopped else "not started"
         live, unread = self._handoff.sizes()
         return f"ContinuousBatchingManager({state}, live={live}, unread={unread})"
+
+
+def _new_request(core: EngineCore, request_id: str, prompt, params, **options):
+    """The handoff's request maker: a prompt with images carries its :class:`MediaPrompt` into the request."""
+    if isinstance(prompt, MediaPrompt):
+        return core.new_request(request_id, prompt.tokens, params, media=prompt, **options)
+    return core.new_request(request_id, prompt, params, **options)
 
 
 def _graph_stats(graphs) -> dict:

@@ -22,8 +22,9 @@ class GenerationOutput:
 
     The fields of transformers' per-request output (``request_id``, ``prompt_ids``, ``generated_tokens``,
     ``logprobs``, ``error``, ``status``, ``created_time``, ``timestamps``, ``lifespan``), plus ``finish_reason``,
-    ``top_logprobs``, ``prompt_logprobs``, ``prompt_ranks``, ``prompt_top_logprobs``, ``first_token_time`` and
-    ``end_time``. Times are ``time.perf_counter()`` values.
+    ``top_logprobs``, ``prompt_logprobs``, ``prompt_ranks``, ``prompt_top_logprobs``, ``first_token_time``,
+    ``end_time`` and ``cached_tokens`` (prompt tokens its first admission found in the prefix cache: the prefix hit
+    a server reports as ``usage.prompt_tokens_details.cached_tokens``). Times are ``time.perf_counter()`` values.
 
     A streamed delta carries only the tokens (and their logprobs and timestamps) generated since the previous
     delta; the last delta of a request has its final status. Prompt logprobs come whole, in the first delta.
@@ -52,6 +53,7 @@ class GenerationOutput:
     first_token_time: float | None = None
     end_time: float | None = None
     timestamps: list[float] = field(default_factory=list)  # when each token of generated_tokens was generated
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission (0 before it)
 
     def is_finished(self) -> bool:
         """Whether the status is final (finished, failed or cancelled); a method, as on transformers' output."""
@@ -88,6 +90,8 @@ class EngineStats:
         graphs_captured / graph_replays / graph_capture_s: CUDA graphs recorded for decode-only steps / steps served
             by a replay / seconds spent capturing (each capture's own eager step included); graphs_off: why they were
             turned off (a failed or disagreeing capture), None while on or never used.
+        encoder_calls / encoder_cache_hits: (vision-language models) image sets run through the vision encoder /
+            served from the encoder cache (a prefix-cache hit covering a request's images needs neither).
     """
 
     running: int = 0
@@ -120,6 +124,8 @@ class EngineStats:
     graph_replays: int = 0
     graph_capture_s: float = 0.0
     graphs_off: str | None = None
+    encoder_calls: int = 0  # image sets run through a vision-language model's encoder
+    encoder_cache_hits: int = 0  # image sets whose features came from the encoder cache
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -31,6 +31,7 @@ class Request:
     ever_admitted: bool = False
     preemptions: int = 0
     lost_tokens: int = 0  # tokens computed before the last preemption (recomputed unless the prefix cache has them)
+    cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache (set by the scheduler)
     prefix_keys: list[bytes] | None = None  # keys of the prompt's full blocks (prefix caching)
     # What made this request's K/V besides its token ids, folded into its blocks' keys (see ``allocator.root_key``):
     # the root of its key chain (an adapter, a weights version) ...
@@ -38,6 +39,10 @@ class Request:
     # Half-open token ranges [start, end) of the prompt whose tokens attend to each other both ways (Gemma 3's image
     # tokens, from token_type_ids); a chunk never ends inside one. Empty for causal-only prompts.
     bidirectional_spans: list[tuple[int, int]] = field(default_factory=list)
+    # A prompt with images: its image tensors, content digest, key ids and positions (engine/multimodal.py's
+    # MediaPrompt, shared by the request's forks); None for a prompt of token ids only.
+    media: object = None
+    _key_ids: list[int] | None = field(default=None, repr=False)  # key_tokens of a request with images
     pending_keys: int = 0  # of those, how many this request is computing (others wait for them), from pending_from
     pending_from: int = 0
     cancel_requested: bool = False
@@ -74,7 +79,13 @@ class Request:
     def key_tokens(self) -> list[int]:
         """The ids its blocks are keyed by (prefix caching): its tokens, where an input other than ids stands at a
         position (an image's content) a stand-in derived from that content."""
-        return self.tokens
+        if self.media is None:
+            return self.tokens
+        if self._key_ids is None or len(self._key_ids) > len(self.tokens):
+            self._key_ids = list(self.media.key_ids)
+        if len(self._key_ids) < len(self.tokens):  # its generated tokens key as themselves
+            self._key_ids.extend(self.tokens[len(self._key_ids):])
+        return self._key_ids
 
     @property
     def remaining(self) -> int:
@@ -143,4 +154,5 @@ class Request:
             first_token_time=self.first_token_time,
             end_time=self.end_time,
             timestamps=self.timestamps[start:],
+            cached_tokens=self.cached_tokens,
         )

@@ -22,6 +22,7 @@ from ..cache import StepCache
 from ..ops import resolve_backend
 from ..rows import Row
 from ..step import RowInput, Step, StepOptions, plan_engine_step
+from .multimodal import StepMedia, position_offset
 from .scheduler import Batch
 from .states import PackedStates, segments
 
@@ -66,7 +67,8 @@ def pack(batch: Batch, device: torch.device, bucket: int | None = None) -> Packe
     for chunk in batch.chunks:
         base = len(ids) - chunk.start
         ids.extend(chunk.tokens)
-        positions.extend(range(chunk.start, chunk.start + chunk.num_tokens))
+        first = chunk.start + position_offset(chunk.request)  # (past a prompt's images: the model's mrope offset)
+        positions.extend(range(first, first + chunk.num_tokens))
         prompt_keep.extend(base + p for p in chunk.prompt_positions)
         if chunk.sample:  # the last token's logits (a draft's verify: each of its last len(draft) + 1 positions)
             keep.extend(range(len(ids) - chunk.num_logits, len(ids)))
@@ -93,16 +95,19 @@ class ModelRunner:
     per chunk, ``len(draft) + 1`` for a chunk verifying a draft), then
     the m of its chunks' ``prompt_positions``. ``plan_time`` /
     ``forward_time``: seconds of the last call's host preparation and of its forward. ``graphs``: a
-    :class:`~hf_paged.engine.graphs.DecodeGraphs` replaying decode-only steps (None: every step eager).
+    :class:`~hf_paged.engine.graphs.DecodeGraphs` replaying decode-only steps (None: every step eager). ``media``: a
+    :class:`~hf_paged.engine.multimodal.MultimodalInputs` for a model that takes images (a step with image tokens,
+    or a request's 3-axis positions, runs eagerly with the stage's extra inputs).
     """
 
-    def __init__(self, model, kv, backend: str, num_layers: int, graphs=None):
+    def __init__(self, model, kv, backend: str, num_layers: int, graphs=None, media=None):
         self.model = model
         self.kv = kv
         self.backend = resolve_backend(backend, model.device)  # "auto" -> what runs on this device
         self.num_layers = num_layers
         self.device = model.device
         self.graphs = graphs
+        self.media = media
         self._eager = StepOptions(self.backend, num_layers)
         # a graphed step: staged in the step buffers, tables bucketed to a few widths, read over their whole width
         self._graphed = None if graphs is None else StepOptions(self.backend, num_layers, static=True,
@@ -119,8 +124,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.kv.rows.stateful:
             self._packed_states = PackedStates(self.kv.pool, segments(batch.chunks), self.kv.state_layers)
-        bucket = self.graphs.rows_for(batch.chunks) if self.graphs is not None else None
+        with_media = self.media is not None and self.media.needed(batch.chunks)
+        bucket = self.graphs.rows_for(batch.chunks) if self.graphs is not None and not with_media else None
         inputs = pack(batch, self.device, bucket)
+        media = self.media.for_step(batch.chunks, inputs.position_ids, self.device) if with_media else None
         step = self._plan(batch, inputs.padding, graphed=bucket is not None)
         t1 = time.perf_counter()
         self.plan_time = t1 - t0
@@ -129,7 +136,9 @@ class ModelRunner:
         if bucket is not None:
             logits = self.graphs.run(step, inputs, self._buffers, self._forward)
         else:
-            logits = self._forward(step, inputs.moved(lambda name, t: t.to(self.device, non_blocking=True)))
+            logits = self._forward(step, inputs.moved(lambda name, t: t.to(self.device, non_blocking=True)), media)
+        if media is not None:
+            self.media.done(batch.chunks)
         logits = logits[: inputs.num_sampled + inputs.num_prompt_logits]  # [k + m, vocab]
         if logits.device.type == "cuda":  # the time is the forward's, not the sampler's first sync
             torch.cuda.synchronize(logits.device)
@@ -140,21 +149,26 @@ class ModelRunner:
     def _plan(self, batch: Batch, padding: int, graphed: bool) -> Step:
         """The step of ``batch``'s chunks, then ``padding`` tokens of the padding row (``graphed``: one released row
         per padding token, so every row of a graphed step has one query)."""
-        inputs = [RowInput(c.request.row, c.num_tokens, c.tokens) for c in batch.chunks]
+        # the ids the rows' blocks are keyed by (a prompt with images: content stand-ins at its image positions)
+        inputs = [RowInput(c.request.row, c.num_tokens, c.request.key_tokens[c.start: c.start + c.num_tokens])
+                  for c in batch.chunks]
         if graphed:
             inputs += [RowInput(PAD_ROW, 1, None) for _ in range(padding)]
         elif padding:
             inputs.append(RowInput(PAD_ROW, padding, None))
         return plan_engine_step(self.kv.rows, inputs, self._graphed if graphed else self._eager)
 
-    def _forward(self, step: Step, inputs: PackedInputs) -> torch.Tensor:
-        """``[k', vocab]`` logits of the sampled chunks (``inputs`` on the model's device)."""
+    def _forward(self, step: Step, inputs: PackedInputs, media: StepMedia | None = None) -> torch.Tensor:
+        """``[k', vocab]`` logits of the sampled chunks (``inputs`` on the model's device; ``media``: the step's image
+        rows and 3-axis positions, which replace the packed 1-D positions)."""
         cache = StepCache(self.kv.rows, step, self.num_layers, self._buffers)
         cache.packed_states = self._packed_states
-        kwargs = {compat.FORWARD_CACHE_KWARG: cache, "use_cache": True}
+        kwargs = {compat.FORWARD_CACHE_KWARG: cache, "use_cache": True, "position_ids": inputs.position_ids[None]}
         if self.keeps_logits:
             kwargs["logits_to_keep"] = inputs.logits_index
-        out = self.model(input_ids=inputs.input_ids[None], position_ids=inputs.position_ids[None], **kwargs)
+        if media is not None:
+            kwargs.update(media.forward_kwargs())
+        out = self.model(input_ids=inputs.input_ids[None], **kwargs)
         logits = out.logits[0]  # [k', vocab] (or [T + P, vocab] for a model without logits_to_keep)
         if not self.keeps_logits:
             logits = logits.index_select(0, inputs.logits_index)

@@ -282,6 +282,7 @@ class Scheduler:
             c.recomputed_tokens += max(0, req.lost_tokens - cached)
         else:
             c.prompt_tokens += req.num_prompt
+            req.cached_tokens = cached
             req.ever_admitted = True
         self.running.append(req)
         if self.hold_back:  # the full blocks it is about to compute: others with the same prefix wait for them

@@ -11,7 +11,8 @@ In code::
 Files: ``app`` (routes), ``protocol`` (request fields and their checks), ``responses`` (OpenAI shapes),
 ``engine_client`` (engine thread <-> event loop), ``detokenizer`` (whole characters only), ``stops`` (stop strings
 with hold-back), ``metrics`` (Prometheus), ``middleware`` (API key, body limit, request id, log line), ``errors``,
-``cli``.
+``cli``. Replicas on Ray Serve (the ``replicas`` extra, ``serve --replicas N``): ``replicas`` (the deployments),
+``prefix_router`` (routing by prompt prefix), ``asgi`` (the app called in-process), ``ray_app`` (``serve run``).
 """
 
 from .app import ServeSettings, create_app

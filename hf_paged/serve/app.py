@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .engine_client import AsyncEngine, Generation
+from .engine_client import AsyncEngine, Generation, prompt_ids
 from .errors import APIError, error_body
+from .media import MediaPolicy, has_images
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .middleware import DEFAULT_MAX_BODY_BYTES, ServeMiddleware
 from .protocol import SamplingParams, parse_chat, parse_messages, parse_completion, parse_json
@@ -34,7 +35,8 @@ class ServeSettings:
 
     ``model_name``: the id clients send as ``model``; ``api_key``: required on ``/v1`` when set; ``max_body_bytes``:
     larger bodies get a 413; ``drain_timeout``: seconds a shutdown waits for running requests before cancelling them;
-    ``cors_origins``: origins allowed to call from a browser; ``owns_engine``: stop the manager when the app shuts down.
+    ``cors_origins``: origins allowed to call from a browser; ``owns_engine``: stop the manager when the app shuts down;
+    ``media``: the image policy of chat requests (remote domains, a file root, count and pixel limits).
     """
 
     model_name: str
@@ -43,15 +45,17 @@ class ServeSettings:
     drain_timeout: float = 30.0
     cors_origins: tuple[str, ...] = ()
     owns_engine: bool = True
+    media: MediaPolicy = MediaPolicy()  # where chat images may come from, how many and how large (serve/media.py)
 
 
 def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int | None = None,
-               vocab_size: int | None = None) -> FastAPI:
+               vocab_size: int | None = None, processor=None) -> FastAPI:
     """An ASGI app serving ``manager`` (from ``hf_paged.init_continuous_batching``) with ``tokenizer``.
 
     ``pool_tokens``: tokens the KV pool can hold at most (caps the default ``max_tokens``); default: read from
     ``manager.pool`` (none for a pool that grows). ``vocab_size``: token-id prompts must be below it; default the
-    manager's ``vocab_size``, else ``len(tokenizer)``.
+    manager's ``vocab_size``, else ``len(tokenizer)``. ``processor``: a vision-language model's processor (its chat
+    template and image processor): chat messages may then hold ``image_url`` parts (``serve/media.py``).
 
     Example::
 
@@ -63,6 +67,7 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
     metrics = ServerMetrics(manager)
     engine = AsyncEngine(manager, tokenizer, metrics, vocab_size)
     name = settings.model_name
+    takes_images = processor is not None and getattr(manager, "takes_images", False)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -106,7 +111,8 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
                                             "owned_by": "hf_paged", "root": name, "parent": None,
-                                            "max_model_len": engine.max_context, "permission": []}]}
+                                            "max_model_len": engine.max_context, "permission": [],
+                                            "input_modalities": ["text", "image"] if takes_images else ["text"]}]}
 
     # -- vLLM's tokenizer endpoints (lm-eval's and benchmark tools' tokenizer detection) ------------------------------
     @app.post("/tokenize")
@@ -116,7 +122,11 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
         special = body.get("add_special_tokens")
         if "messages" in body:
             messages = await engine.run(parse_messages, body["messages"])
-            ids = await engine.chat_prompt(messages, add_generation_prompt=body.get("add_generation_prompt", True))
+            if has_images(messages):
+                ids = prompt_ids(await image_prompt(messages, None))
+            else:
+                ids = await engine.chat_prompt(messages,
+                                               add_generation_prompt=body.get("add_generation_prompt", True))
         elif isinstance(body.get("prompt"), str):
             ids = await engine.encode(body["prompt"], add_special_tokens=special is not False)
         else:
@@ -210,8 +220,11 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
         record = request.state.record
         req = await engine.run(lambda raw: parse_chat(parse_json(raw)), await request.body())
         check_model(req.model)
-        prompt = await engine.chat_prompt(req.messages, tools=req.tools)
-        limits = await engine.run(budgets, [prompt], req.params.max_tokens)
+        if has_images(req.messages):
+            prompt = await image_prompt(req.messages, req.tools)
+        else:
+            prompt = await engine.chat_prompt(req.messages, tools=req.tools)
+        limits = await engine.run(budgets, [prompt_ids(prompt)], req.params.max_tokens)
         parser = tool_parser(req.tools, req.params)
         if req.params.grammar_spec is not None:
             req.params.grammar = await engine.compile_grammar(req.params.grammar_spec)
@@ -221,6 +234,16 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
         if req.stream:
             return _stream(gen, shape, record, req.n, None, req.params, req.continuous_usage, parser)
         return await _collect(gen, shape, request, record, req.n, None, req.params, parser)
+
+    async def image_prompt(messages, tools):
+        """Chat messages with image_url parts: one prompt's processor outputs (ids and image tensors)."""
+        if not takes_images:
+            raise APIError(400, f"'{name}' takes no images (image_url content parts): send text parts only.",
+                           param="messages")
+        if tools is not None and tools.choice != "none":
+            raise APIError(400, "tools together with images are not supported yet; send one or the other.",
+                           param="tools")
+        return await engine.chat_inputs(messages, processor, settings.media)
 
     def tool_parser(tools, params: SamplingParams):
         """A factory of per-choice tool-call parsers (None: the output is all content)."""
@@ -321,7 +344,7 @@ async def _collect(gen: Generation, shape: Shape, request: Request, record, n: i
         choices.append({"index": c.index, "text": text, "finish_reason": reason,
                         "logprobs": (logprobs[c.index] or []) if want else None, "offset": len(prefix),
                         "echo_logprobs": echo_lp, "prompt_logprobs": vllm_lp, "tool_calls": calls})
-    return JSONResponse(shape.full(choices, gen.prompt_tokens, gen.completion_tokens))
+    return JSONResponse(shape.full(choices, gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
 
 
 def _stream(gen: Generation, shape: Shape, record, n: int, echoes, params: SamplingParams,
@@ -337,7 +360,7 @@ def _stream(gen: Generation, shape: Shape, record, n: int, echoes, params: Sampl
         tools = {c.index: parser() for c in gen.choices} if parser is not None else {}
 
         def now():
-            return usage(gen.prompt_tokens, gen.completion_tokens) if continuous_usage else None
+            return usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens) if continuous_usage else None
 
         try:
             for c in gen.choices:
@@ -381,7 +404,7 @@ def _stream(gen: Generation, shape: Shape, record, n: int, echoes, params: Sampl
                 if reason is not None:
                     yield shape.chunk(piece.index, None if shape.kind == "chat" else "", reason, usage_now=now())
             if shape.include_usage:
-                yield shape.usage_chunk(gen.prompt_tokens, gen.completion_tokens)
+                yield shape.usage_chunk(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
             yield DONE
         except BaseException:
             record.outcome = "disconnected"

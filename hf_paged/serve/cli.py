@@ -18,6 +18,7 @@ import uvicorn
 from .. import BlockPool, attach_paged_attention, embedded, init_continuous_batching
 from .app import ServeSettings, create_app
 from .distributed import serve as serve_distributed
+from .media import DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, MediaPolicy, load_vision_model
 from .middleware import DEFAULT_MAX_BODY_BYTES
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -62,12 +63,20 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds a shutdown waits for running requests before cancelling them")
     p.add_argument("--cors-origin", action="append", default=[], help="allow browser calls from this origin "
                    "(repeatable; '*' for any)")
+    p.add_argument("--allowed-media-domains", nargs="*", default=[],
+                   help="hosts (and their subdomains) chat image_url parts may fetch from (default: none; data: URLs "
+                        "always work)")
+    p.add_argument("--media-root", default=None, help="a directory file: image URLs may read from (default: none)")
+    p.add_argument("--max-images", type=int, default=DEFAULT_MAX_IMAGES, help="images per chat request at most")
+    p.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_PIXELS,
+                   help="pixels (width x height, all images together) per chat request at most")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--tp-plan", default=None, choices=["auto"],
                    help="tensor parallelism under torchrun: torchrun --nproc-per-node N -m hf_paged serve --tp-plan "
                         "auto ... (rank 0 serves HTTP, the other ranks follow its steps)")
     p.add_argument("--tp-timeout", type=float, default=60.0,
                    help="seconds a rank waits for the others before stopping with an error (a lost rank)")
+    _replica_arguments(p)
     return p
 
 
@@ -87,7 +96,13 @@ def build(args, load=None):
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     name = args.served_model_name or (Path(args.model).resolve().name if args.model else EMBEDDED_NAME)
     print(f"loading {args.model or 'the embedded ' + EMBEDDED_NAME} ({dtype}, {device}) ...", flush=True)
-    model, tokenizer = (load or embedded.load)(args.model, dtype=dtype)
+    vision = load_vision_model(args.model, dtype) if args.model and load is None else None
+    processor = None
+    if vision is not None:  # a vision-language model: chat messages may carry images (serve/media.py)
+        model, processor = vision
+        tokenizer = processor.tokenizer
+    else:
+        model, tokenizer = (load or embedded.load)(args.model, dtype=dtype)
     if load is None:
         model.to(device)
     device = model.device
@@ -111,8 +126,13 @@ def build(args, load=None):
                                        tp_timeout_s=getattr(args, "tp_timeout", 60.0))
     settings = ServeSettings(model_name=name, api_key=args.api_key,
                              max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
-                             drain_timeout=args.drain_timeout, cors_origins=tuple(args.cors_origin))
-    app = create_app(manager, tokenizer, settings, vocab_size=model.config.vocab_size)
+                             drain_timeout=args.drain_timeout, cors_origins=tuple(args.cors_origin),
+                             media=MediaPolicy(tuple(getattr(args, "allowed_media_domains", ())),
+                                               Path(args.media_root) if getattr(args, "media_root", None) else None,
+                                               getattr(args, "max_images", DEFAULT_MAX_IMAGES),
+                                               getattr(args, "max_image_pixels", DEFAULT_MAX_PIXELS)))
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    app = create_app(manager, tokenizer, settings, vocab_size=vocab, processor=processor)
     return app, f"{name} on {device} ({dtype}, KV {args.kv_dtype}, block {args.block_size})"
 
 
@@ -122,6 +142,10 @@ def main(argv=None) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logging.getLogger("hf_paged.serve").warning("binding to %s without --api-key: anyone who can reach this "
                                                     "port can use the model", args.host)
+    if args.replicas:  # Ray Serve: the 'replicas' extra, imported when asked for
+        from .replicas import serve_replicas
+
+        return serve_replicas(args, build)
     if args.tp_plan:
         return serve_distributed(args, build)
     app, what = build(args)
@@ -130,3 +154,26 @@ def main(argv=None) -> int:
                             timeout_graceful_shutdown=args.drain_timeout)
     uvicorn.Server(config).run()
     return 0
+
+
+def _replica_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``--replicas`` (``hf_paged/serve/replicas.py``: replicas on Ray Serve)."""
+    g = p.add_argument_group("replicas on Ray Serve (the 'replicas' extra; docs/guide/deployment.md)")
+    g.add_argument("--replicas", type=int, default=None,
+                   help="serve N replicas (each its own model and engine) behind one endpoint, on Ray Serve")
+    g.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (auto, or the head's address); default: start a local one")
+    g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica (default 1)")
+    g.add_argument("--replica-gpus", type=float, default=None,
+                   help="GPUs per replica (default: 1 where the cluster has GPUs, else 0)")
+    g.add_argument("--ingress-cpus", type=float, default=0.1, help="CPUs Ray reserves for the HTTP ingress")
+    g.add_argument("--replica-tp", type=int, default=None,
+                   help="tensor-parallel ranks per replica (a replica spanning N GPUs; --tp-plan auto is implied)")
+    g.add_argument("--max-replicas", type=int, default=None,
+                   help="autoscale between --min-replicas (default --replicas) and this many replicas")
+    g.add_argument("--min-replicas", type=int, default=None, help="autoscaling's lower bound (0: scale to zero)")
+    g.add_argument("--target-ongoing", type=float, default=32.0,
+                   help="autoscaling's target of requests in flight per replica")
+    g.add_argument("--routing", default="prefix", choices=["prefix", "pow2"],
+                   help="prefix: requests sharing a prompt prefix go to the replica holding it (load wins when it "
+                        "is busy); pow2: Ray's default (power of two choices)")

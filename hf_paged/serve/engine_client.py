@@ -13,6 +13,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ from ..engine.outputs import QueueFullError
 from ..engine.structured import GrammarCompiler, GrammarSpec
 from .detokenizer import IncrementalDetokenizer
 from .errors import APIError
+from .media import load_images, processor_inputs
 from .protocol import SamplingParams
 from .stops import StopChecker
 from .tools import ToolRequest, template_messages, template_reads_tools
@@ -59,6 +61,7 @@ class Piece:
     finish_reason: str | None = None  # set on a choice's last piece: "stop" / "length"
     error: str | None = None  # set when the engine failed the request
     prompt_logprobs: list[PromptLogprob] | None = None  # on the choice's first piece, when asked
+    cached_tokens: int = 0  # the engine request's prompt tokens found in the prefix cache
 
 
 @dataclass
@@ -91,12 +94,22 @@ class Generation:
     completion_tokens: int = 0
     first_token_time: float | None = None
     pending: int = 0  # choices not finished yet (event-loop side)
+    n: int = 1  # choices per prompt
+    cached: dict[int, int] = field(default_factory=dict)  # choice index -> its prompt tokens found in the cache
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens found in the prefix cache, over the prompts (each prompt's first choice: the others of the
+        same prompt reuse what it computed), as ``usage.prompt_tokens_details.cached_tokens`` reports them."""
+        return sum(v for index, v in self.cached.items() if index % self.n == 0)
 
     async def pieces(self):
         """Pieces in arrival order until every choice has finished (its ``finish_reason`` or ``error`` piece)."""
         while self.pending:
             piece = await self.queue.get()
             self.completion_tokens += piece.num_tokens
+            if piece.cached_tokens:
+                self.cached[piece.index] = piece.cached_tokens
             if piece.finish_reason is not None or piece.error is not None:
                 self.pending -= 1
             yield piece
@@ -185,6 +198,12 @@ class AsyncEngine:
 
         return await self._offload(render)
 
+    async def chat_inputs(self, messages: list[dict], processor, policy):
+        """One prompt's processor outputs (``input_ids`` and image tensors, batch 1) for ``messages`` holding images
+        (``{"type": "image", "url"}`` parts), read under ``policy`` (``media.py``) and run through ``processor``'s
+        chat template, on the tokenizer threads."""
+        return await self._offload(lambda: processor_inputs(processor, load_images(messages, policy)))
+
     def stop_token_ids(self) -> list[int]:
         """The ids that end a request by default (the generation config's EOS and the tokenizer's)."""
         eos = getattr(getattr(self.manager, "generation_config", None), "eos_token_id", None)
@@ -209,12 +228,14 @@ class AsyncEngine:
             raise APIError(400, str(exc), param="response_format") from None
 
     # -- generation ------------------------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int, max_new_tokens: list[int],
+    def generate(self, prompts: list, params: SamplingParams, n: int, max_new_tokens: list[int],
                  start_time: float | None = None) -> Generation:
-        """Submit ``n`` choices per prompt (choice index ``prompt * n + i``). All or nothing: if the engine refuses
+        """Submit ``n`` choices per prompt (token ids, or one prompt's processor outputs with images; choice index
+        ``prompt * n + i``). All or nothing: if the engine refuses
         one (queue full, too large, stopped), those already submitted are cancelled and an :class:`APIError` raised."""
         gen = Generation(asyncio.get_running_loop(), self, start_time or time.perf_counter())
-        gen.prompt_tokens = sum(len(p) for p in prompts)
+        gen.prompt_tokens = sum(len(prompt_ids(p)) for p in prompts)
+        gen.n = n
         serial = next(self._serial)
         beams = params.num_beams > 1  # one beam request per prompt: its n best sequences are the n choices
         try:
@@ -238,7 +259,8 @@ class AsyncEngine:
                             continue  # submitted once every choice of the prompt is known
                         choice = first
                     try:
-                        self.manager.add_request(list(ids), request_id=choice.request_id,
+                        self.manager.add_request(ids if isinstance(ids, Mapping) else list(ids),
+                                                 request_id=choice.request_id,
                                                  max_new_tokens=max_new_tokens[p], callback=self._callback(choice),
                                                  **params.engine_kwargs(i))
                     except Exception:
@@ -333,6 +355,12 @@ class AsyncEngine:
             pass
 
     def _piece(self, choice: _Choice, output, now: float) -> Piece | None:
+        piece = self._make_piece(choice, output, now)
+        if piece is not None:
+            piece.cached_tokens = getattr(output, "cached_tokens", 0)
+        return piece
+
+    def _make_piece(self, choice: _Choice, output, now: float) -> Piece | None:
         prompt = None
         if choice.want_prompt_logprobs and output.prompt_logprobs is not None:
             prompt = self._prompt_logprobs(output)
@@ -382,3 +410,10 @@ class AsyncEngine:
         tops = (output.top_logprobs or [])[-len(new):] or [[] for _ in new]
         return [TokenLogprob(self._token_str(t), float(lp), [(self._token_str(a), float(b)) for a, b in top])
                 for t, lp, top in zip(new, values, tops)]
+
+
+def prompt_ids(prompt) -> list[int]:
+    """A prompt's token ids: the prompt itself, or the ``input_ids`` of one prompt's processor outputs."""
+    if isinstance(prompt, Mapping):
+        return [int(t) for t in prompt["input_ids"].reshape(-1).tolist()]
+    return prompt

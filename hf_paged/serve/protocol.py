@@ -416,12 +416,16 @@ def parse_completion(body: dict) -> CompletionRequest:
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _content(value, where: str) -> str:
+def _content(value, where: str) -> str | list[dict]:
+    """A message's content: a string, or (with images) a list of ``{"type": "text", "text"}`` and ``{"type":
+    "image", "url"}`` parts in order (``serve/media.py`` reads the images)."""
     if isinstance(value, str):
         return value
     if value is None:
         return ""
     if isinstance(value, list):
+        if any(isinstance(p, dict) and p.get("type") == "image_url" for p in value):
+            return _parts_with_images(value, where)
         texts = []
         for i, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
@@ -433,6 +437,23 @@ def _content(value, where: str) -> str:
         return "".join(texts)
     raise APIError(400, f"{where}.content must be a string or a list of text parts, got {type(value).__name__}.",
                    param="messages")
+
+
+def _parts_with_images(value: list, where: str) -> list[dict]:
+    parts = []
+    for i, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+            continue
+        image = part.get("image_url") if kind == "image_url" else None
+        url = image.get("url") if isinstance(image, dict) else image
+        if not isinstance(url, str):
+            raise APIError(400, f"{where}.content[{i}]: send text parts and image_url parts "
+                                '({"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}).',
+                           param="messages")
+        parts.append({"type": "image", "url": url})
+    return parts
 
 
 def parse_messages(value) -> list[dict]:

@@ -14,9 +14,11 @@ def sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens served from the prefix cache (the prefix hit)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict:
@@ -89,7 +91,7 @@ class Shape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     # -- whole responses -------------------------------------------------------------------------------------------
-    def full(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+    def full(self, choices: list[dict], prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
         """``choices``: dicts with index, text, finish_reason, logprobs (list of TokenLogprob or None), and
         optionally ``echo_logprobs`` (a legacy logprobs dict of the echoed prompt) and ``prompt_logprobs`` (vLLM's
         list)."""
@@ -114,7 +116,7 @@ class Shape:
                 if prompt_logprobs is None:
                     prompt_logprobs = c.get("prompt_logprobs")
         body = self._head("text_completion" if self.kind == "completion" else "chat.completion")
-        body.update(choices=out, usage=usage(prompt_tokens, completion_tokens))
+        body.update(choices=out, usage=usage(prompt_tokens, completion_tokens, cached_tokens))
         if prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs
         if self.kind == "completion":
@@ -156,7 +158,7 @@ class Shape:
             body["usage"] = None
         return sse(body)
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> bytes:
         body = self._head("text_completion" if self.kind == "completion" else "chat.completion.chunk")
-        body.update(choices=[], usage=usage(prompt_tokens, completion_tokens))
+        body.update(choices=[], usage=usage(prompt_tokens, completion_tokens, cached_tokens))
         return sse(body)
