@@ -362,7 +362,7 @@ class Speculation:
         self.stats.verified_requests += 1
         mode = self._modes.get(id(req), "ngram")
         old = self._acceptance.get(id(req), self._mode_acceptance[mode])
-        rate = accepted / m if accepted < m else 1.0
+        rate = accepted / (accepted + 1) if accepted < m else 1.0  # positions verified until the first rejection
         self._acceptance[id(req)] = ACCEPTANCE_DECAY * old + (1 - ACCEPTANCE_DECAY) * rate
         self._mode_acceptance[mode] = ACCEPTANCE_DECAY * self._mode_acceptance[mode] + (1 - ACCEPTANCE_DECAY) * rate
         return out
