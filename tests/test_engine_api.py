@@ -144,8 +144,8 @@ def test_queue_limit_and_refusals():
         manager.add_request([5, VOCAB + 3])
     with pytest.raises(ValueError, match="empty"):
         manager.add_request([])
-    with pytest.raises(ValueError, match="num_beams"):
-        manager.add_request(prompt_of(4, 5), generation_config=GenerationConfig(num_beams=2))
+    with pytest.raises(ValueError, match="num_beam_groups"):
+        manager.add_request(prompt_of(4, 5), generation_config=GenerationConfig(num_beams=2, num_beam_groups=2))
     with manager:
         outs = [manager.get_result(timeout=10) for _ in range(2)]
     assert all(o.status == RequestStatus.FINISHED for o in outs)

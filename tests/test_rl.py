@@ -94,8 +94,8 @@ def test_model_generate_batch_runs_hf_paged_engine_with_transformers_shape():
         assert cm.get_result(rid).generated_tokens == tokens_of(outputs)[0]
     assert not manager.is_running() and hf_paged.engine_of(model) is manager  # kept for the next session
 
-    with pytest.raises(TypeError, match="unexpected keyword arguments \\['num_beams'\\]"):
-        model.generate_batch(batch, num_beams=2)
+    with pytest.raises(TypeError, match="unexpected keyword arguments \\['penalty_alpha'\\]"):
+        model.generate_batch(batch, penalty_alpha=0.6)
     config.do_sample = False  # refused (identical sequences): one FAILED result per prompt, named
     refused = model.generate_batch(batch[:1], generation_config=config, max_new_tokens=NEW)
     assert list(refused) == ["req_5"] and "num_return_sequences=2 with greedy" in refused["req_5"].error

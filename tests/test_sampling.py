@@ -217,7 +217,7 @@ def test_settings_follow_generate_defaults_and_overrides():
 
 
 @pytest.mark.parametrize("settings, named", [
-    (dict(num_beams=4), "num_beams=4"),
+    (dict(num_beams=2, num_return_sequences=3), "num_return_sequences=3 is more than num_beams=2"),
     (dict(do_sample=True, num_beam_groups=2, num_beams=2), "num_beam"),
     (dict(force_words_ids=[[3]]), "force_words_ids"),
     (dict(penalty_alpha=0.6), "penalty_alpha"),

@@ -4,6 +4,8 @@
 - ``kv.py``: the requests' rows on the pool and the block arithmetic admission needs;
 - ``runner.py``: one packed forward per step through the shared step planner;
 - ``sampling.py``: per-request sampling;
+- ``beams.py``: beam search, a request as a group of rows;
+- ``speculative.py``: speculative decoding (proposers, verification, the per-step policy);
 - ``core.py``: one step (schedule, run, sample, record);
 - ``handoff.py``: what user threads and the engine thread pass each other (requests in, results out, stop), and its
   locking rule;

@@ -16,10 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import OutOfBlocksError
+from .beams import BeamSearch
 from .outputs import RequestStatus, RequestTooLargeError
 from .request import Request
 from .sampling import Sampler, prompt_logprobs
 from .scheduler import Batch, Chunk, Scheduler
+from .speculative import Speculation
 
 RECENT = 2048  # recent TTFT / inter-token figures kept for stats()
 
@@ -49,11 +51,17 @@ class EngineCore:
             ``runner.forward_time``: seconds of its last call.
         sampler: ``sampler(logits, params, generators, histories)`` (see ``sampling.py``).
         max_context: the model's context (prompt + generated tokens), for requests' ``max_length``.
+        speculation: the :class:`~hf_paged.engine.speculative.Speculation` stage (default: one with no engine-wide
+            proposer, serving requests that set ``prompt_lookup_num_tokens``).
+
+    Beam requests (``num_beams`` > 1) run as groups of rows (``beams.py``); their logits go to their
+    :class:`~hf_paged.engine.beams.BeamSearch` instead of the sampler, and they are handed out once, finished.
     """
 
     def __init__(self, scheduler: Scheduler, runner, sampler=None, max_context: int | None = None,
-                 context_reason: str = "max_position_embeddings"):
+                 context_reason: str = "max_position_embeddings", speculation: Speculation | None = None):
         self.scheduler = scheduler
+        self.speculation = speculation if speculation is not None else Speculation()
         self.runner = runner
         self.sampler = sampler if sampler is not None else Sampler()
         self.max_context = max_context
@@ -72,9 +80,9 @@ class EngineCore:
         return self.scheduler.kv
 
     # ------------------------------------------------------------- admission
-    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+    def check_fits(self, prompt_len: int, max_new_tokens: int, num_beams: int = 1) -> None:
         """``RequestTooLargeError`` if a request of this size could never run: past the model's context, or more
-        blocks than the whole empty pool holds."""
+        blocks than the whole empty pool holds (a beam request: its ``num_beams`` rows at full length)."""
         total = prompt_len + max_new_tokens
         if self.max_context is not None and prompt_len >= self.max_context:
             raise RequestTooLargeError(
@@ -85,10 +93,14 @@ class EngineCore:
             # The context caps what a request can hold: it ends ("length") when it reaches it.
             held = min(total, self.max_context) if self.max_context is not None else total
             need = self.kv.worst_case_blocks(held)
+            if num_beams > 1:
+                need += (num_beams - 1) * (need - min(prompt_len // self.kv.block_size, need))
             if need > capacity:
                 bs = self.kv.block_size
+                beams = f" with {num_beams} beams" if num_beams > 1 else ""
                 raise RequestTooLargeError(
-                    f"a request of {prompt_len} prompt + {max_new_tokens} new tokens needs {need} KV blocks of {bs} "
+                    f"a request of {prompt_len} prompt + {max_new_tokens} new tokens{beams} needs {need} KV blocks of "
+                    f"{bs} "
                     f"tokens at once ({self.kv.groups.num_groups} layer group(s)), but the whole pool holds "
                     f"{capacity}. Lower max_new_tokens, shorten the prompt, or give the engine a larger pool "
                     f"(BlockPool(num_blocks=...) or max_memory=...).")
@@ -116,9 +128,14 @@ class EngineCore:
             )
 
         request = make(request_id, 0)
-        # transformers' names for the forks of num_return_sequences
+        # transformers' names for the forks of num_return_sequences (with beams: the 2nd, 3rd ... best sequences)
         request.children = [make(f"{request_id}__child#{i}", i + 1)
                             for i in range(getattr(params, "num_return_sequences", 1) - 1)]
+        if getattr(params, "num_beams", 1) > 1:
+            request.beam = BeamSearch(params, len(prompt), min(len(prompt) + params.max_new_tokens, max_length),
+                                      request.generator)
+            request.beam.requests.append(request)
+            request.forked = True  # its children are filled by the search, never forked
         return request
 
     def add(self, request: Request) -> None:
@@ -136,10 +153,18 @@ class EngineCore:
         back to the pool (``keep``: after a failed forward, the tokens its row holds validly; see
         ``Scheduler.finish``). Returns the requests that ended."""
         now = time.perf_counter()
+        if req.beam is not None:  # a beam request ends with all its rows
+            for beam in req.beam.hidden:
+                if not beam.is_finished:
+                    self.scheduler.finish(beam, status, keep=None if keep is None else beam.num_computed)
+            req = req.beam.requests[0]
+            if req.is_finished:
+                return []
+        self.speculation.forget(req)
         self.scheduler.finish(req, status, keep=keep)
         req.end_time = now
         ended = [req]
-        if not req.forked:
+        if not req.forked or req.beam is not None:
             for child in req.children:
                 if not child.is_finished:
                     child.status, child.error, child.end_time = status, req.error, now
@@ -162,6 +187,7 @@ class EngineCore:
     def step(self) -> list[Request]:
         """Run one step. Returns the requests that got a token or ended in it (preempted ones are not listed)."""
         t0 = time.perf_counter()
+        self.speculation.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
         self.times.schedule += t1 - t0
@@ -180,8 +206,9 @@ class EngineCore:
             self._add_runner_times()
             return self._fail_batch(batch, err)
         self._add_runner_times()
+        self.speculation.observe_step(batch, getattr(self.runner, "forward_time", 0.0))
         self.steps += 1
-        num_sampled = sum(1 for c in batch.chunks if c.sample)
+        num_sampled = sum(c.num_logits for c in batch.chunks)
         t2 = time.perf_counter()
         try:
             self._record_prompt_logprobs(batch, logits[num_sampled:])
@@ -217,9 +244,33 @@ class EngineCore:
             at += n
 
     def _sample(self, batch: Batch, logits) -> list[Request]:
-        chunks = [c for c in batch.chunks if c.sample]
-        if not chunks:
-            return []
+        """``logits``: the sampling chunks' (``Chunk.num_logits`` each, in batch order). Plain requests go through
+        the sampler, requests with a draft through speculation's verify, beam rows through their beam search."""
+        plain, at, verify, beams = [], [], [], {}
+        offset = 0
+        for chunk in batch.chunks:
+            if not chunk.sample:
+                continue
+            req = chunk.request
+            if req.beam is not None:
+                beams.setdefault(id(req.beam), (req.beam, []))[1].append(offset)
+            elif chunk.draft:
+                verify.append((chunk, offset))
+            else:
+                plain.append(chunk)
+                at.append(offset)
+            offset += chunk.num_logits
+        touched = []
+        if plain:
+            index = torch.tensor(at, device=logits.device)
+            touched += self._sample_plain(plain, logits if len(at) == logits.shape[0] else logits[index])
+        for chunk, offset in verify:
+            touched += self._verify(chunk, logits[offset: offset + chunk.num_logits])
+        for search, offsets in beams.values():
+            touched += self._step_beams(search, logits[torch.tensor(offsets, device=logits.device)])
+        return touched
+
+    def _sample_plain(self, chunks: list[Chunk], logits) -> list[Request]:
         reqs, sources = [], []  # the requests sampled, and the index of the logits each draws from
         for i, chunk in enumerate(chunks):
             req = chunk.request
@@ -265,6 +316,61 @@ class EngineCore:
             if req.finish_reason is not None:
                 self.end(req, RequestStatus.FINISHED)
         return reqs
+
+    def _verify(self, chunk: Chunk, logits) -> list[Request]:
+        """Speculation: accept a prefix of ``chunk.draft`` (``logits`` ``[len(draft) + 1, vocab]``), add the
+        target's next token, cut the rejected tokens' K/V off the row."""
+        req = chunk.request
+        tokens = self.speculation.verify(req, logits, chunk.draft, self.sampler)
+        self.scheduler.rollback(req, chunk.start + len(tokens))  # the last known token + the accepted drafts
+        now = time.perf_counter()
+        for token in tokens:
+            if req.timestamps:
+                self.inter_token.append(now - req.timestamps[-1])
+            else:
+                self.ttft.append(now - req.created_time)
+            req.append(token, now)
+            self.generated_tokens += 1
+            if req.finish_reason is not None:
+                self.end(req, RequestStatus.FINISHED)
+                break
+        return [req]
+
+    def _step_beams(self, search: BeamSearch, logits) -> list[Request]:
+        """One step of a beam request: ``logits`` ``[k, vocab]`` of its k rows (``[1, vocab]``: its prompt's, at
+        the first step). Its rows are re-pointed (or it ends, handing out its best sequences)."""
+        rows = search.requests
+        params = [r.params for r in rows]
+        log_probs = self.sampler.process(torch.log_softmax(logits.float(), dim=-1), params, [r.tokens for r in rows],
+                                         [r.num_generated for r in rows])  # [k, vocab]
+        started = search.started
+        plan = search.step(log_probs)
+        if search.done:
+            return self._finish_beams(search)
+        if not started:
+            parent = rows[0]
+            beams = [Request(request_id=f"{parent.request_id}#beam{i}", tokens=list(parent.tokens),
+                             num_prompt=parent.num_prompt, max_new_tokens=parent.max_new_tokens,
+                             max_length=parent.max_length, eos_token_ids=parent.eos_token_ids, params=parent.params,
+                             beam=search) for i in range(1, search.num_beams)]
+            search.requests.extend(beams)
+            self.scheduler.add_beams(parent, beams)
+        self.scheduler.apply_beams(search.requests, plan.sources, plan.tokens)
+        return []
+
+    def _finish_beams(self, search: BeamSearch) -> list[Request]:
+        """The search is over: the request and its children (``num_return_sequences``) take the best sequences."""
+        parent = search.requests[0]
+        now = time.perf_counter()
+        results = [parent, *parent.children]
+        for req, (generated, _) in zip(results, search.best()):
+            req.tokens = req.tokens[: req.num_prompt] + generated
+            req.timestamps = [now] * len(generated)
+            req.first_token_time = now if generated else None
+            req.finish_reason = "stop" if generated and generated[-1] in req.eos_token_ids else "length"
+            self.generated_tokens += len(generated)
+        self.ttft.append(now - parent.created_time)
+        return self.end(parent, RequestStatus.FINISHED)
 
     @staticmethod
     def _bitmask(reqs: list[Request], vocab: int):

@@ -26,6 +26,7 @@ from .outputs import GenerationOutput, RequestStatus
 from .runner import ModelRunner
 from .sampling import Sampler
 from .scheduler import Scheduler
+from .speculative import DEFAULT_NUM_TOKENS, Speculation, SpeculationPolicy
 from .states import install as install_state_mixers
 
 
@@ -35,7 +36,9 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
                              watermark: float | None = None, backend: str = "auto",
                              cuda_graphs: bool | None = None, tensor_parallel: bool | None = None,
                              tp_timeout_s: float = 60.0, tp_heartbeat_s: float = 1.0,
-                             encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES,
+                             encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES, speculative=None,
+                             num_speculative_tokens: int = DEFAULT_NUM_TOKENS,
+                             speculative_max_tokens: int | None = None,
                              tokenizer=None) -> ContinuousBatchingManager:
     """A continuous-batching manager serving ``model`` from a shared block pool (start it, or use ``with``).
 
@@ -75,6 +78,14 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
             ``hf_paged/engine/multimodal.py``.
         tokenizer: the model's tokenizer, for requests with ``stop_strings`` (as ``generate(tokenizer=...)``);
             without it such requests are refused.
+        speculative: speculative decoding for every request that does not choose (``prompt_lookup_num_tokens``):
+            None (off), ``"ngram"`` (prompt lookup in each request's own tokens) or a draft model (a small causal LM
+            with the same tokenizer; its K/V gets its own pool). A per-step policy runs drafts only where they pay
+            (see ``hf_paged/engine/speculative.py``). Greedy requests get the tokens they get without it; sampled
+            ones the same distribution.
+        num_speculative_tokens: draft tokens per request and step.
+        speculative_max_tokens: a step of more tokens than this never speculates (default: the policy decides from
+            the step costs it measures).
 
     Requires transformers >= 5.24 (the attention plumbing the packed forward needs); ``generate()`` with a
     ``PagedCache`` works from 4.56.
@@ -139,8 +150,16 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     if sync is not None:
         runner = AgreeingRunner(runner, sync)
     limit, reason = context_limit(config)
-    core = EngineCore(scheduler, runner, Sampler(device=device, tokenizer=tokenizer), max_context=limit,
-                      context_reason=reason)
+    if speculative is not None and (state_layers or sync is not None):
+        raise ValueError("speculative decoding needs rows that can be cut back after a rejection: not served for "
+                         "models with state layers or under tensor parallelism. Leave speculative unset.")
+    windows = [w for w in (*groups.windows, *groups.chunks) if w is not None]
+    # a row is cut back after a rejection: not possible through a state, and not past a sliding window's edge
+    max_draft = 0 if state_layers or sync is not None else (min(windows) - 1 if windows else None)
+    speculation = Speculation(speculative, num_speculative_tokens, SpeculationPolicy(speculative_max_tokens),
+                              max_draft=max_draft)
+    core = EngineCore(scheduler, runner, Sampler(device=device, tokenizer=tokenizer), max_context=limit, context_reason=reason,
+                      speculation=speculation)
     defaults = {"logprobs": options.pop("logprobs")} if "logprobs" in options else {}
     return ContinuousBatchingManager(core, generation_config if generation_config is not None
                                      else model.generation_config, vocab_size=config.vocab_size,
@@ -193,8 +212,10 @@ def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool 
     ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``, ``eos_token_id``, ``stop_token_ids``,
     ``logprobs``, ``num_return_sequences``, ``ignore_eos``, ``min_tokens``, ``prompt_logprobs``, ``grammar``, any
     other ``GenerationConfig`` field such as ``no_repeat_ngram_size`` or ``stop_strings``, and ``logits_processor`` /
-    ``stopping_criteria`` / ``prefix_allowed_tokens_fn``; see :meth:`ContinuousBatchingManager.add_request`).
-    ``tokenizer``: the model's tokenizer, needed for ``stop_strings``.
+    ``stopping_criteria`` / ``prefix_allowed_tokens_fn``, ``num_beams``, ``length_penalty``,
+    ``early_stopping``, ``prompt_lookup_num_tokens``; see :meth:`ContinuousBatchingManager.add_request`).
+    ``tokenizer``: the model's tokenizer, needed for ``stop_strings``. ``assistant_model=``
+    (generate()'s name) is ``speculative=``.
 
     Example::
 
@@ -205,6 +226,9 @@ def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool 
     request_options = {k: options.pop(k) for k in list(options) if is_request_setting(k) and k not in _INIT_OPTIONS}
     for name in ("persistent_manager", "warmup", "record_timestamps"):  # transformers' options with no meaning here
         options.pop(name, None)
+    if options.get("assistant_model") is not None:
+        options["speculative"] = options.pop("assistant_model")
+    options.pop("assistant_model", None)
     # Every rank of a tensor-parallel model calls generate_batch with the same prompts: each runs its own engine
     # (same events at the same steps, by construction), so no rank 0 driver is needed unless asked.
     options.setdefault("tensor_parallel", False)

@@ -29,7 +29,8 @@ from .sampling import CALLABLES, SamplingParams
 DEFAULT_MAX_UNREAD = 100_000  # finished results kept until read; the oldest unread are dropped past it
 SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
                  "eos_token_id", "stop_token_ids", "logprobs", "num_return_sequences", "ignore_eos", "min_tokens",
-                 "prompt_logprobs", "grammar")
+                 "prompt_logprobs", "grammar", "num_beams", "length_penalty", "early_stopping",
+                 "prompt_lookup_num_tokens")
 
 
 def is_request_setting(name: str) -> bool:
@@ -265,6 +266,10 @@ class ContinuousBatchingManager:
                 it already has (after a preemption), so a cache hit never loses them. ``grammar``: a
                 :class:`~hf_paged.engine.structured.CompiledGrammar` the output must match (structured output: a
                 token bitmask each step; the request ends "stop" when the grammar's text is complete).
+                ``num_beams`` > 1: beam search (with ``length_penalty``, ``early_stopping``; ``num_return_sequences``
+                best sequences, the 2nd and later as ``{id}__child#i``), handed out once finished.
+                ``prompt_lookup_num_tokens``: n-gram speculation with that many draft tokens (0: none for this
+                request, whatever the engine's ``speculative``).
             callback: called from the engine thread with each step's :class:`GenerationOutput` delta (keep it short).
             record_timestamps: accepted for transformers' signature; timestamps are always recorded.
             settings: any other ``GenerationConfig`` field for this request (``no_repeat_ngram_size``,
@@ -311,7 +316,7 @@ class ContinuousBatchingManager:
             length = len(prompt.tokens) if isinstance(prompt, MediaPrompt) else len(prompt)
             params = SamplingParams.from_generation_config(config, prompt_length=length,
                                                            max_new_tokens=max_new_tokens, **overrides)
-            self._core.check_fits(length, params.max_new_tokens)
+            self._core.check_fits(length, params.max_new_tokens, params.num_beams)
             self._core.sampler.check(params, self.vocab_size)
             if self._sync is not None:
                 check_broadcastable(params)

@@ -64,6 +64,9 @@ class Request:
     emitted: int = 0  # generated tokens already handed out as stream deltas
     children: list["Request"] = field(default_factory=list)  # num_return_sequences > 1: the forks to come
     forked: bool = False  # its forks were made (or it is one): never fork again
+    beam: object = None  # beam search (num_beams > 1): the BeamSearch of its group of rows (engine/beams.py)
+    draft: list[int] = field(default_factory=list)  # speculation: tokens proposed to follow ``tokens``, verified
+    # by the next step (engine/speculative.py); empty for none
 
     @property
     def num_generated(self) -> int:

@@ -45,10 +45,10 @@ def cpu_gemm_size(n: int, smallest: int) -> int:
 class PackedInputs:
     input_ids: torch.Tensor  # [T + P] int64: the chunks' tokens, back to back, then P padding tokens
     position_ids: torch.Tensor  # [T + P] int64: each token's position in its request (padding: 0..P-1)
-    # [k + m (+ repeats)] int64: the last token of each sampling chunk in batch order, then the m prompt positions
-    # whose logits prompt logprobs need, chunk by chunk
+    # [k + m (+ repeats)] int64: the last token of each sampling chunk in batch order (of a chunk with a draft, its
+    # last len(draft) + 1 tokens), then the m prompt positions whose logits prompt logprobs need, chunk by chunk
     logits_index: torch.Tensor
-    num_sampled: int  # k: the logits of the sampling chunks
+    num_sampled: int  # k: the logits of the sampling chunks (sum of their ``num_logits``)
     padding: int  # P
     num_prompt_logits: int = 0  # m
 
@@ -70,8 +70,8 @@ def pack(batch: Batch, device: torch.device, bucket: int | None = None) -> Packe
         first = chunk.start + position_offset(chunk.request)  # (past a prompt's images: the model's mrope offset)
         positions.extend(range(first, first + chunk.num_tokens))
         prompt_keep.extend(base + p for p in chunk.prompt_positions)
-        if chunk.sample:
-            keep.append(len(ids) - 1)
+        if chunk.sample:  # the last token's logits (a draft's verify: each of its last len(draft) + 1 positions)
+            keep.extend(range(len(ids) - chunk.num_logits, len(ids)))
     num_sampled, num_prompt_logits, padding = len(keep), len(prompt_keep), 0
     keep += prompt_keep
     if bucket is not None:
@@ -91,7 +91,8 @@ def pack(batch: Batch, device: torch.device, bucket: int | None = None) -> Packe
 class ModelRunner:
     """Runs a :class:`~hf_paged.engine.scheduler.Batch` through ``model`` on the engine's rows.
 
-    ``run(batch) -> logits [k + m, vocab]`` (float, the model's dtype): the batch's k sampling chunks' logits, then
+    ``run(batch) -> logits [k + m, vocab]`` (float, the model's dtype): the batch's sampling chunks' k logits (one
+    per chunk, ``len(draft) + 1`` for a chunk verifying a draft), then
     the m of its chunks' ``prompt_positions``. ``plan_time`` /
     ``forward_time``: seconds of the last call's host preparation and of its forward. ``graphs``: a
     :class:`~hf_paged.engine.graphs.DecodeGraphs` replaying decode-only steps (None: every step eager). ``media``: a

@@ -60,26 +60,25 @@ WARPERS = ("top_h", "typical_p", "epsilon_cutoff", "eta_cutoff")
 MAPPED = frozenset({
     "do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens", "max_length",
     "eos_token_id", "num_return_sequences", "min_new_tokens", *WARPERS,
+    "num_beams", "length_penalty", "early_stopping", "prompt_lookup_num_tokens",
 }) | PROCESSOR_FIELDS | STOP_FIELDS
 # Fields that never change the tokens a request gets (ids of special tokens, caching and compile choices, beam-only
 # settings without beams, assistant settings without an assistant, the layout of generate()'s return value).
 NO_EFFECT = frozenset({
     "pad_token_id", "bos_token_id", "decoder_start_token_id", "use_cache", "cache_implementation", "cache_config",
     "compile_config", "disable_compile", "prefill_chunk_size", "low_memory", "max_cache_len", "renormalize_logits",
-    "length_penalty", "early_stopping", "num_assistant_tokens", "num_assistant_tokens_schedule",
+    "num_assistant_tokens", "num_assistant_tokens_schedule",
     "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind", "max_matching_ngram_size",
     "is_assistant", "return_dict_in_generate", "continuous_batching_config", "transformers_version",
 })
-_BEAMS = "beam search is not served by the engine; run model.generate() with a PagedCache for it"
-_SPECULATION = "speculative decoding is not served by the engine; run model.generate() with a PagedCache for it"
+_HUB = "moved out of transformers to the Hub (custom_generate) in transformers 5; not served by the engine"
+_SPECULATION = ("is not one of the engine's speculation modes; use prompt_lookup_num_tokens or init_continuous_batching(speculative=...)")
 _RETURN = ("is part of generate()'s return value, which the engine does not build; ask for logprobs=k (the "
            "processed distribution's top k) instead")
 # Settings refused when set to anything but generate()'s default, with the reason: what a decoder-only engine step
-# cannot apply, and the decoding modes other pieces of the engine own (beams, speculation).
+# cannot apply.
 REFUSED = {
-    "num_beams": _BEAMS, "num_beam_groups": _BEAMS, "diversity_penalty": _BEAMS,
-    "constraints": "constrained beam search needs beams; run model.generate() with a PagedCache for it",
-    "force_words_ids": "constrained beam search needs beams; run model.generate() with a PagedCache for it",
+    "num_beam_groups": _HUB, "diversity_penalty": _HUB, "constraints": _HUB, "force_words_ids": _HUB,
     "penalty_alpha": ("contrastive search re-ranks candidates by the model's hidden states, which the engine's "
                       "packed step does not return; run model.generate() with a PagedCache for it"),
     "dola_layers": ("DoLa contrasts early-exit layers' logits, which the engine's packed step does not compute; "
@@ -90,7 +89,6 @@ REFUSED = {
     "encoder_repetition_penalty": "applies to encoder-decoder models only (the engine serves decoder-only models)",
     "token_healing": ("token healing rewrites the prompt's last tokens with the tokenizer before generating; heal "
                       "the prompt before add_request, or run model.generate() with a PagedCache"),
-    "prompt_lookup_num_tokens": _SPECULATION,
     "assistant_early_exit": _SPECULATION,
     "speculation_type": _SPECULATION,
     "use_mtp": "multi-token prediction is not served by the engine",
@@ -160,6 +158,10 @@ class SamplingParams:
     eta_cutoff: float | None = None
     processors: ProcessorSettings | None = None
     stopping: StopSettings | None = None
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    prompt_lookup_num_tokens: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.do_sample, bool):
@@ -207,7 +209,27 @@ class SamplingParams:
                              "lower min_tokens or raise max_new_tokens")
         if not _is_int(self.num_return_sequences) or self.num_return_sequences < 1:
             raise ValueError(f"num_return_sequences must be an integer >= 1, got {self.num_return_sequences!r}")
-        if self.num_return_sequences > 1 and not self.do_sample:
+        if not _is_int(self.num_beams) or self.num_beams < 1:
+            raise ValueError(f"num_beams must be an integer >= 1, got {self.num_beams!r}")
+        if not _is_number(self.length_penalty):
+            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or \"never\", got {self.early_stopping!r}")
+        if self.prompt_lookup_num_tokens is not None and (
+                not _is_int(self.prompt_lookup_num_tokens) or self.prompt_lookup_num_tokens < 0):
+            raise ValueError(f"prompt_lookup_num_tokens must be an integer >= 0 (0: no speculation for this request), "
+                             f"got {self.prompt_lookup_num_tokens!r}")
+        if self.num_beams > 1:
+            if self.num_return_sequences > self.num_beams:
+                raise ValueError(f"num_return_sequences={self.num_return_sequences} is more than num_beams="
+                                 f"{self.num_beams}: beam search returns at most its num_beams best sequences")
+            for name, value in (("grammar", self.grammar), ("logprobs", self.logprobs),
+                                ("prompt_lookup_num_tokens", self.prompt_lookup_num_tokens or None),
+                                ("stop_strings / max_time / stopping_criteria", self.stopping)):
+                if value is not None:
+                    raise ValueError(f"{name} with num_beams={self.num_beams} is not supported by the engine; "
+                                     f"drop one of them")
+        elif self.num_return_sequences > 1 and not self.do_sample:
             raise ValueError(f"num_return_sequences={self.num_return_sequences} with greedy decoding would return "
                              f"{self.num_return_sequences} identical sequences; pass do_sample=True (as generate() "
                              f"requires)")
@@ -290,6 +312,11 @@ class SamplingParams:
             else:
                 max_new_tokens = cls.max_new_tokens
 
+        num_beams = settings.get("num_beams") or 1
+        length_penalty, early_stopping = 1.0, False  # beam-only settings: no effect without beams
+        if num_beams > 1:
+            length_penalty = 1.0 if settings.get("length_penalty") is None else settings["length_penalty"]
+            early_stopping = settings.get("early_stopping") or False
         eos = () if settings.get("ignore_eos") else _token_ids(settings.get("eos_token_id"), "eos_token_id")
         min_tokens = settings.get("min_tokens")
         if min_tokens is None:
@@ -303,6 +330,8 @@ class SamplingParams:
             min_tokens=min_tokens, prompt_logprobs=settings.get("prompt_logprobs"), grammar=settings.get("grammar"),
             **warpers, processors=ProcessorSettings.from_settings(settings),
             stopping=StopSettings.from_settings(settings),
+            num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping,
+            prompt_lookup_num_tokens=settings.get("prompt_lookup_num_tokens"),
         )
 
     def finish_reason(self, token: int, num_generated: int) -> str | None:
@@ -442,10 +471,46 @@ class Sampler:
                              f"and {len(histories)} histories were given; pass one of each per request")
         if states is None:
             states = [self.join(p) for p in params]
-        scores = _mask_min_tokens(logits.float(), params, num_generated)  # [n, vocab]
+        errors: dict[int, str] = {}
+        processed = self.process(logits, params, histories, num_generated, states, bitmask, bitmask_rows, errors)
+
+        greedy = [row for row, p in enumerate(params) if not p.do_sample]
+        if len(greedy) == n:
+            tokens = processed.argmax(dim=-1)  # [n]
+        else:
+            tokens = torch.empty(n, dtype=torch.long, device=processed.device)  # [n]
+            if greedy:
+                index = torch.tensor(greedy, device=processed.device)
+                tokens[index] = processed[index].argmax(dim=-1)
+            self._draw(processed, params, generators, tokens)
+        token_list = tokens.tolist()
+        stopped = self.stopping([p.stopping for p in params],
+                                [s.started if s is not None else None for s in states], histories, token_list,
+                                processed, errors)
+        if all(p.logprobs is None for p in params):
+            return SampleResult(token_list, stopped=stopped, errors=errors)
+        return SampleResult(token_list, *_logprobs(processed, tokens, params), stopped=stopped, errors=errors)
+
+    def process(self, scores: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
+                num_generated: list[int] | None = None, states: list[RequestState | None] | None = None,
+                bitmask: torch.Tensor | None = None, bitmask_rows: list[int] | None = None,
+                errors: dict[int, str] | None = None) -> torch.Tensor:
+        """``scores`` ``[n, vocab]`` after every stage before the choice of tokens, in float32 and ``generate()``'s
+        order: the engine's masks, the processors, the warpers (sampled rows) and watermarks. What a row's token is
+        chosen from (argmax, or a draw from its softmax); the engine's beam search passes log-probabilities (as
+        ``generate()``'s beam search processes them), speculative verification the logits at each drafted position.
+        Arguments as in :meth:`__call__`; ``errors`` collects the rows whose own callables failed.
+
+        Example::
+
+            probs = sampler.process(logits, params, histories, num_generated).softmax(-1)   # [n, vocab]
+        """
+        if states is None:
+            states = [self.join(p) for p in params]
+        errors = {} if errors is None else errors
+        scores = _mask_min_tokens(scores.float(), params, num_generated)  # [n, vocab]
         if bitmask is not None:
             scores = apply_bitmask(scores, bitmask, bitmask_rows)
-        errors: dict[int, str] = {}
         scores = self.processors(scores, params, states, histories, num_generated, errors)  # [n, vocab]
         groups: dict[tuple, list[int]] = {}
         for row, p in enumerate(params):
@@ -460,25 +525,7 @@ class Sampler:
             for chain, rows in active:
                 index = torch.tensor(rows, device=scores.device)  # [g]
                 processed[index] = chain(None, scores[index])  # [g, vocab]
-
-        processed = self.processors.after_warpers(processed, params, histories)  # watermarks
-
-        greedy = [row for row, p in enumerate(params) if not p.do_sample]
-        if len(greedy) == n:
-            tokens = processed.argmax(dim=-1)  # [n]
-        else:
-            tokens = torch.empty(n, dtype=torch.long, device=scores.device)  # [n]
-            if greedy:
-                index = torch.tensor(greedy, device=scores.device)
-                tokens[index] = processed[index].argmax(dim=-1)
-            self._draw(processed, params, generators, tokens)
-        token_list = tokens.tolist()
-        stopped = self.stopping([p.stopping for p in params],
-                                [s.started if s is not None else None for s in states], histories, token_list,
-                                processed, errors)
-        if all(p.logprobs is None for p in params):
-            return SampleResult(token_list, stopped=stopped, errors=errors)
-        return SampleResult(token_list, *_logprobs(processed, tokens, params), stopped=stopped, errors=errors)
+        return self.processors.after_warpers(processed, params, histories)  # watermarks
 
     def _chain(self, key: tuple) -> LogitsProcessorList:
         chain = self._chains.get(key)

@@ -12,6 +12,11 @@ First come, first served. Each step:
    their first chunk with a small watermark to spare. An admitted request starts from the cached blocks its tokens
    begin with; one whose next blocks are being computed by another running request waits for them instead.
 
+A beam request (``beams.py``) runs its rows together: all of them in a step, one token each, or none; it is admitted
+only with room for its worst case, and preempted whole (every row back, restarted from its prompt). A decoding request
+with a draft (``speculative.py``) runs it with its token, from the budget the decode tokens leave; afterwards
+:meth:`Scheduler.rollback` cuts the rejected tokens off its row.
+
 The scheduler owns the waiting queue, the running list and each request's ``num_computed``, ``row`` and status;
 the rows' blocks are asked of :class:`~hf_paged.engine.kv.RequestKV`. Its schedule of a step is a :class:`Batch`;
 the runner plans and runs it; :meth:`Scheduler.advance` then records what ran.
@@ -33,15 +38,25 @@ class Chunk:
     request: Request
     start: int
     num_tokens: int
+    draft: list[int] = field(default_factory=list)  # speculation: proposed tokens run after the known ones (the
+    # last ``len(draft)`` of ``num_tokens``), each position's logits kept to verify them
 
     @property
     def sample(self) -> bool:
-        """Whether this chunk reaches the end of the request's known tokens: its last logits give the next token."""
-        return self.start + self.num_tokens == len(self.request.tokens)
+        """Whether this chunk reaches the end of the request's known tokens: its last logits give the next token
+        (with a draft: the logits of its last ``len(draft) + 1`` positions verify the draft)."""
+        return self.start + self.num_tokens - len(self.draft) == len(self.request.tokens)
+
+    @property
+    def num_logits(self) -> int:
+        """Logits this chunk's sampling takes: one, or one per draft token plus one (0 for a chunk that does not
+        sample)."""
+        return 1 + len(self.draft) if self.sample else 0
 
     @property
     def tokens(self) -> list[int]:
-        return self.request.tokens[self.start: self.start + self.num_tokens]
+        known = self.request.tokens[self.start: self.start + self.num_tokens - len(self.draft)]
+        return known + self.draft if self.draft else known
 
     @property
     def prompt_positions(self) -> range:
@@ -128,13 +143,29 @@ class Scheduler:
     def _schedule_running(self, batch: Batch) -> None:
         decoding = sum(1 for r in self.running if r.remaining == 1)
         decode_left = self.max_batch_tokens
-        prefill_left = self.max_batch_tokens - min(decoding, self.max_batch_tokens)
+        # speculation: a decoding request's draft runs with its token, from the budget decode tokens leave
+        spare = max(self.max_batch_tokens - decoding, 0)
+        drafts = {}
+        for r in self.running:
+            if r.draft and r.remaining == 1 and spare > 0:
+                drafts[id(r)] = r.draft[:spare]
+                spare -= len(drafts[id(r)])
+        prefill_left = spare
         reserved = 0
         i = 0
         while i < len(self.running):
             req = self.running[i]
             decode = req.remaining == 1
-            n = 1 if decode and decode_left > 0 else min(req.remaining, prefill_left) if not decode else 0
+            if req.beam is not None and req.beam.started:
+                if req is req.beam.requests[0]:
+                    reserved += self._schedule_beams(req.beam, batch, decode_left, reserved)
+                    decode_left -= len(req.beam.requests)
+                    if req.status != RequestStatus.RUNNING:
+                        break
+                i += 1
+                continue
+            draft = drafts.get(id(req), [])
+            n = 1 + len(draft) if decode and decode_left > 0 else min(req.remaining, prefill_left) if not decode else 0
             if n and not decode:
                 n = self.kv.chunk_tokens(req.row, req.num_computed, n)
             if n == 0:
@@ -144,6 +175,10 @@ class Scheduler:
             while need > self.kv.num_free() - reserved:
                 available = self.kv.num_free() - reserved
                 fit = 0 if decode else self.kv.tokens_that_fit(req.row, available, n)
+                if decode and draft:  # the draft goes first
+                    fit = self.kv.tokens_that_fit(req.row, available, n)
+                    if fit > 0:
+                        draft = draft[:fit - 1]
                 if fit > 0:
                     n, need = fit, self.kv.blocks_needed(req.row, fit)
                     break
@@ -154,14 +189,29 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 break  # it preempted itself: the requests after it are gone too
-            batch.chunks.append(Chunk(req, req.num_computed, n))
+            batch.chunks.append(Chunk(req, req.num_computed, n, draft if decode else []))
             reserved += need
             if decode:
-                decode_left -= 1
+                decode_left -= n
             else:
                 prefill_left -= n
             i += 1
         self._reserved = reserved
+
+    def _schedule_beams(self, group, batch: Batch, decode_left: int, reserved: int) -> int:
+        """A beam request's rows all run in a step (one token each) or none does. Returns the blocks reserved."""
+        members = group.requests
+        if decode_left < len(members):
+            return 0
+        need = sum(self.kv.blocks_needed(m.row, 1) for m in members)
+        while need > self.kv.num_free() - reserved:
+            victim = self.running[-1]
+            self.preempt(victim)
+            batch.preempted.append(victim)
+            if members[0].status != RequestStatus.RUNNING:
+                return 0
+        batch.chunks.extend(Chunk(m, m.num_computed, 1) for m in members)
+        return need
 
     def _admit(self, batch: Batch) -> None:
         budget = self.max_batch_tokens - batch.num_tokens
@@ -169,7 +219,8 @@ class Scheduler:
         held = []
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            width = 1 if req.forked else getattr(req.params, "num_return_sequences", 1)
+            width = req.beam.num_beams if req.beam is not None else \
+                1 if req.forked else getattr(req.params, "num_return_sequences", 1)
             if self.running and len(self.running) + width > self.max_num_seqs:
                 break
             self.waiting.popleft()
@@ -189,6 +240,10 @@ class Scheduler:
             if need > available:
                 n = self.kv.tokens_that_fit(row, available, n)
                 need = self.kv.blocks_needed(row, n) if n else 0
+            if req.beam is not None and self.kv.capacity is not None:  # admitted only with room for its worst case
+                worst = req.beam.worst_case_blocks(self.kv, min(req.num_prompt + req.max_new_tokens, req.max_length))
+                if worst - len(prefix) > self.kv.num_free() - reserved - (self.watermark_blocks if self.running else 0):
+                    n = 0
             if n == 0:
                 self.kv.free(row)
                 self.waiting.appendleft(req)
@@ -257,8 +312,55 @@ class Scheduler:
         self._admissions += 1
         self.running.append(child)
 
+    def add_beams(self, parent: Request, beams: list[Request]) -> None:
+        """Run ``beams`` (a beam request's rows besides ``parent``, holding no row yet) right after ``parent`` (a
+        group's rows stay together in ``running``); :meth:`apply_beams` gives them rows."""
+        at = self.running.index(parent) + 1
+        for beam in beams:
+            beam.status = RequestStatus.RUNNING
+            beam.ever_admitted = beam.forked = True
+            beam.admitted_at = parent.admitted_at
+        self.running[at:at] = beams
+
+    def apply_beams(self, beams: list[Request], sources: list[int], tokens: list[int]) -> None:
+        """Beam search's step: row i continues row ``sources[i]`` with ``tokens[i]`` (not computed yet). A row
+        continued twice is forked (blocks shared, copy-on-write), one continued by nobody is released."""
+        rows = [b.row for b in beams]
+        known = [list(b.tokens) for b in beams]
+        taken: set[int] = set()
+        new_rows = []
+        for src in sources:
+            new_rows.append(self.kv.fork(rows[src]) if src in taken else rows[src])
+            taken.add(src)
+        for j, row in enumerate(rows):
+            if j not in taken and row is not None:
+                self.kv.free(row)
+        for beam, row, src, token in zip(beams, new_rows, sources, tokens):
+            beam.row = row
+            beam.tokens = known[src] + [token]
+            beam.num_computed = len(known[src])
+
+    def rollback(self, req: Request, keep: int) -> None:
+        """Speculation: keep the first ``keep`` computed tokens of ``req``'s row (its rejected draft tokens' K/V is
+        cut off, their blocks go back)."""
+        if req.num_computed > keep:
+            self.kv.rows.truncate(req.row, keep)
+            req.num_computed = keep
+
     def preempt(self, req: Request) -> None:
-        """Give ``req``'s blocks back and requeue it at the head, keeping its tokens (recomputed later)."""
+        """Give ``req``'s blocks back and requeue it at the head, keeping its tokens (recomputed later). A beam
+        request gives back all its rows and starts again from its prompt."""
+        if req.beam is not None and req.beam.started:
+            group = req.beam
+            req = group.requests[0]
+            for beam in group.hidden:
+                self.running.remove(beam)
+                self.kv.free(beam.row)
+                beam.row = None
+                beam.status = RequestStatus.CANCELLED
+            del req.tokens[req.num_prompt:]
+            req.num_computed = min(req.num_computed, req.num_prompt)
+            group.reset()
         self.running.remove(req)
         self._drop_pending(req)
         self.kv.free(req.row)

@@ -30,7 +30,7 @@ METHOD_NAMES = ("init_continuous_batching", "continuous_batching_context_manager
                 "destroy_cached_continuous_batching_manager")
 # init_continuous_batching's keywords generate_batch passes on (hf_paged's, beyond transformers' signature)
 ENGINE_KEYS = ("pool", "max_batch_tokens", "max_queue_size", "max_num_seqs", "max_unread_results", "watermark",
-               "backend", "cuda_graphs")
+               "backend", "cuda_graphs", "speculative", "num_speculative_tokens", "speculative_max_tokens")
 
 
 class TransformersMethods:

@@ -49,6 +49,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run every step eagerly (default on CUDA with --max-memory: decode steps replay CUDA graphs, "
                         "and the pool is allocated whole at start)")
+    p.add_argument("--speculative", default=None, metavar="ngram|draft:PATH",
+                   help="speculative decoding for requests that do not choose: 'ngram' (prompt lookup) or "
+                        "'draft:PATH' (a small local model with the same tokenizer); a per-step policy runs drafts "
+                        "only where they pay")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="draft tokens per request and step")
     p.add_argument("--max-queue", type=int, default=None,
                    help="waiting requests beyond which new ones get 429 with Retry-After (default: unbounded)")
     p.add_argument("--api-key", default=os.environ.get("HF_PAGED_API_KEY"),
@@ -105,7 +110,17 @@ def build(args, load=None):
     pool = BlockPool(block_size=args.block_size, max_memory=args.max_memory,
                      prefix_caching=not args.no_prefix_caching,
                      kv_dtype=torch.float8_e4m3fn if args.kv_dtype == "fp8" else None)
+    speculative = getattr(args, "speculative", None)
+    if speculative is not None and speculative != "ngram":
+        if not speculative.startswith("draft:"):
+            raise SystemExit(f"--speculative must be 'ngram' or 'draft:PATH', got {speculative!r}")
+        speculative, _ = (load or embedded.load)(speculative.removeprefix("draft:"), dtype=dtype)
+        if load is None:
+            speculative.to(device)
+    extra = {} if getattr(args, "num_speculative_tokens", None) is None else \
+        {"num_speculative_tokens": args.num_speculative_tokens}
     manager = init_continuous_batching(model, pool=pool, max_batch_tokens=args.max_batch_tokens,
+                                       speculative=speculative, **extra,
                                        max_queue_size=args.max_queue,
                                        cuda_graphs=False if args.no_cuda_graphs else None,
                                        tp_timeout_s=getattr(args, "tp_timeout", 60.0), tokenizer=tokenizer)

@@ -237,11 +237,15 @@ class AsyncEngine:
         gen.prompt_tokens = sum(len(prompt_ids(p)) for p in prompts)
         gen.n = n
         serial = next(self._serial)
+        beams = params.num_beams > 1  # one beam request per prompt: its n best sequences are the n choices
         try:
             for p, ids in enumerate(prompts):
+                first = None
                 for i in range(n):
                     index = p * n + i
-                    choice = _Choice(index, f"srv-{serial}-{index}-{uuid.uuid4().hex[:8]}",
+                    rid = f"srv-{serial}-{index}-{uuid.uuid4().hex[:8]}" if first is None else \
+                        f"{first.request_id}__child#{i - 1}"  # the engine's name for the i-th best
+                    choice = _Choice(index, rid,
                                      IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
                                      StopChecker(params.stop, params.include_stop, params.min_tokens or 0),
                                      params.logprobs is not None and params.generate, gen,
@@ -249,6 +253,11 @@ class AsyncEngine:
                     gen.choices.append(choice)
                     gen.pending += 1
                     self._live[choice.request_id] = choice
+                    if beams:
+                        first = first or choice
+                        if i < n - 1:
+                            continue  # submitted once every choice of the prompt is known
+                        choice = first
                     try:
                         self.manager.add_request(ids if isinstance(ids, Mapping) else list(ids),
                                                  request_id=choice.request_id,
@@ -304,7 +313,9 @@ class AsyncEngine:
 
     def _callback(self, choice: _Choice):
         def on_output(output) -> None:  # engine thread: hand over and return at once
-            self._submit(self._process, choice, output, time.perf_counter())
+            # (a beam request's 2nd and later sequences come through its callback, under their own ids)
+            target = choice if output.request_id == choice.request_id else self._live.get(output.request_id, choice)
+            self._submit(self._process, target, output, time.perf_counter())
 
         return on_output
 

@@ -67,6 +67,9 @@ class _Common(_Strict):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     bad_words: list[str] | None = None
     no_repeat_ngram_size: int | None = Field(None, ge=0)
+    use_beam_search: bool | None = False  # vLLM's: beam search of width best_of (completions) or n
+    length_penalty: float | None = None
+    early_stopping: bool | str | None = None
 
 
 class CompletionFields(_Common):
@@ -111,6 +114,10 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)  # vLLM's: words never generated
     bad_words_ids: list[list[int]] | None = None  # their token sequences (see bad_words_ids(), filled by the app)
     no_repeat_ngram_size: int | None = None
+    num_beams: int = 1  # > 1: one beam search per prompt, its n best sequences the n choices
+    num_return: int = 1  # beam search: the choices per prompt (n)
+    length_penalty: float | None = None
+    early_stopping: bool | str | None = None
 
     @property
     def engine_prompt_logprobs(self) -> int | None:
@@ -119,6 +126,17 @@ class SamplingParams:
 
     def engine_kwargs(self, index: int) -> dict:
         kwargs: dict[str, Any] = {}
+        if self.num_beams > 1:  # deterministic beam search (vLLM's): no sampling settings
+            kwargs.update(num_beams=self.num_beams, num_return_sequences=self.num_return, do_sample=False)
+            for name in ("length_penalty", "early_stopping", "repetition_penalty"):
+                if getattr(self, name) is not None:
+                    kwargs[name] = getattr(self, name)
+            for name, value in (("ignore_eos", self.ignore_eos or None), ("min_tokens", self.min_tokens or None),
+                                ("stop_token_ids", self.stop_token_ids or None),
+                                ("prompt_logprobs", self.engine_prompt_logprobs)):
+                if value is not None:
+                    kwargs[name] = value
+            return kwargs
         if self.ignore_eos:
             kwargs["ignore_eos"] = True
         if self.min_tokens:
@@ -215,9 +233,8 @@ _BODY_FIELDS = {"completion": {"prompt", "stop", *_STRUCTURED}, "chat": {"messag
                                                                         *_STRUCTURED}}
 # vLLM / OpenAI fields that change what is generated and that the engine cannot do: a 400 when set (truthy).
 REFUSED_FIELDS = {
-    "use_beam_search": "beam search", "allowed_token_ids": "allowed token ids",
+    "allowed_token_ids": "allowed token ids",
     "logits_processors": "custom logits processors", "truncate_prompt_tokens": "prompt truncation",
-    "length_penalty": "beam search",
     "functions": "function calling", "audio": "audio output", "prediction": "predicted outputs",
     "modalities": "output modalities", "web_search_options": "web search", "continue_final_message":
     "continuing the final message",
@@ -306,6 +323,22 @@ def _logit_bias(value: dict[str, float] | None) -> dict[int, float] | None:
                            param="logit_bias")
         out[int(key)] = float(bias)
     return out
+
+
+def _beams(params: SamplingParams, fields: _Common, n: int, width: int | None) -> None:
+    """``use_beam_search``: one beam search of ``width`` (default ``n``) beams per prompt, its ``n`` best the
+    choices."""
+    if not fields.use_beam_search:
+        for name in ("length_penalty", "early_stopping"):
+            if getattr(fields, name) is not None:
+                raise APIError(400, f"'{name}' applies to beam search only; send 'use_beam_search': true.",
+                               param=name)
+        return
+    if params.logprobs is not None or params.grammar_spec is not None or params.stop:
+        raise APIError(400, "beam search does not combine with logprobs, response_format or stop strings here.",
+                       param="use_beam_search")
+    params.num_beams, params.num_return = max(width or n, n), n
+    params.length_penalty, params.early_stopping = fields.length_penalty, fields.early_stopping
 
 
 def _schema_text(value, where: str) -> str:
@@ -406,7 +439,10 @@ def parse_completion(body: dict) -> CompletionRequest:
     if fields.suffix:
         raise APIError(400, "this server's engine does not support 'suffix' (insertion); remove it.", param="suffix")
     n = fields.n or 1
-    if fields.best_of is not None and fields.best_of != n:
+    if fields.use_beam_search and fields.best_of is not None and fields.best_of < n:
+        raise APIError(400, f"'best_of' ({fields.best_of}) is less than 'n' ({n}): beam search returns its best_of "
+                            "beams' n best.", param="best_of")
+    if not fields.use_beam_search and fields.best_of is not None and fields.best_of != n:
         raise APIError(400, f"'best_of' ({fields.best_of}) other than 'n' ({n}) is not supported: the engine does "
                             "not rank samples; use 'n'.", param="best_of")
     if fields.max_tokens == 0 and not fields.echo:
@@ -418,6 +454,7 @@ def parse_completion(body: dict) -> CompletionRequest:
     if fields.max_tokens == 0:
         params.max_tokens, params.generate = 1, False
     params.grammar_spec = grammar_spec(body)
+    _beams(params, fields, n, fields.best_of)
     return CompletionRequest(fields.model, _prompts(body.get("prompt")), params, n, bool(fields.stream),
                              _include_usage(fields), bool(fields.echo), _continuous_usage(fields))
 
@@ -510,5 +547,6 @@ def parse_chat(body: dict) -> ChatRequest:
                                 "constraint (response_format / structured_outputs).", param="tool_choice")
         schema = required_schema(tools) if tools.choice == REQUIRED else named_schema(tools)
         params.grammar_spec = GrammarSpec("json_schema", json.dumps(schema))
+    _beams(params, fields, fields.n or 1, None)
     return ChatRequest(fields.model, parse_messages(body.get("messages")), params, fields.n or 1, bool(fields.stream),
                        _include_usage(fields), _continuous_usage(fields), tools)
