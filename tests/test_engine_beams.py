@@ -206,3 +206,20 @@ def test_beam_settings_are_validated():
         SamplingParams(num_beams=2, logprobs=0)
     assert SamplingParams.from_generation_config(None, num_beams=3, length_penalty=0.5,
                                                  early_stopping="never").num_beams == 3
+
+
+def test_beams_apply_processors_as_generate_does(model):
+    """Beam requests score their candidates after the request's processors (here n-gram blocking and bad words), as
+    generate(num_beams=k) does; stopping rules other than EOS and length are refused with beams by name."""
+    prompts = random_prompts(2, VOCAB, (5, 10), seed=31)
+    settings = dict(num_beams=3, no_repeat_ngram_size=2, bad_words_ids=[[prompts[0][0]], [prompts[1][1]]])
+    out = generate_batch(model, prompts, max_new_tokens=8, eos_token_id=EOS, progress_bar=False,
+                         pool=BlockPool(block_size=BLOCK, num_blocks=128), **settings)
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), attention_mask=None, max_new_tokens=8, eos_token_id=EOS,
+                                 pad_token_id=PAD, **settings,
+                                 **{compat.GENERATE_CACHE_KWARG: DynamicCache(config=model.config)})
+        assert out[f"req_{i}"].generated_tokens == ref[0, len(prompt):].tolist()
+    with pytest.raises(ValueError, match="num_beams"):
+        SamplingParams.from_generation_config(None, num_beams=2, max_time=5.0)

@@ -273,3 +273,33 @@ def test_sliding_window_model_drafts_within_its_window():
     reqs = drive(core, specs, seed=0)
     check_greedy(model, reqs, specs)
     assert core.speculation.stats.proposed > 0
+
+
+def test_requests_with_processors_verify_drafts_through_them(model):
+    """A drafting request with processors that read only its ids (sequence bias, bad words, a repetition penalty)
+    verifies its drafts through the sampler's whole processing stage, so its tokens are generate()'s with the same
+    settings; a request with its own logits processor (called once per step by contract) decodes plainly beside it,
+    equal too."""
+    prompts = grounded_prompts(model, 3, seed=21)
+    bias = {(prompts[0][-1],): -2.0}
+    bad = [[prompts[1][3]]]
+
+    def shift(ids, scores):  # deterministic, reads only this request's ids
+        scores = scores.clone()
+        scores[0, int(ids[0, -1]) % VOCAB] -= 1.0
+        return scores
+
+    settings = [dict(sequence_bias=bias, repetition_penalty=1.2), dict(bad_words_ids=bad), dict(logits_processor=[shift])]
+    manager = init_continuous_batching(model, pool=BlockPool(block_size=BLOCK, num_blocks=256), max_batch_tokens=64,
+                                       speculative="ngram", num_speculative_tokens=4)
+    always(manager._core)
+    with manager:
+        rids = [manager.add_request(p, max_new_tokens=12, eos_token_id=EOS, **kw) for p, kw in zip(prompts, settings)]
+        results = [manager.get_result(rid, timeout=120) for rid in rids]
+    assert manager._core.speculation.stats.accepted > 0
+    for prompt, kw, out in zip(prompts, settings, results):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), attention_mask=None, max_new_tokens=12, do_sample=False,
+                                 eos_token_id=EOS, pad_token_id=PAD, **kw,
+                                 **{compat.GENERATE_CACHE_KWARG: DynamicCache(config=model.config)})
+        assert out.generated_tokens == ref[0, len(prompt):].tolist(), kw
