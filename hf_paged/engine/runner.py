@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -113,22 +114,25 @@ class ModelRunner:
         self.plan_time = self.forward_time = 0.0
         self.before_forward = None  # called once the step is planned, before the forward (tensor parallelism)
         self._packed_states = None  # hybrid models: the running step's segments for the state mixers
+        self.lora = None  # engine/lora.py's AdapterSet (set by the factory): the step's adapters around the forward
 
     def run(self, batch: Batch) -> torch.Tensor:
         t0 = time.perf_counter()
         if self.kv.rows.stateful:
             self._packed_states = PackedStates(self.kv.pool, segments(batch.chunks), self.kv.state_layers)
-        bucket = self.graphs.rows_for(batch.chunks) if self.graphs is not None else None
+        adapters = self.lora.token_map(batch.chunks) if self.lora is not None else None  # None: base weights only
+        bucket = self.graphs.rows_for(batch.chunks) if self.graphs is not None and adapters is None else None
         inputs = pack(batch, self.device, bucket)
         step = self._plan(batch, inputs.padding, graphed=bucket is not None)
         t1 = time.perf_counter()
         self.plan_time = t1 - t0
         if self.before_forward is not None:
             self.before_forward()
-        if bucket is not None:
-            logits = self.graphs.run(step, inputs, self._buffers, self._forward)
-        else:
-            logits = self._forward(step, inputs.moved(lambda name, t: t.to(self.device, non_blocking=True)))
+        with self.lora.applied(adapters, self.device) if self.lora is not None else nullcontext():
+            if bucket is not None:
+                logits = self.graphs.run(step, inputs, self._buffers, self._forward)
+            else:
+                logits = self._forward(step, inputs.moved(lambda name, t: t.to(self.device, non_blocking=True)))
         logits = logits[: inputs.num_sampled + inputs.num_prompt_logits]  # [k + m, vocab]
         if logits.device.type == "cuda":  # the time is the forward's, not the sampler's first sync
             torch.cuda.synchronize(logits.device)

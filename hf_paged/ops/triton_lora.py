@@ -1,0 +1,121 @@
+"""Triton kernels for batched LoRA; ``lora.py`` holds their PyTorch twin (``add_lora_torch``) and the layout.
+
+Two kernels, one job each, per LoRA-targeted linear layer:
+
+* ``_shrink_kernel``: one program per token ``t``: ``h[t, :R] = A[s] @ x[t]`` in fp32, ``s = token_slots[t]``; the
+  loop walks ``in_features`` in tiles of ``BLOCK_K``. A token of slot ``-1`` writes nothing.
+* ``_expand_kernel``: one program per (token, tile of ``BLOCK_N`` outputs): ``y[t, n] += scale[s] * h[t] @ B[s][:, n]``
+  (B stored transposed, ``[S, R, out]``), read and written in ``y``'s dtype with an fp32 sum.
+
+Ranks are padded to ``R`` with zero rows, so a slot of lower rank adds exact zeros past its own rank. Addresses in
+int64. Runs on CUDA, or on CPU under ``TRITON_INTERPRET=1`` (set before this module is first imported).
+
+Example (CUDA, or CPU tensors under the interpreter)::
+
+    h = add_lora_triton(y, x, lora_a, lora_b, scales, token_slots)   # y updated in place
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .lora import check_lora_shapes
+from .triton_kernels import _check_runnable, _next_pow2
+
+__all__ = ["add_lora_triton", "lora_blocks"]
+
+_BLOCK_K = 64
+_BLOCK_N = 64
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr,  # [T, IN]
+    a_ptr,  # [S, R, IN]
+    slots_ptr,  # [T] int32, -1: no adapter
+    h_ptr,  # [T, R] fp32 out
+    IN,
+    R,
+    stride_xt,
+    stride_as,
+    stride_ar,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    active = slot >= 0
+    slot = tl.maximum(slot, 0)
+    r = tl.arange(0, BLOCK_R)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for k0 in range(0, IN, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xk = tl.load(x_ptr + t * stride_xt + k, mask=(k < IN) & active, other=0.0).to(tl.float32)  # [BLOCK_K]
+        a = tl.load(a_ptr + slot * stride_as + r[:, None] * stride_ar + k[None, :],
+                    mask=(r[:, None] < R) & (k[None, :] < IN) & active, other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_K]
+        acc += tl.sum(a * xk[None, :], axis=1)
+    tl.store(h_ptr + t * R + r, acc, mask=(r < R) & active)
+
+
+@triton.jit
+def _expand_kernel(
+    h_ptr,  # [T, R] fp32
+    b_ptr,  # [S, R, OUT] (B transposed)
+    scales_ptr,  # [S] fp32
+    slots_ptr,  # [T] int32
+    y_ptr,  # [T, OUT], updated in place
+    OUT,
+    R,
+    stride_yt,
+    stride_bs,
+    stride_br,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    active = slot >= 0
+    slot = tl.maximum(slot, 0)
+    r = tl.arange(0, BLOCK_R)
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    h = tl.load(h_ptr + t * R + r, mask=(r < R) & active, other=0.0)  # [BLOCK_R]
+    b = tl.load(b_ptr + slot * stride_bs + r[:, None] * stride_br + n[None, :],
+                mask=(r[:, None] < R) & (n[None, :] < OUT) & active, other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_N]
+    scale = tl.load(scales_ptr + slot, mask=active, other=0.0)
+    delta = tl.sum(h[:, None] * b, axis=0) * scale  # [BLOCK_N]
+    mask = (n < OUT) & active
+    y = tl.load(y_ptr + t * stride_yt + n, mask=mask, other=0.0)
+    tl.store(y_ptr + t * stride_yt + n, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
+
+
+def lora_blocks(rank: int) -> dict:
+    """The launch's tile sizes for padded rank ``rank`` (one place: the launcher and ``check-kernels`` call it)."""
+    return dict(BLOCK_R=max(16, _next_pow2(rank)), BLOCK_K=_BLOCK_K, BLOCK_N=_BLOCK_N)
+
+
+def add_lora_triton(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                    scales: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """``y[t] += scales[s] * (A[s] @ x[t]) @ B[s]`` for each token ``t`` of slot ``s = token_slots[t] >= 0``, in
+    place; returns ``y``. Shapes as in :mod:`hf_paged.ops.lora`: ``y [T, out]``, ``x [T, in]``, ``lora_a [S, R, in]``,
+    ``lora_b [S, R, out]``, ``scales [S]`` float32, ``token_slots [T]`` int32 (all on one device)."""
+    check_lora_shapes(y, x, lora_a, lora_b)
+    _check_runnable(x)
+    if token_slots.shape != (x.shape[0],):
+        raise ValueError(f"token_slots must be [T={x.shape[0]}], got {tuple(token_slots.shape)}.")
+    num_tokens, rank = x.shape[0], lora_a.shape[1]
+    if num_tokens == 0 or rank == 0:
+        return y
+    x, lora_a, lora_b = x.contiguous(), lora_a.contiguous(), lora_b.contiguous()
+    blocks = lora_blocks(rank)
+    h = torch.empty(num_tokens, rank, dtype=torch.float32, device=x.device)  # [T, R]
+    slots = token_slots.to(torch.int32)
+    _shrink_kernel[(num_tokens,)](x, lora_a, slots, h, x.shape[1], rank, x.stride(0), lora_a.stride(0),
+                                  lora_a.stride(1), BLOCK_R=blocks["BLOCK_R"], BLOCK_K=blocks["BLOCK_K"])
+    out = y.shape[1]
+    grid = (num_tokens, triton.cdiv(out, blocks["BLOCK_N"]))
+    _expand_kernel[grid](h, lora_b, scales.to(torch.float32), slots, y, out, rank, y.stride(0), lora_b.stride(0),
+                         lora_b.stride(1), BLOCK_R=blocks["BLOCK_R"], BLOCK_N=blocks["BLOCK_N"])
+    return y
