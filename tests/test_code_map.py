@@ -23,6 +23,7 @@ LOCAL_IMPORTS = {
     ("hf_paged.__main__", "hf_paged.serve.cli"): "the server needs the 'serve' extra; the CLI prints how to get it",
     ("hf_paged.ops", "hf_paged.ops.triton_kernels"): "imports triton (the 'triton' extra) when the Triton backend runs",
     ("hf_paged.ops.mla", "hf_paged.ops.triton_mla"): "imports triton (the 'triton' extra) when the Triton backend runs",
+    ("hf_paged.ops.lora", "hf_paged.ops.triton_lora"): "imports triton (the 'triton' extra) when LoRA runs on CUDA",
 }
 
 # (module, attribute written or called on another object): why it is not another object's private state.

@@ -41,9 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from ..allocator import root_key
-from ..ops.lora import LoraGroup, add_lora_torch, lora_groups
+from ..ops.lora import LoraGroup, add_lora_kernel, add_lora_torch, lora_groups
 
 DEFAULT_MAX_LORAS = 8
 _WRAPPED = "_hf_paged_lora"
@@ -125,8 +126,6 @@ def read_adapter(source, adapter_name: str | None = None) -> tuple[dict, dict[st
                                     "save_pretrained (or a PeftModel, or (LoraConfig, state_dict)).")
         config = json.loads(config_file.read_text())
         if (path / "adapter_model.safetensors").is_file():
-            from safetensors.torch import load_file
-
             state = load_file(str(path / "adapter_model.safetensors"))
         elif (path / "adapter_model.bin").is_file():
             state = torch.load(path / "adapter_model.bin", map_location="cpu", weights_only=True)
@@ -134,8 +133,6 @@ def read_adapter(source, adapter_name: str | None = None) -> tuple[dict, dict[st
             raise FileNotFoundError(f"{path} holds no adapter_model.safetensors or adapter_model.bin.")
         return config, state
     if hasattr(source, "peft_config") and hasattr(source, "base_model"):  # a PeftModel
-        from peft import get_peft_model_state_dict  # peft: an optional extra
-
         names = list(source.peft_config)
         if adapter_name is None:
             active = getattr(source, "active_adapter", None)
@@ -143,7 +140,13 @@ def read_adapter(source, adapter_name: str | None = None) -> tuple[dict, dict[st
         if adapter_name not in source.peft_config:
             raise KeyError(f"the PeftModel has no adapter {adapter_name!r}; it has {names}.")
         config = source.peft_config[adapter_name].to_dict()
-        return config, get_peft_model_state_dict(source, adapter_name=adapter_name)
+        state = {}
+        for module_name, module in _base_module(source).named_modules():
+            for which in ("A", "B"):
+                layers = getattr(module, f"lora_{which}", None)
+                if isinstance(layers, torch.nn.ModuleDict) and adapter_name in layers:
+                    state[f"{module_name}.lora_{which}.weight"] = layers[adapter_name].weight.detach()
+        return config, state
     if isinstance(source, tuple) and len(source) == 2:
         config, state = source
         return (config.to_dict() if hasattr(config, "to_dict") else dict(config)), dict(state)
@@ -416,9 +419,7 @@ class AdapterSet:
             raise RuntimeError(f"{module_name} got {x2.shape[0]} tokens but the step has {len(step.token_slots)}: "
                                "LoRA applies to layers that see every token of the step once.")
         if x2.is_cuda:
-            from ..ops.triton_lora import add_lora_triton  # triton: optional, imported on first CUDA use
-
-            add_lora_triton(y2, x2, layer.lora_a, layer.lora_b, layer.scales_tensor,
+            add_lora_kernel(y2, x2, layer.lora_a, layer.lora_b, layer.scales_tensor,
                             step.slots_tensor(x2.shape[0], x2.device))
         else:
             groups = [LoraGroup(g.slot, layer.ranks[g.slot], g.rows, g.num_tokens) for g in step.groups

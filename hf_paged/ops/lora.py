@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LoraGroup", "lora_groups", "add_lora_torch", "check_lora_shapes"]
+__all__ = ["LoraGroup", "lora_groups", "add_lora_torch", "add_lora_kernel", "check_lora_shapes"]
 
 
 @dataclass(frozen=True)
@@ -107,3 +107,12 @@ def add_lora_torch(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
         else:
             y.index_add_(0, g.rows, delta.to(y.dtype))
     return y
+
+
+def add_lora_kernel(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                    scales: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """The Triton path (``hf_paged.ops.triton_lora.add_lora_triton``, imported on first use: triton is optional):
+    ``scales [S]`` float32 and ``token_slots [T]`` int32 as tensors on ``x``'s device."""
+    from .triton_lora import add_lora_triton
+
+    return add_lora_triton(y, x, lora_a, lora_b, scales, token_slots)

@@ -1,0 +1,227 @@
+"""LoRA adapters per request: requests of three adapters (different ranks, targets, scalings) and of the base model
+share the engine's steps, and each request's tokens equal the ``PeftModel`` with its adapter active generating alone
+(greedy, DynamicCache; seeded sampling: the same request alone in an engine over that PeftModel) -- with chunked
+prefill, preemption and prefix caching, where KV made under one adapter is never reused by another, by a reload of
+it, or by the base model. Plus the manager's adapter API: unknown names, the LRU cap, unloading, bytes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from helpers import EOS, VOCAB, tiny_family_model, tiny_model  # noqa: E402
+from helpers.engine_oracle import TieCount, check_tokens, random_prompts, reference  # noqa: E402
+from helpers.engine_shadow import one_thread  # noqa: E402
+from helpers.lora import ADAPTERS, peft_model, save_adapters  # noqa: E402
+from hf_paged import BlockPool, RequestStatus, generate_batch, init_continuous_batching  # noqa: E402
+from hf_paged.engine.lora import AdapterNotLoadedError  # noqa: E402
+from hf_paged.engine.sampling import SamplingParams  # noqa: E402
+
+BLOCK = 4
+TIES = TieCount()
+FAMILIES = {
+    "llama": lambda: tiny_model("llama", seed=3),
+    "qwen2": lambda: tiny_family_model("qwen2", seed=2, use_sliding_window=False),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    yield from one_thread()
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """``{family: {name: saved directory}}``."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {family: save_adapters(make, root / family) for family, make in FAMILIES.items()}
+
+
+def engine(make, paths, pool, **options):
+    manager = init_continuous_batching(make(), pool=pool, **options)
+    for name, path in paths.items():
+        manager.load_adapter(name, path)
+    return manager
+
+
+def run(manager, specs, seed: int, steps_between: int = 2) -> dict:
+    """Queue ``specs`` (``(rid, prompt, params, adapter)``) through the manager in an order shuffled by ``seed``, 0
+    to ``steps_between`` engine steps apart, stepping the engine core on this thread to the end."""
+    core, handoff = manager._core, manager._handoff
+    rng = random.Random(seed)
+    order = list(specs)
+    rng.shuffle(order)
+    with torch.no_grad():
+        for rid, prompt, params, adapter in order:
+            manager.add_request(prompt, request_id=rid, max_new_tokens=params.max_new_tokens, adapter=adapter,
+                                **_options(params))
+            handoff.take_requests()
+            for _ in range(rng.randint(0, steps_between)):
+                handoff.deliver(core.step())
+        while core.has_work:
+            handoff.deliver(core.step())
+            core.scheduler.check_invariants()
+    return {rid: manager.get_result(rid, timeout=0) for rid, *_ in specs}
+
+
+def _options(params: SamplingParams) -> dict:
+    out = dict(eos_token_id=EOS)
+    if params.do_sample:
+        out.update(do_sample=True, temperature=params.temperature, top_k=params.top_k, seed=params.seed)
+    return out
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, eos_token_ids=(EOS,))
+
+
+class Oracle:
+    """The reference tokens of a (prompt, adapter) alone: ``model.generate()`` with a DynamicCache on the PeftModel
+    with that adapter active (the base model for None)."""
+
+    def __init__(self, make, paths):
+        self.make, self.paths, self.models = make, paths, {}
+
+    def model(self, adapter):
+        if adapter not in self.models:
+            self.models[adapter] = self.make().eval() if adapter is None else peft_model(self.make, self.paths, adapter)
+        return self.models[adapter]
+
+    def check(self, label, out, prompt, n, adapter):
+        assert out.status == RequestStatus.FINISHED, (label, out.status, out.error)
+        check_tokens(label, out.generated_tokens, reference(self.model(adapter), prompt, n), TIES)
+
+
+SCENARIOS = {
+    # name: (num_blocks, max_batch_tokens, prefix_caching)
+    "roomy": (256, 256, False),
+    "chunks_preemption_prefix": (16, 11, True),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_mixed_adapters_equal_peft_alone(family, scenario, adapters):
+    """Three adapters and the base model mixed in the same steps: each request's greedy tokens equal the PeftModel
+    with its adapter active generating alone; the same prompts run under every adapter (never sharing KV)."""
+    num_blocks, budget, prefix = SCENARIOS[scenario]
+    make, paths = FAMILIES[family], adapters[family]
+    shared = [random_prompts(1, VOCAB, (9, 9), 50)[0]]
+    prompts = random_prompts(6, VOCAB, (2, 26), seed=7, shared=shared)
+    names = [None, *ADAPTERS]
+    specs = [(f"r{i}-{names[j]}", p, greedy(3 + (i * 5 + j) % 8), names[j])
+             for i, p in enumerate(prompts) for j in range(len(names)) if (i + j) % 2 == 0 or i < 2]
+    manager = engine(make, paths, BlockPool(block_size=BLOCK, num_blocks=num_blocks, prefix_caching=prefix),
+                     max_batch_tokens=budget)
+    chunks = []
+    step = manager._core.runner.run
+
+    def recording(batch):
+        chunks.append({c.request.adapter.name if c.request.adapter else None for c in batch.chunks})
+        return step(batch)
+
+    manager._core.runner.run = recording
+    outs = run(manager, specs, seed=len(scenario))
+    oracle = Oracle(make, paths)
+    for rid, prompt, params, adapter in specs:
+        oracle.check(f"{family}/{scenario}/{rid}", outs[rid], prompt, params.max_new_tokens, adapter)
+    assert max(len(names_in_step) for names_in_step in chunks) == 4  # some step ran all three adapters and the base
+    counters = manager._core.scheduler.counters
+    if budget < 30:
+        assert counters.preemptions > 0
+    assert manager.pool.allocator.blocks_in_use == 0
+    manager.pool.allocator.check_invariants()
+
+
+def test_same_prompt_never_shares_kv_across_adapters(adapters):
+    """One prompt under the base model and each adapter, one after another: no prefix-cache hit across adapters
+    (each output equals its own reference); the same adapter again hits; a reloaded adapter starts afresh."""
+    make, paths = FAMILIES["llama"], adapters["llama"]
+    prompt = random_prompts(1, VOCAB, (21, 21), seed=3)[0]
+    manager = engine(make, paths, BlockPool(block_size=BLOCK, num_blocks=64, prefix_caching=True))
+    counters = manager._core.scheduler.counters
+    oracle = Oracle(make, paths)
+    for i, adapter in enumerate([None, *ADAPTERS]):
+        out = run(manager, [(f"first-{adapter}", prompt, greedy(6), adapter)], seed=0)[f"first-{adapter}"]
+        oracle.check(f"first-{adapter}", out, prompt, 6, adapter)
+        assert counters.prefix_hit_tokens == 0, adapter
+    out = run(manager, [("again-b", prompt, greedy(6), "b")], seed=0)["again-b"]
+    oracle.check("again-b", out, prompt, 6, "b")
+    assert counters.prefix_hit_tokens == 20  # the full blocks of the prompt, made under "b"
+    manager.load_adapter("b", paths["b"])  # a reload: a new generation, a new key-chain root
+    out = run(manager, [("reloaded-b", prompt, greedy(6), "b")], seed=0)["reloaded-b"]
+    oracle.check("reloaded-b", out, prompt, 6, "b")
+    assert counters.prefix_hit_tokens == 20
+
+
+def test_seeded_sampling_equals_peft_engine_alone(adapters):
+    """Seeded sampled requests of each adapter, mixed with the base model's, draw the tokens the same request draws
+    alone in an engine over the PeftModel with that adapter active (PEFT's own layers)."""
+    make, paths = FAMILIES["llama"], adapters["llama"]
+    prompts = random_prompts(8, VOCAB, (3, 20), seed=21)
+    names = [None, *ADAPTERS]
+    specs = [(f"s{i}", p, SamplingParams(max_new_tokens=8, eos_token_ids=(EOS,), do_sample=True, temperature=0.9,
+                                         top_k=30, seed=500 + i), names[i % 4]) for i, p in enumerate(prompts)]
+    manager = engine(make, paths, BlockPool(block_size=BLOCK, num_blocks=40), max_batch_tokens=16)
+    mixed = run(manager, specs, seed=2)
+    for rid, prompt, params, adapter in specs:
+        alone_model = make() if adapter is None else peft_model(make, paths, adapter)
+        alone = init_continuous_batching(alone_model, pool=BlockPool(block_size=BLOCK, num_blocks=40))
+        out = run(alone, [(rid, prompt, params, None)], seed=0)[rid]
+        assert mixed[rid].status == RequestStatus.FINISHED
+        assert mixed[rid].generated_tokens == out.generated_tokens, (rid, adapter)
+
+
+def test_generate_batch_from_a_peft_model(adapters):
+    """``generate_batch`` on a PeftModel holding the three adapters: each prompt names one (or None: the base
+    weights, PEFT's layers bypassed), all in one engine, each equal to its reference."""
+    make, paths = FAMILIES["qwen2"], adapters["qwen2"]
+    model = peft_model(make, paths, "a")
+    prompts = random_prompts(8, VOCAB, (4, 18), seed=9)
+    names = [None, *ADAPTERS] * 2
+    outs = generate_batch(model, prompts, max_new_tokens=6, adapters=names, progress_bar=False,
+                          pool=BlockPool(block_size=BLOCK, num_blocks=64))
+    oracle = Oracle(make, paths)
+    for i, (prompt, adapter) in enumerate(zip(prompts, names)):
+        oracle.check(f"peft/{i}", outs[f"req_{i}"], prompt, 6, adapter)
+
+
+def test_adapter_api_errors_cap_and_bytes(adapters):
+    """Unknown adapters are refused naming the loaded ones; past max_loras the least recently used idle adapter is
+    unloaded, never one a live request uses; memory_stats counts the adapters' bytes."""
+    make, paths = FAMILIES["llama"], adapters["llama"]
+    manager = init_continuous_batching(make(), pool=BlockPool(block_size=BLOCK, num_blocks=32), max_loras=2)
+    assert manager.memory_stats().adapter_bytes == 0
+    manager.load_adapter("a", paths["a"])
+    manager.load_adapter("b", paths["b"])
+    with pytest.raises(AdapterNotLoadedError, match=r"'zzz'.*\['a', 'b'\]"):
+        manager.add_request([5, 6, 7], max_new_tokens=2, adapter="zzz")
+    outs = generate_batch(make(), [[5, 6, 7]], max_new_tokens=2, adapters=["zzz"], lora_modules={"zzz": paths["a"]},
+                          progress_bar=False)
+    assert outs["req_0"].status == RequestStatus.FINISHED
+    rid = manager.add_request([5, 6, 7], max_new_tokens=2, adapter="a")  # "a" in use (queued, engine not started)
+    manager.load_adapter("c", paths["c"])  # evicts "b": "a" is older but busy
+    assert sorted(manager.adapters) == ["a", "c"]
+    with pytest.raises(RuntimeError, match="live request"):
+        manager.unload_adapter("a")
+    manager.add_request([8, 9], max_new_tokens=2, adapter="c")
+    with pytest.raises(RuntimeError, match="max_loras"):
+        manager.load_adapter("b", paths["b"])
+    expected = 0
+    for name in ("a", "c"):
+        state = __import__("safetensors.torch", fromlist=["load_file"]).load_file(
+            str(paths[name] / "adapter_model.safetensors"))
+        expected += sum(t.numel() for t in state.values()) * 4
+    stats = manager.memory_stats()
+    assert stats.adapter_bytes == expected
+    assert stats.adapter_bytes_reserved >= expected
+    with manager:
+        assert manager.get_result(rid, timeout=60).status == RequestStatus.FINISHED
+    manager.unload_adapter("a")
+    assert manager.adapters == ["c"]
+    with pytest.raises(AdapterNotLoadedError):
+        manager.unload_adapter("a")
