@@ -46,17 +46,17 @@ def _shrink_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t).to(tl.int64)
-    active = slot >= 0
+    rank = tl.where(slot >= 0, R, 0)  # a token of no adapter: every mask empty, nothing written
     slot = tl.maximum(slot, 0)
     r = tl.arange(0, BLOCK_R)
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     for k0 in range(0, IN, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        xk = tl.load(x_ptr + t * stride_xt + k, mask=(k < IN) & active, other=0.0).to(tl.float32)  # [BLOCK_K]
+        xk = tl.load(x_ptr + t * stride_xt + k, mask=k < IN, other=0.0).to(tl.float32)  # [BLOCK_K]
         a = tl.load(a_ptr + slot * stride_as + r[:, None] * stride_ar + k[None, :],
-                    mask=(r[:, None] < R) & (k[None, :] < IN) & active, other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_K]
+                    mask=(r[:, None] < rank) & (k[None, :] < IN), other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_K]
         acc += tl.sum(a * xk[None, :], axis=1)
-    tl.store(h_ptr + t * R + r, acc, mask=(r < R) & active)
+    tl.store(h_ptr + t * R + r, acc, mask=r < rank)
 
 
 @triton.jit
@@ -77,16 +77,17 @@ def _expand_kernel(
     t = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     slot = tl.load(slots_ptr + t).to(tl.int64)
-    active = slot >= 0
+    out_limit = tl.where(slot >= 0, OUT, 0)  # a token of no adapter: every mask empty, y untouched
+    rank = tl.where(slot >= 0, R, 0)
     slot = tl.maximum(slot, 0)
     r = tl.arange(0, BLOCK_R)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    h = tl.load(h_ptr + t * R + r, mask=(r < R) & active, other=0.0)  # [BLOCK_R]
+    h = tl.load(h_ptr + t * R + r, mask=r < rank, other=0.0)  # [BLOCK_R]
     b = tl.load(b_ptr + slot * stride_bs + r[:, None] * stride_br + n[None, :],
-                mask=(r[:, None] < R) & (n[None, :] < OUT) & active, other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_N]
-    scale = tl.load(scales_ptr + slot, mask=active, other=0.0)
+                mask=(r[:, None] < rank) & (n[None, :] < out_limit), other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_N]
+    scale = tl.load(scales_ptr + slot)  # slot clamped to 0 for a token of no adapter: a valid address, unused
     delta = tl.sum(h[:, None] * b, axis=0) * scale  # [BLOCK_N]
-    mask = (n < OUT) & active
+    mask = n < out_limit
     y = tl.load(y_ptr + t * stride_yt + n, mask=mask, other=0.0)
     tl.store(y_ptr + t * stride_yt + n, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
 
@@ -105,6 +106,8 @@ def add_lora_triton(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora
     _check_runnable(x)
     if token_slots.shape != (x.shape[0],):
         raise ValueError(f"token_slots must be [T={x.shape[0]}], got {tuple(token_slots.shape)}.")
+    if y.stride(1) != 1:
+        raise ValueError("y must have a contiguous last dimension (the kernel updates it in place).")
     num_tokens, rank = x.shape[0], lora_a.shape[1]
     if num_tokens == 0 or rank == 0:
         return y
