@@ -16,6 +16,7 @@ import torch
 import uvicorn
 
 from .. import BlockPool, attach_paged_attention, embedded, init_continuous_batching
+from ..engine.lora import DEFAULT_MAX_LORAS
 from .app import ServeSettings, create_app
 from .distributed import serve as serve_distributed
 from .middleware import DEFAULT_MAX_BODY_BYTES
@@ -58,6 +59,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cors-origin", action="append", default=[], help="allow browser calls from this origin "
                    "(repeatable; '*' for any)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters to serve (directories saved by peft); a request chooses one by sending its "
+                        "NAME as 'model'")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="adapters loaded at once (default 8, or the number of --lora-modules if more); past it the "
+                        "least recently used idle one is unloaded")
+    p.add_argument("--enable-lora-loading", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's shapes)")
     p.add_argument("--tp-plan", default=None, choices=["auto"],
                    help="tensor parallelism under torchrun: torchrun --nproc-per-node N -m hf_paged serve --tp-plan "
                         "auto ... (rank 0 serves HTTP, the other ranks follow its steps)")
@@ -70,6 +79,17 @@ def _device(name: str):
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def lora_modules(specs: list[str]) -> dict[str, str]:
+    """``--lora-modules name=path ...`` as ``{name: path}``; ``ValueError`` naming a malformed entry."""
+    out = {}
+    for spec in specs:
+        lora, sep, path = spec.partition("=")
+        if not sep or not lora or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH entries (a directory saved by peft), got {spec!r}.")
+        out[lora] = path
+    return out
 
 
 def build(args, load=None):
@@ -90,13 +110,18 @@ def build(args, load=None):
     pool = BlockPool(block_size=args.block_size, max_memory=args.max_memory,
                      prefix_caching=not args.no_prefix_caching,
                      kv_dtype=torch.float8_e4m3fn if args.kv_dtype == "fp8" else None)
+    loras = lora_modules(getattr(args, "lora_modules", []))
+    max_loras = getattr(args, "max_loras", None) or max(DEFAULT_MAX_LORAS, len(loras))
     manager = init_continuous_batching(model, pool=pool, max_batch_tokens=args.max_batch_tokens,
                                        max_queue_size=args.max_queue,
                                        cuda_graphs=False if args.no_cuda_graphs else None,
-                                       tp_timeout_s=getattr(args, "tp_timeout", 60.0))
+                                       tp_timeout_s=getattr(args, "tp_timeout", 60.0), max_loras=max_loras)
+    for lora, path in loras.items():
+        manager.load_adapter(lora, path)
     settings = ServeSettings(model_name=name, api_key=args.api_key,
                              max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
-                             drain_timeout=args.drain_timeout, cors_origins=tuple(args.cors_origin))
+                             drain_timeout=args.drain_timeout, cors_origins=tuple(args.cors_origin),
+                             lora_loading=getattr(args, "enable_lora_loading", False), lora_paths=loras)
     app = create_app(manager, tokenizer, settings, vocab_size=model.config.vocab_size)
     return app, f"{name} on {device} ({dtype}, KV {args.kv_dtype}, block {args.block_size})"
 
