@@ -40,7 +40,7 @@ class MemoryStats:
         state_bytes_in_use: ``state_slots_in_use * state_bytes_per_slot``.
         state_bytes_reserved: bytes of the state store's tensors (every state cell, held or not; the pool's, shared).
         adapter_bytes / adapter_bytes_reserved: an engine's LoRA adapters (``manager.memory_stats()`` only): their
-            own weights, and the stacked slot tensors holding them (``max_loras`` slots per layer, ranks padded).
+            own weights, and the stacked slot tensors holding them (ranks padded to each layer's largest).
         window: the sliding window of a group's layers (group figures only).
         groups: for models whose layers use different windows, the same figures per block-table group.
 
@@ -78,7 +78,7 @@ class MemoryStats:
     window: int | None = None
     groups: tuple = field(default=())
     adapter_bytes: int = 0  # an engine's LoRA adapters: their own weights (engine/lora.py)
-    adapter_bytes_reserved: int = 0  # ... and their stacked slot tensors (max_loras slots, ranks padded)
+    adapter_bytes_reserved: int = 0  # ... and their stacked slot tensors (ranks padded)
 
     def with_states(self, store, cells_in_use: int) -> "MemoryStats":
         """These figures with a state store's (:class:`~hf_paged.states.StateStore`), ``cells_in_use`` of its cells

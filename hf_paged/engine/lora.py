@@ -268,9 +268,12 @@ class AdapterSet:
             self._clock += 1
             ranks = {}
             nbytes = 0
+            slots = max([slot, *(a.slot for a in self.adapters.values())]) + 1
+            for layer in self.layers.values():  # every stacked layer holds every slot in use (zeros: not targeted)
+                _grow(layer, slots, 0)
             for module_name, (a, b, scale) in weights.items():
                 module, linear = targets[module_name]
-                layer = self._layer(module_name, module, linear, a.shape[0])
+                layer = self._layer(module_name, module, linear, a.shape[0], slots)
                 r = a.shape[0]
                 layer.lora_a[slot].zero_()
                 layer.lora_b[slot].zero_()
@@ -322,23 +325,20 @@ class AdapterSet:
             used.discard(victim.slot)
         return min(set(range(self.max_loras)) - used)
 
-    def _layer(self, module_name: str, module, linear, rank: int) -> ModuleLora:
-        """The stacked weights of a targeted layer, made (and the layer wrapped) at its first adapter, widened when
-        an adapter of a higher rank arrives."""
+    def _layer(self, module_name: str, module, linear, rank: int, slots: int) -> ModuleLora:
+        """The stacked weights of a targeted layer, made (and the layer wrapped) at its first adapter, with room for
+        ``slots`` slots of rank ``rank``."""
         layer = self.layers.get(module_name)
-        weight = linear.weight
         if layer is None:
+            weight = linear.weight
             s = self.max_loras
             layer = ModuleLora(
-                torch.zeros(s, rank, linear.in_features, dtype=weight.dtype, device=weight.device),
-                torch.zeros(s, rank, linear.out_features, dtype=weight.dtype, device=weight.device),
+                torch.zeros(0, rank, linear.in_features, dtype=weight.dtype, device=weight.device),
+                torch.zeros(0, rank, linear.out_features, dtype=weight.dtype, device=weight.device),
                 [0] * s, [0.0] * s, torch.zeros(s, dtype=torch.float32, device=weight.device))
             self.layers[module_name] = layer
             self._wrap(module_name, module, linear)
-        elif layer.lora_a.shape[1] < rank:
-            pad = rank - layer.lora_a.shape[1]
-            layer.lora_a = torch.nn.functional.pad(layer.lora_a, (0, 0, 0, pad))
-            layer.lora_b = torch.nn.functional.pad(layer.lora_b, (0, 0, 0, pad))
+        _grow(layer, slots, rank)
         return layer
 
     def _wrap(self, module_name: str, module, linear) -> None:
@@ -436,9 +436,20 @@ class AdapterSet:
 
     @property
     def bytes_reserved(self) -> int:
-        """Bytes of the stacked slot tensors (``max_loras`` slots per targeted layer, ranks padded)."""
+        """Bytes of the stacked slot tensors (a slot per adapter loaded so far, up to ``max_loras``; ranks padded)."""
         with self.lock:
             return sum(layer.nbytes for layer in self.layers.values())
+
+
+def _grow(layer: ModuleLora, slots: int, rank: int) -> None:
+    """Widen a layer's stacked weights (zero-padded) to at least ``slots`` slots and rank ``rank``: slots are made as
+    adapters arrive, not ``max_loras`` at once."""
+    have_slots, have_rank = layer.lora_a.shape[:2]
+    if have_slots >= slots and have_rank >= rank:
+        return
+    pad_slots, pad_rank = max(0, slots - have_slots), max(0, rank - have_rank)
+    layer.lora_a = torch.nn.functional.pad(layer.lora_a, (0, 0, 0, pad_rank, 0, pad_slots))
+    layer.lora_b = torch.nn.functional.pad(layer.lora_b, (0, 0, 0, pad_rank, 0, pad_slots))
 
 
 def _lora_forward(adapters: AdapterSet, module_name: str, original, base):
