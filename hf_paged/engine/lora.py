@@ -31,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -378,6 +379,28 @@ class AdapterSet:
             adapter.pending -= 1
 
     # --------------------------------------------------------------- steps
+    @staticmethod
+    def grouped(batch):
+        """``(batch laid out adapter by adapter, logits row order back to batch order)``: the chunks sorted (stably)
+        by adapter slot, so each adapter's tokens are one contiguous slice of the packed row; ``None`` when the
+        order is unchanged. The runner packs the laid-out batch and indexes its ``[k + m]`` logits (k sampling
+        chunks, then each chunk's prompt positions) with the returned rows."""
+        chunks = batch.chunks
+        slots = [c.request.adapter.slot if getattr(c.request, "adapter", None) is not None else -1 for c in chunks]
+        order = sorted(range(len(chunks)), key=slots.__getitem__)
+        if order == list(range(len(order))):
+            return batch, None
+        sampled_at, prompt_at, row = {}, {}, 0
+        for i in order:
+            if chunks[i].sample:
+                sampled_at[i], row = row, row + 1
+        for i in order:
+            n = len(chunks[i].prompt_positions)
+            prompt_at[i], row = range(row, row + n), row + n
+        back = [sampled_at[i] for i in range(len(chunks)) if chunks[i].sample]
+        back += [r for i in range(len(chunks)) for r in prompt_at[i]]
+        return dataclasses.replace(batch, chunks=[chunks[i] for i in order]), back
+
     def token_map(self, chunks) -> StepAdapters | None:
         """The step's token -> adapter map (chunks in ``runner.pack``'s order); None when no token has an adapter."""
         slots: list[int] = []

@@ -120,6 +120,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.kv.rows.stateful:
             self._packed_states = PackedStates(self.kv.pool, segments(batch.chunks), self.kv.state_layers)
+        restore = None
+        if self.lora is not None:  # LoRA adapters: chunks laid out adapter by adapter, logits put back in batch order
+            batch, restore = self.lora.grouped(batch)
         adapters = self.lora.token_map(batch.chunks) if self.lora is not None else None  # None: base weights only
         bucket = self.graphs.rows_for(batch.chunks) if self.graphs is not None and adapters is None else None
         inputs = pack(batch, self.device, bucket)
@@ -134,6 +137,8 @@ class ModelRunner:
             else:
                 logits = self._forward(step, inputs.moved(lambda name, t: t.to(self.device, non_blocking=True)))
         logits = logits[: inputs.num_sampled + inputs.num_prompt_logits]  # [k + m, vocab]
+        if restore is not None:
+            logits = logits[restore]
         if logits.device.type == "cuda":  # the time is the forward's, not the sampler's first sync
             torch.cuda.synchronize(logits.device)
         self.forward_time = time.perf_counter() - t1
