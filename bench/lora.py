@@ -15,7 +15,7 @@ and the MLP) x R chat requests each, arriving interleaved (request i names adapt
 * generate: ``PeftModel.generate()`` with ``set_adapter`` per batch: the R requests of an adapter left-padded into one
   batch (DynamicCache).
 
-Tokens/s = generated tokens / wall seconds. Memory: KV at its peak (pool blocks in use x bytes per block; a padded
+Tokens/s = generated tokens / wall seconds; forwards (steps) and the seconds spent in them (engines). Memory: KV at its peak (pool blocks in use x bytes per block; a padded
 batch's DynamicCache) and the adapters' weights held (the mixed engine's stacked slots; PEFT's adapter parameters).
 """
 
@@ -72,8 +72,8 @@ def peft_adapter_bytes(peft_model) -> int:
     return sum(p.numel() * p.element_size() for n, p in peft_model.named_parameters() if "lora_" in n)
 
 
-def run_engine(model, prompts, names, new_tokens: int, loras: dict | None = None) -> tuple[int, float, dict]:
-    """``(generated tokens, seconds, memory_stats)`` of one engine over ``prompts`` (adapter ``names``)."""
+def run_engine(model, prompts, names, new_tokens: int, loras: dict | None = None):
+    """``(generated tokens, seconds, memory_stats, stats)`` of one engine over ``prompts`` (adapter ``names``)."""
     manager = init_continuous_batching(model, pool=BlockPool(block_size=16, max_memory="1GiB", prefix_caching=True),
                                        max_batch_tokens=512)
     for name, path in (loras or {}).items():
@@ -83,7 +83,7 @@ def run_engine(model, prompts, names, new_tokens: int, loras: dict | None = None
         ids = [manager.add_request(p, max_new_tokens=new_tokens, ignore_eos=True, adapter=n)
                for p, n in zip(prompts, names)]
         tokens = sum(len(manager.get_result(rid).generated_tokens) for rid in ids)
-    return tokens, time.perf_counter() - start, manager.memory_stats()
+    return tokens, time.perf_counter() - start, manager.memory_stats(), manager.stats()
 
 
 def main(argv=None) -> int:
@@ -112,16 +112,19 @@ def main(argv=None) -> int:
         rows = []
         with torch.no_grad():
             # mixed: one engine, every adapter per request
-            tokens, seconds, stats = run_engine(base, prompts, names, args.new_tokens, loras)
-            rows.append(["mixed (one engine)", tokens, seconds, stats.peak_bytes_in_use, stats.adapter_bytes_reserved])
+            tokens, seconds, stats, es = run_engine(base, prompts, names, args.new_tokens, loras)
+            rows.append(["mixed (one engine)", tokens, seconds, stats.peak_bytes_in_use, stats.adapter_bytes_reserved,
+                         es.steps, es.forward_time_s])
             # by adapter: one engine over the PeftModel per adapter, in turn
-            tokens = seconds = kv = 0
+            tokens = seconds = kv = steps = forward = 0
             for i in range(args.adapters):
                 peft_model.set_adapter(f"adapter{i}")
                 mine = [q for q, n in zip(prompts, names) if n == f"adapter{i}"]
-                t, s, st = run_engine(peft_model, mine, [None] * len(mine), args.new_tokens)
+                t, s, st, es = run_engine(peft_model, mine, [None] * len(mine), args.new_tokens)
                 tokens, seconds, kv = tokens + t, seconds + s, max(kv, st.peak_bytes_in_use)
-            rows.append(["by adapter (engine each)", tokens, seconds, kv, peft_adapter_bytes(peft_model)])
+                steps, forward = steps + es.steps, forward + es.forward_time_s
+            rows.append(["by adapter (engine each)", tokens, seconds, kv, peft_adapter_bytes(peft_model), steps,
+                         forward])
             # generate(): a padded batch per adapter, set_adapter between them
             tokens = seconds = kv = 0
             for i in range(args.adapters):
@@ -135,11 +138,14 @@ def main(argv=None) -> int:
                 seconds += time.perf_counter() - start
                 tokens += len(rows_i) * args.new_tokens
                 kv = max(kv, dynamic_cache_bytes(out.past_key_values))
-            rows.append(["generate() per adapter", tokens, seconds, kv, peft_adapter_bytes(peft_model)])
+            rows.append(["generate() per adapter", tokens, seconds, kv, peft_adapter_bytes(peft_model),
+                         args.adapters * args.new_tokens, None])
     mixed_rate = rows[0][1] / rows[0][2]
     table = [[name, tokens, f"{seconds:.1f}", f"{tokens / seconds:.1f}", f"{mixed_rate / (tokens / seconds):.2f}x",
-              mb(kv), mb(adapter)] for name, tokens, seconds, kv, adapter in rows]
-    print(format_table(["contender", "tokens", "s", "tokens/s", "mixed is", "KV peak", "adapters"], table))
+              mb(kv), mb(adapter), steps, "" if forward is None else f"{forward:.1f}"]
+             for name, tokens, seconds, kv, adapter, steps, forward in rows]
+    print(format_table(["contender", "tokens", "s", "tokens/s", "mixed is", "KV peak", "adapters", "forwards",
+                        "forward s"], table))
     return 0
 
 

@@ -252,3 +252,24 @@ def test_prompt_logprobs_per_adapter_equal_a_direct_forward(adapters):
         want = [float(direct[p, prompt[p + 1]]) for p in range(len(prompt) - 1)]
         assert out.prompt_logprobs[0] is None
         assert max(abs(g - w) for g, w in zip(out.prompt_logprobs[1:], want)) < 1e-4, (rid, adapter)
+
+
+@pytest.mark.slow
+def test_triton_backend_tokens_equal_peft_alone(adapters):
+    """The engine on its Triton backend (attention and the LoRA shrink / expand kernels; the interpreter on CPU):
+    requests of three adapters and the base model in the same steps equal the PeftModel alone."""
+    pytest.importorskip("triton")
+    from hf_paged.ops import triton_available
+
+    if not triton_available():
+        pytest.skip("Triton cannot run here (no CUDA and no TRITON_INTERPRET)")
+    make, paths = FAMILIES["llama"], adapters["llama"]
+    prompts = random_prompts(4, VOCAB, (3, 9), seed=41)
+    names = [None, *ADAPTERS]
+    manager = engine(make, paths, BlockPool(block_size=BLOCK, num_blocks=32), backend="triton")
+    assert manager._adapters.backend == "triton"
+    specs = [(f"t{i}", p, greedy(3), names[i]) for i, p in enumerate(prompts)]
+    outs = run(manager, specs, seed=0, steps_between=0)
+    oracle = Oracle(make, paths)
+    for rid, prompt, params, adapter in specs:
+        oracle.check(f"triton/{rid}", outs[rid], prompt, 3, adapter)

@@ -128,7 +128,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
                          "of requests, outside a graph). Leave cuda_graphs unset.")
     runner = ModelRunner(model, kv, paged_backend(model), num_layers,
                          None if state_layers else _decode_graphs(wanted_graphs, device, pool, scheduler.max_num_seqs))
-    adapters = AdapterSet(model, max_loras) if max_loras and sync is None else None
+    adapters = AdapterSet(model, max_loras, runner.backend) if max_loras and sync is None else None
     runner.lora = adapters
     if sync is not None:
         runner = AgreeingRunner(runner, sync)

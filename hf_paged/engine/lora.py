@@ -10,10 +10,11 @@ Contract (the engine's adapter stage):
   by a reload of it, or by the base model (prefix caching keys every block by its chain root).
 * The manager asks ``hold(name)`` when a request names an adapter (``AdapterNotLoadedError`` naming the loaded ones
   when it is not loaded), then ``attach`` marks the request as a user (a used adapter is never evicted or unloaded).
-* The runner asks ``token_map(chunks)`` for the step's token -> adapter map, and runs its forward inside
-  ``applied(map)``: the targeted linear layers (wrapped once, at the first load) then add ``B_a(A_a x) * scale_a``
-  for the tokens of adapter ``a`` only, grouped by adapter (segmented / gathered matmuls in torch, the Triton
-  shrink / expand kernels on CUDA). Outside ``applied`` a wrapped layer runs as before.
+* The runner lays a step's chunks out adapter by adapter (``grouped``), asks ``token_map(chunks)`` for the
+  step's token -> adapter map, and runs its forward inside ``applied(map)``: the targeted linear layers (wrapped
+  once, at the first load) then add ``B_a(A_a x) * scale_a`` for the tokens of adapter ``a`` only (two matmuls on
+  the adapter's slice in torch; the Triton shrink / expand kernels with the engine's Triton backend, i.e. on
+  CUDA). Outside ``applied`` a wrapped layer runs as before.
 
 The base weights are never changed. Scaling is PEFT's: ``lora_alpha / r`` (``alpha_pattern`` / ``rank_pattern`` per
 module), ``lora_alpha / sqrt(r)`` with ``use_rslora``; no dropout at inference. On a ``PeftModel`` (or a model PEFT
@@ -220,10 +221,13 @@ class AdapterSet:
     engine thread; one lock guards the adapters and is held through each forward, so a load waits for the step that
     is running."""
 
-    def __init__(self, model, max_loras: int = DEFAULT_MAX_LORAS):
+    def __init__(self, model, max_loras: int = DEFAULT_MAX_LORAS, backend: str = "torch"):
         if not isinstance(max_loras, int) or max_loras < 1:
             raise ValueError(f"max_loras must be a positive int, got {max_loras!r}.")
+        if backend not in ("torch", "triton"):
+            raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}.")
         self.model = model
+        self.backend = backend  # the engine's resolved backend: Triton's shrink / expand kernels, or torch matmuls
         self.max_loras = max_loras
         self.lock = threading.RLock()
         self.adapters: dict[str, LoadedAdapter] = {}
@@ -441,7 +445,7 @@ class AdapterSet:
         if x2.shape[0] < len(step.token_slots):
             raise RuntimeError(f"{module_name} got {x2.shape[0]} tokens but the step has {len(step.token_slots)}: "
                                "LoRA applies to layers that see every token of the step once.")
-        if x2.is_cuda:
+        if self.backend == "triton":
             add_lora_kernel(y2, x2, layer.lora_a, layer.lora_b, layer.scales_tensor,
                             step.slots_tensor(x2.shape[0], x2.device))
         else:
