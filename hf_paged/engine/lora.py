@@ -383,13 +383,14 @@ class AdapterSet:
             adapter.pending -= 1
 
     # --------------------------------------------------------------- steps
-    @staticmethod
-    def grouped(batch):
+    def grouped(self, batch):
         """``(batch laid out adapter by adapter, logits row order back to batch order)``: the chunks sorted (stably)
         by adapter slot, so each adapter's tokens are one contiguous slice of the packed row; ``None`` when the
         order is unchanged. The runner packs the laid-out batch and indexes its ``[k + m]`` logits (k sampling
         chunks, then each chunk's prompt positions) with the returned rows."""
         chunks = batch.chunks
+        if not self.adapters:  # nothing loaded: no request has an adapter
+            return batch, None
         slots = [c.request.adapter.slot if getattr(c.request, "adapter", None) is not None else -1 for c in chunks]
         order = sorted(range(len(chunks)), key=slots.__getitem__)
         if order == list(range(len(order))):
@@ -407,6 +408,8 @@ class AdapterSet:
 
     def token_map(self, chunks) -> StepAdapters | None:
         """The step's token -> adapter map (chunks in ``runner.pack``'s order); None when no token has an adapter."""
+        if not self.adapters:
+            return None
         slots: list[int] = []
         any_adapter = False
         self._clock += 1
@@ -426,6 +429,9 @@ class AdapterSet:
     def applied(self, step: StepAdapters | None, device):
         """The scope of one forward: the wrapped layers add the step's adapters (``step`` None: base weights only).
         Holds the lock, so no load or unload changes the weights mid-forward."""
+        if step is None and not self.layers and not self._peft_wrapped:  # no layer wrapped yet: nothing to scope
+            yield
+            return
         with self.lock:
             if step is not None:
                 step.groups = lora_groups(step.token_slots, [1] * self.max_loras, device)
