@@ -89,14 +89,24 @@ class LoadedAdapter:
     last_used: int = 0
     pending: int = 0  # requests being queued right now (held, not attached yet)
     users: list = field(default_factory=list)  # Request objects that named it (pruned once finished)
+    _prune_at: int = 16  # users' length at which finished ones are dropped (doubles with the live ones: amortised)
 
     @property
     def cache_root(self) -> bytes:
         return root_key("adapter", self.name, self.generation)
 
     def busy(self) -> bool:
-        self.users = [r for r in self.users if not r.is_finished]
+        self.prune()
         return bool(self.users) or self.pending > 0
+
+    def add_user(self, request) -> None:
+        self.users.append(request)
+        if len(self.users) > self._prune_at:
+            self.prune()
+
+    def prune(self) -> None:
+        self.users = [r for r in self.users if not r.is_finished]
+        self._prune_at = max(16, 2 * len(self.users))
 
 
 @dataclass
@@ -376,7 +386,7 @@ class AdapterSet:
             for r in (request, *request.children):
                 r.adapter = adapter
                 r.cache_root = adapter.cache_root
-                adapter.users.append(r)
+                adapter.add_user(r)
 
     def release(self, adapter: LoadedAdapter) -> None:
         with self.lock:
