@@ -228,8 +228,9 @@ class AdapterSet:
     """The adapters loaded into one engine's model (see the module docstring).
 
     Thread-safety: ``load`` / ``unload`` / ``hold`` come from user threads, ``token_map`` / ``applied`` from the
-    engine thread; one lock guards the adapters and is held through each forward, so a load waits for the step that
-    is running."""
+    engine thread. ``lock`` guards the bookkeeping (which adapters, their users) and is held briefly, so queueing a
+    request never waits for a forward; ``weights_lock`` is held through each forward and while a load or unload
+    writes the stacked weights, so those wait for the step that is running (taken before ``lock`` when both are)."""
 
     def __init__(self, model, max_loras: int = DEFAULT_MAX_LORAS, backend: str = "torch"):
         if not isinstance(max_loras, int) or max_loras < 1:
@@ -240,6 +241,7 @@ class AdapterSet:
         self.backend = backend  # the engine's resolved backend: Triton's shrink / expand kernels, or torch matmuls
         self.max_loras = max_loras
         self.lock = threading.RLock()
+        self.weights_lock = threading.RLock()
         self.adapters: dict[str, LoadedAdapter] = {}
         self.layers: dict[str, ModuleLora] = {}  # targeted layer name -> its stacked adapters
         self.current: StepAdapters | None = None  # set only inside applied(): the running forward's map
@@ -275,7 +277,7 @@ class AdapterSet:
                 raise ValueError(f"the adapter's {module_name} is [{b.shape[0]} x {a.shape[1]}] but the layer is "
                                  f"[{linear.out_features} x {linear.in_features}]: another base model?")
             targets[module_name] = (module, linear)
-        with self.lock:
+        with self.weights_lock, self.lock:
             if name in self.adapters:
                 self.unload(name)
             slot = self._free_slot(name)
@@ -307,7 +309,7 @@ class AdapterSet:
     def unload(self, name: str) -> None:
         """Unload adapter ``name``: ``AdapterNotLoadedError`` if it is not loaded, ``RuntimeError`` while requests
         use it (cancel them or wait for them)."""
-        with self.lock:
+        with self.weights_lock, self.lock:
             adapter = self._get(name)
             if adapter.busy():
                 raise RuntimeError(f"adapter {name!r} is used by {len(adapter.users) + adapter.pending} live "
@@ -438,11 +440,11 @@ class AdapterSet:
     @contextmanager
     def applied(self, step: StepAdapters | None, device):
         """The scope of one forward: the wrapped layers add the step's adapters (``step`` None: base weights only).
-        Holds the lock, so no load or unload changes the weights mid-forward."""
+        Holds ``weights_lock``, so no load or unload changes the weights mid-forward."""
         if step is None and not self.layers and not self._peft_wrapped:  # no layer wrapped yet: nothing to scope
             yield
             return
-        with self.lock:
+        with self.weights_lock:
             if step is not None:
                 step.groups = lora_groups(step.token_slots, [1] * self.max_loras, device)
             self.current = step if step is not None else StepAdapters([], [])
