@@ -273,3 +273,23 @@ def test_triton_backend_tokens_equal_peft_alone(adapters):
     oracle = Oracle(make, paths)
     for rid, prompt, params, adapter in specs:
         oracle.check(f"triton/{rid}", outs[rid], prompt, 3, adapter)
+
+
+def test_load_and_unload_while_serving(adapters):
+    """Adapters loaded and unloaded from another thread while the engine thread serves requests of others: every
+    request still equals its PeftModel alone (loads wait for the running step; the running adapters never move)."""
+    make, paths = FAMILIES["llama"], adapters["llama"]
+    manager = engine(make, {"a": paths["a"], "b": paths["b"]}, BlockPool(block_size=BLOCK, num_blocks=64),
+                     max_batch_tokens=8, max_loras=3)
+    prompts = random_prompts(9, VOCAB, (4, 16), seed=51)
+    names = ["a", "b", None] * 3
+    with manager:
+        ids = [manager.add_request(p, max_new_tokens=6, adapter=n, eos_token_id=EOS) for p, n in zip(prompts, names)]
+        for _ in range(4):
+            manager.load_adapter("c", paths["c"])
+            manager.unload_adapter("c")
+        outs = [manager.get_result(rid, timeout=120) for rid in ids]
+    oracle = Oracle(make, paths)
+    for rid, out, prompt, name in zip(ids, outs, prompts, names):
+        oracle.check(f"threads/{rid}", out, prompt, 6, name)
+    assert manager.adapters == ["a", "b"]
