@@ -17,7 +17,7 @@ keeping its fastest round: the machine may be shared):
   batch (DynamicCache).
 
 Tokens/s = generated tokens / wall seconds; forwards (steps) and the seconds spent in them (engines). Memory: KV at its peak (pool blocks in use x bytes per block; a padded
-batch's DynamicCache) and the adapters' weights held (the mixed engine's stacked slots; PEFT's adapter parameters).
+batch's DynamicCache) and the adapters' weights held (the mixed engine's stacked indices; PEFT's adapter parameters).
 """
 
 from __future__ import annotations

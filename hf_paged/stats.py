@@ -26,7 +26,7 @@ class MemoryStats:
         logical_tokens: tokens summed over the rows (a shared prompt counts once per row), whatever the windows.
         bytes_reserved: bytes of the K/V tensors, summed over layers.
         bytes_in_use: bytes of the blocks in use, summed over layers.
-        utilization: share of the token slots in the blocks in use that hold a token (1.0 when nothing is in use).
+        utilization: share of the token indices in the blocks in use that hold a token (1.0 when nothing is in use).
         num_sequences: live rows.
         blocks_cached: prefix caching: full blocks nobody holds, kept for reuse (not in use: evicted on demand).
         prefix_query_tokens / prefix_hit_tokens: the pool's prompt tokens looked up in the prefix cache / found
@@ -40,7 +40,7 @@ class MemoryStats:
         state_bytes_in_use: ``state_slots_in_use * state_bytes_per_slot``.
         state_bytes_reserved: bytes of the state store's tensors (every state cell, held or not; the pool's, shared).
         adapter_bytes / adapter_bytes_reserved: an engine's LoRA adapters (``manager.memory_stats()`` only): their
-            own weights, and the stacked slot tensors holding them (ranks padded to each layer's largest).
+            own weights, and the stacked adapter tensors holding them (ranks padded to each layer's largest).
         window: the sliding window of a group's layers (group figures only).
         groups: for models whose layers use different windows, the same figures per block-table group.
 
@@ -78,7 +78,7 @@ class MemoryStats:
     window: int | None = None
     groups: tuple = field(default=())
     adapter_bytes: int = 0  # an engine's LoRA adapters: their own weights (engine/lora.py)
-    adapter_bytes_reserved: int = 0  # ... and their stacked slot tensors (ranks padded)
+    adapter_bytes_reserved: int = 0  # ... and their stacked adapter tensors (ranks padded)
 
     def with_states(self, store, cells_in_use: int) -> "MemoryStats":
         """These figures with a state store's (:class:`~hf_paged.states.StateStore`), ``cells_in_use`` of its cells
@@ -154,7 +154,7 @@ class MemoryStats:
         """The whole-cache figures of the same rows' layer groups (a block belongs to one group at a time)."""
         first, bs = groups[0], groups[0].block_size
         in_use = sum(g.blocks_in_use for g in groups)
-        filled = sum(g.tokens_stored for g in groups)  # token slots holding a token, over every group's blocks
+        filled = sum(g.tokens_stored for g in groups)  # token indices holding a token, over every group's blocks
         return replace(
             first,
             blocks_in_use=in_use,

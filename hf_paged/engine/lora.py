@@ -4,7 +4,7 @@ Contract (the engine's adapter stage):
 
 * :class:`AdapterSet` owns the loaded adapters: ``load(name, source)`` (a directory PEFT saved, a ``PeftModel``'s
   adapter, or a peft config + state dict), ``unload(name)``, an LRU cap of ``max_loras`` (idle adapters are unloaded
-  to make room), their bytes. Each adapter has a slot in every targeted linear layer's stacked weights
+  to make room), their bytes. Each adapter has an index in every targeted linear layer's stacked weights
   (``hf_paged.ops.lora``'s layout) and a load generation; a request of adapter ``a`` gets
   ``cache_root = root_key("adapter", a, generation)``, so KV computed under one adapter is never reused by another,
   by a reload of it, or by the base model (prefix caching keys every block by its chain root).
@@ -63,13 +63,13 @@ class AdapterNotLoadedError(ValueError):
 
 @dataclass
 class ModuleLora:
-    """One targeted linear layer's adapters, stacked by slot (layout of ``hf_paged.ops.lora``)."""
+    """One targeted linear layer's adapters, stacked by index (layout of ``hf_paged.ops.lora``)."""
 
-    lora_a: torch.Tensor  # [S, R, in]
-    lora_b: torch.Tensor  # [S, R, out] (B transposed)
-    ranks: list[int]  # [S]: 0 where the slot's adapter does not target this layer
-    scales: list[float]  # [S]
-    scales_tensor: torch.Tensor  # [S] float32 on the layer's device (the Triton path)
+    lora_a: torch.Tensor  # [N, R, in]
+    lora_b: torch.Tensor  # [N, R, out] (B transposed)
+    ranks: list[int]  # [N]: 0 where the index's adapter does not target this layer
+    scales: list[float]  # [N]
+    scales_tensor: torch.Tensor  # [N] float32 on the layer's device (the Triton path)
 
     @property
     def nbytes(self) -> int:
@@ -78,10 +78,10 @@ class ModuleLora:
 
 @dataclass(eq=False)
 class LoadedAdapter:
-    """An adapter in the engine: its slot in every targeted layer, its load generation, who uses it."""
+    """An adapter in the engine: its index in every targeted layer, its load generation, who uses it."""
 
     name: str
-    slot: int
+    index: int
     generation: int
     modules: list[str]
     ranks: dict[str, int]
@@ -111,18 +111,18 @@ class LoadedAdapter:
 
 @dataclass
 class StepAdapters:
-    """A step's token -> adapter map: the slot of each of its ``T`` tokens (padding: -1), grouped by slot."""
+    """A step's token -> adapter map: the index of each of its ``T`` tokens (padding: -1), grouped by index."""
 
-    token_slots: list[int]
+    token_adapters: list[int]
     groups: list[LoraGroup]
-    _slots_tensor: torch.Tensor | None = None
+    _adapters_tensor: torch.Tensor | None = None
 
-    def slots_tensor(self, num_rows: int, device) -> torch.Tensor:
+    def adapters_tensor(self, num_rows: int, device) -> torch.Tensor:
         """``[num_rows]`` int32 on ``device``: the map, padded with -1 (the Triton path)."""
-        if self._slots_tensor is None or self._slots_tensor.shape[0] != num_rows:
-            slots = self.token_slots + [-1] * (num_rows - len(self.token_slots))
-            self._slots_tensor = torch.tensor(slots, dtype=torch.int32).to(device)
-        return self._slots_tensor
+        if self._adapters_tensor is None or self._adapters_tensor.shape[0] != num_rows:
+            indices = self.token_adapters + [-1] * (num_rows - len(self.token_adapters))
+            self._adapters_tensor = torch.tensor(indices, dtype=torch.int32).to(device)
+        return self._adapters_tensor
 
 
 def read_adapter(source, adapter_name: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -280,27 +280,27 @@ class AdapterSet:
         with self.weights_lock, self.lock:
             if name in self.adapters:
                 self.unload(name)
-            slot = self._free_slot(name)
+            index = self._free_index(name)
             self._generation += 1
             self._clock += 1
             ranks = {}
             nbytes = 0
-            slots = max([slot, *(a.slot for a in self.adapters.values())]) + 1
-            for layer in self.layers.values():  # every stacked layer holds every slot in use (zeros: not targeted)
-                _grow(layer, slots, 0)
+            count = max([index, *(a.index for a in self.adapters.values())]) + 1
+            for layer in self.layers.values():  # every stacked layer holds every index in use (zeros: not targeted)
+                _grow(layer, count, 0)
             for module_name, (a, b, scale) in weights.items():
                 module, linear = targets[module_name]
-                layer = self._layer(module_name, module, linear, a.shape[0], slots)
+                layer = self._layer(module_name, module, linear, a.shape[0], count)
                 r = a.shape[0]
-                layer.lora_a[slot].zero_()
-                layer.lora_b[slot].zero_()
-                layer.lora_a[slot, :r].copy_(a)
-                layer.lora_b[slot, :r].copy_(b.T)
-                layer.ranks[slot], layer.scales[slot] = r, scale
-                layer.scales_tensor[slot] = scale
+                layer.lora_a[index].zero_()
+                layer.lora_b[index].zero_()
+                layer.lora_a[index, :r].copy_(a)
+                layer.lora_b[index, :r].copy_(b.T)
+                layer.ranks[index], layer.scales[index] = r, scale
+                layer.scales_tensor[index] = scale
                 ranks[module_name] = r
                 nbytes += (a.numel() + b.numel()) * layer.lora_a.element_size()
-            adapter = LoadedAdapter(name, slot, self._generation, sorted(weights), ranks, nbytes,
+            adapter = LoadedAdapter(name, index, self._generation, sorted(weights), ranks, nbytes,
                                     last_used=self._clock)
             self.adapters[name] = adapter
             self._wrap_peft_layers()
@@ -315,11 +315,11 @@ class AdapterSet:
                 raise RuntimeError(f"adapter {name!r} is used by {len(adapter.users) + adapter.pending} live "
                                    "request(s); wait for them to end (or cancel them) before unloading it.")
             for layer in self.layers.values():
-                if layer.ranks[adapter.slot]:
-                    layer.ranks[adapter.slot], layer.scales[adapter.slot] = 0, 0.0
-                    layer.scales_tensor[adapter.slot] = 0.0
-                    layer.lora_a[adapter.slot].zero_()
-                    layer.lora_b[adapter.slot].zero_()
+                if layer.ranks[adapter.index]:
+                    layer.ranks[adapter.index], layer.scales[adapter.index] = 0, 0.0
+                    layer.scales_tensor[adapter.index] = 0.0
+                    layer.lora_a[adapter.index].zero_()
+                    layer.lora_b[adapter.index].zero_()
             del self.adapters[name]
 
     def _get(self, name: str) -> LoadedAdapter:
@@ -330,21 +330,21 @@ class AdapterSet:
                                         "manager.load_adapter(name, path) (the server: --lora-modules name=path).")
         return adapter
 
-    def _free_slot(self, name: str) -> int:
-        used = {a.slot for a in self.adapters.values()}
+    def _free_index(self, name: str) -> int:
+        used = {a.index for a in self.adapters.values()}
         if len(used) >= self.max_loras:
             idle = [a for a in self.adapters.values() if not a.busy()]
             if not idle:
-                raise RuntimeError(f"cannot load adapter {name!r}: all {self.max_loras} adapter slots (max_loras) "
+                raise RuntimeError(f"cannot load adapter {name!r}: all {self.max_loras} adapters (max_loras) "
                                    "hold adapters in use by live requests. Wait for them, or raise max_loras.")
             victim = min(idle, key=lambda a: a.last_used)
             self.unload(victim.name)
-            used.discard(victim.slot)
+            used.discard(victim.index)
         return min(set(range(self.max_loras)) - used)
 
-    def _layer(self, module_name: str, module, linear, rank: int, slots: int) -> ModuleLora:
+    def _layer(self, module_name: str, module, linear, rank: int, count: int) -> ModuleLora:
         """The stacked weights of a targeted layer, made (and the layer wrapped) at its first adapter, with room for
-        ``slots`` slots of rank ``rank``."""
+        ``count`` adapters of rank ``rank``."""
         layer = self.layers.get(module_name)
         if layer is None:
             weight = linear.weight
@@ -355,7 +355,7 @@ class AdapterSet:
                 [0] * s, [0.0] * s, torch.zeros(s, dtype=torch.float32, device=weight.device))
             self.layers[module_name] = layer
             self._wrap(module_name, module, linear)
-        _grow(layer, slots, rank)
+        _grow(layer, count, rank)
         return layer
 
     def _wrap(self, module_name: str, module, linear) -> None:
@@ -397,14 +397,14 @@ class AdapterSet:
     # --------------------------------------------------------------- steps
     def grouped(self, batch):
         """``(batch laid out adapter by adapter, logits row order back to batch order)``: the chunks sorted (stably)
-        by adapter slot, so each adapter's tokens are one contiguous slice of the packed row; ``None`` when the
+        by adapter index, so each adapter's tokens are one contiguous slice of the packed row; ``None`` when the
         order is unchanged. The runner packs the laid-out batch and indexes its ``[k + m]`` logits (k sampling
         chunks, then each chunk's prompt positions) with the returned rows."""
         chunks = batch.chunks
         if not self.adapters:  # nothing loaded: no request has an adapter
             return batch, None
-        slots = [c.request.adapter.slot if getattr(c.request, "adapter", None) is not None else -1 for c in chunks]
-        order = sorted(range(len(chunks)), key=slots.__getitem__)
+        indices = [c.request.adapter.index if getattr(c.request, "adapter", None) is not None else -1 for c in chunks]
+        order = sorted(range(len(chunks)), key=indices.__getitem__)
         if order == list(range(len(order))):
             return batch, None
         sampled_at, prompt_at, row = {}, {}, 0
@@ -422,20 +422,20 @@ class AdapterSet:
         """The step's token -> adapter map (chunks in ``runner.pack``'s order); None when no token has an adapter."""
         if not self.adapters:
             return None
-        slots: list[int] = []
+        indices: list[int] = []
         any_adapter = False
         self._clock += 1
         for chunk in chunks:
             adapter = getattr(chunk.request, "adapter", None)
             if adapter is None:
-                slots.extend([-1] * chunk.num_tokens)
+                indices.extend([-1] * chunk.num_tokens)
                 continue
             any_adapter = True
             adapter.last_used = self._clock
-            slots.extend([adapter.slot] * chunk.num_tokens)
+            indices.extend([adapter.index] * chunk.num_tokens)
         if not any_adapter:
             return None
-        return StepAdapters(slots, [])
+        return StepAdapters(indices, [])
 
     @contextmanager
     def applied(self, step: StepAdapters | None, device):
@@ -446,7 +446,7 @@ class AdapterSet:
             return
         with self.weights_lock:
             if step is not None:
-                step.groups = lora_groups(step.token_slots, [1] * self.max_loras, device)
+                step.groups = lora_groups(step.token_adapters, [1] * self.max_loras, device)
             self.current = step if step is not None else StepAdapters([], [])
             try:
                 yield
@@ -460,15 +460,15 @@ class AdapterSet:
             return y
         x2 = x.reshape(-1, x.shape[-1])  # [T + P, in]
         y2 = y.view(-1, y.shape[-1])  # [T + P, out]
-        if x2.shape[0] < len(step.token_slots):
-            raise RuntimeError(f"{module_name} got {x2.shape[0]} tokens but the step has {len(step.token_slots)}: "
+        if x2.shape[0] < len(step.token_adapters):
+            raise RuntimeError(f"{module_name} got {x2.shape[0]} tokens but the step has {len(step.token_adapters)}: "
                                "LoRA applies to layers that see every token of the step once.")
         if self.backend == "triton":
             add_lora_kernel(y2, x2, layer.lora_a, layer.lora_b, layer.scales_tensor,
-                            step.slots_tensor(x2.shape[0], x2.device))
+                            step.adapters_tensor(x2.shape[0], x2.device))
         else:
-            groups = [LoraGroup(g.slot, layer.ranks[g.slot], g.rows, g.num_tokens) for g in step.groups
-                      if layer.ranks[g.slot]]
+            groups = [LoraGroup(g.index, layer.ranks[g.index], g.rows, g.num_tokens) for g in step.groups
+                      if layer.ranks[g.index]]
             add_lora_torch(y2, x2, layer.lora_a, layer.lora_b, layer.scales, groups)
         return y
 
@@ -481,20 +481,20 @@ class AdapterSet:
 
     @property
     def bytes_reserved(self) -> int:
-        """Bytes of the stacked slot tensors (a slot per adapter loaded so far, up to ``max_loras``; ranks padded)."""
+        """Bytes of the stacked adapter tensors (an index per adapter loaded so far, up to ``max_loras``; ranks padded)."""
         with self.lock:
             return sum(layer.nbytes for layer in self.layers.values())
 
 
-def _grow(layer: ModuleLora, slots: int, rank: int) -> None:
-    """Widen a layer's stacked weights (zero-padded) to at least ``slots`` slots and rank ``rank``: slots are made as
+def _grow(layer: ModuleLora, count: int, rank: int) -> None:
+    """Widen a layer's stacked weights (zero-padded) to at least ``count`` adapters and rank ``rank``: room is made as
     adapters arrive, not ``max_loras`` at once."""
-    have_slots, have_rank = layer.lora_a.shape[:2]
-    if have_slots >= slots and have_rank >= rank:
+    have_count, have_rank = layer.lora_a.shape[:2]
+    if have_count >= count and have_rank >= rank:
         return
-    pad_slots, pad_rank = max(0, slots - have_slots), max(0, rank - have_rank)
-    layer.lora_a = torch.nn.functional.pad(layer.lora_a, (0, 0, 0, pad_rank, 0, pad_slots))
-    layer.lora_b = torch.nn.functional.pad(layer.lora_b, (0, 0, 0, pad_rank, 0, pad_slots))
+    pad_count, pad_rank = max(0, count - have_count), max(0, rank - have_rank)
+    layer.lora_a = torch.nn.functional.pad(layer.lora_a, (0, 0, 0, pad_rank, 0, pad_count))
+    layer.lora_b = torch.nn.functional.pad(layer.lora_b, (0, 0, 0, pad_rank, 0, pad_count))
 
 
 def _lora_forward(adapters: AdapterSet, module_name: str, original, base):

@@ -128,7 +128,7 @@ class Config:
     "mla_decode" / "mla_prefill" (``head_dim`` is then the latent's rank, ``group`` the number of heads, the rope
     width ``MLA_ROPE``).
 
-    ``kv_dtype``: "same" (the pool holds ``dtype``) or "fp8" (e4m3 bits in uint8, bf16 scales per slot and KV head).
+    ``kv_dtype``: "same" (the pool holds ``dtype``) or "fp8" (e4m3 bits in uint8, bf16 scales per index and KV head).
     ``default``: a configuration users get without opting in (spills there fail the check); the others are the explored
     slice.
     """
@@ -419,13 +419,13 @@ def _launch_mla(module, config: Config) -> None:
 
 
 def _launch_lora(module, config: Config) -> None:
-    """The batched-LoRA launcher on meta tensors: ``max_loras`` 8 slots of rank ``config.head_dim``."""
+    """The batched-LoRA launcher on meta tensors: ``max_loras`` 8 adapters of rank ``config.head_dim``."""
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[config.dtype]
     tokens, in_features, out_features = LORA_SHAPE
     empty = lambda *shape, dtype: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
     module.add_lora_triton(empty(tokens, out_features, dtype=dtype), empty(tokens, in_features, dtype=dtype),
-                           empty(8, config.head_dim, in_features, dtype=dtype),  # lora_a [S, R, in]
-                           empty(8, config.head_dim, out_features, dtype=dtype),  # lora_b [S, R, out]
+                           empty(8, config.head_dim, in_features, dtype=dtype),  # lora_a [N, R, in]
+                           empty(8, config.head_dim, out_features, dtype=dtype),  # lora_b [N, R, out]
                            empty(8, dtype=torch.float32), empty(tokens, dtype=torch.int32))
 
 
