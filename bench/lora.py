@@ -6,7 +6,7 @@
 Workload: A adapters (peft LoRA from random init, B scaled so each changes the text; ranks 8/16/8/16 on q, k, v, o
 and the MLP) x R chat requests each, arriving interleaved (request i names adapter i % A), greedy, N new tokens each
 (EOS ignored, so every contender generates the same count). Contenders, run in alternation (``--rounds``, each
-keeping its fastest round: the machine may be shared):
+keeping its round of fewest CPU-seconds: the machine may be shared):
 
 * mixed: one engine (``init_continuous_batching``, block 16, prefix caching) holding every adapter
   (``manager.load_adapter``); each request names its adapter; requests of every adapter share the steps (batched
@@ -16,13 +16,16 @@ keeping its fastest round: the machine may be shared):
 * generate: ``PeftModel.generate()`` with ``set_adapter`` per batch: the R requests of an adapter left-padded into one
   batch (DynamicCache).
 
-Tokens/s = generated tokens / wall seconds; forwards (steps) and the seconds spent in them (engines). Memory: KV at its peak (pool blocks in use x bytes per block; a padded
+Tokens per CPU-second = generated tokens / the CPU seconds this process used (``time.process_time``: on a shared
+machine other jobs inflate wall seconds, not these; with one torch thread they track the work done); wall seconds and
+the wall ratio beside them. Forwards (steps) and the seconds spent in them (engines). Memory: KV at its peak (pool blocks in use x bytes per block; a padded
 batch's DynamicCache) and the adapters' weights held (the mixed engine's stacked indices; PEFT's adapter parameters).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import tempfile
@@ -79,12 +82,12 @@ def run_engine(model, prompts, names, new_tokens: int, loras: dict | None = None
                                        max_batch_tokens=512)
     for name, path in (loras or {}).items():
         manager.load_adapter(name, path)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with manager:
         ids = [manager.add_request(p, max_new_tokens=new_tokens, ignore_eos=True, adapter=n)
                for p, n in zip(prompts, names)]
         tokens = sum(len(manager.get_result(rid).generated_tokens) for rid in ids)
-    return tokens, time.perf_counter() - start, manager.memory_stats(), manager.stats()
+    return tokens, (time.perf_counter() - start, time.process_time() - cpu), manager.memory_stats(), manager.stats()
 
 
 def mixed(base, prompts, names, new_tokens: int, loras: dict) -> list:
@@ -95,30 +98,32 @@ def mixed(base, prompts, names, new_tokens: int, loras: dict) -> list:
 
 def by_adapter(peft_model, prompts, names, args) -> list:
     """One engine over the PeftModel per adapter (``set_adapter``), in turn."""
-    tokens = seconds = kv = steps = forward = 0
+    tokens = kv = steps = forward = 0
+    seconds = (0.0, 0.0)
     for i in range(args.adapters):
         peft_model.set_adapter(f"adapter{i}")
         mine = [q for q, n in zip(prompts, names) if n == f"adapter{i}"]
         t, s, st, es = run_engine(peft_model, mine, [None] * len(mine), args.new_tokens)
-        tokens, seconds, kv = tokens + t, seconds + s, max(kv, st.peak_bytes_in_use)
+        tokens, seconds, kv = tokens + t, (seconds[0] + s[0], seconds[1] + s[1]), max(kv, st.peak_bytes_in_use)
         steps, forward = steps + es.steps, forward + es.forward_time_s
     return [tokens, seconds, kv, peft_adapter_bytes(peft_model), steps, forward]
 
 
 def padded_generate(peft_model, chat, names, tokenizer, args) -> list:
     """``PeftModel.generate()``: a left-padded batch per adapter, ``set_adapter`` between them."""
-    tokens = seconds = kv = 0
+    tokens = kv = 0
+    wall = cpu = 0.0
     for i in range(args.adapters):
         peft_model.set_adapter(f"adapter{i}")
         rows = [j for j, n in enumerate(names) if n == f"adapter{i}"]
         batch = {k: v[rows] for k, v in chat.items()}
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         out = peft_model.generate(**batch, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                                   do_sample=False, return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id)
-        seconds += time.perf_counter() - start
+        wall, cpu = wall + time.perf_counter() - start, cpu + time.process_time() - cpu_start
         tokens += len(rows) * args.new_tokens
         kv = max(kv, dynamic_cache_bytes(out.past_key_values))
-    return [tokens, seconds, kv, peft_adapter_bytes(peft_model), args.adapters * args.new_tokens, None]
+    return [tokens, (wall, cpu), kv, peft_adapter_bytes(peft_model), args.adapters * args.new_tokens, None]
 
 
 def main(argv=None) -> int:
@@ -153,16 +158,19 @@ def main(argv=None) -> int:
             for round_ in range(args.rounds):  # contenders alternate; each keeps its fastest round
                 for label, run in contenders:
                     row = [label, *run()]
-                    print(f"  round {round_ + 1}: {label}: {row[2]:.1f} s", flush=True)
-                    if label not in best or row[2] < best[label][2]:
+                    print(f"  round {round_ + 1}: {label}: {row[2][0]:.1f} s wall, {row[2][1]:.1f} CPU-s", flush=True)
+                    if label not in best or row[2][1] < best[label][2][1]:
                         best[label] = row
         rows = [best[label] for label, _ in contenders]
-    mixed_rate = rows[0][1] / rows[0][2]
-    table = [[name, tokens, f"{seconds:.1f}", f"{tokens / seconds:.1f}", f"{mixed_rate / (tokens / seconds):.2f}x",
-              mb(kv), mb(adapter), steps, "" if forward is None else f"{forward:.1f}"]
-             for name, tokens, seconds, kv, adapter, steps, forward in rows]
-    print(format_table(["contender", "tokens", "s", "tokens/s", "mixed is", "KV peak", "adapters", "forwards",
-                        "forward s"], table))
+    mixed_wall, mixed_cpu = rows[0][1] / rows[0][2][0], rows[0][1] / rows[0][2][1]
+    table = [[name, tokens, f"{wall:.1f}", f"{cpu:.1f}", f"{tokens / cpu:.1f}", f"{mixed_cpu / (tokens / cpu):.2f}x",
+              f"{mixed_wall / (tokens / wall):.2f}x", mb(kv), mb(adapter), steps,
+              "" if forward is None else f"{forward:.1f}"]
+             for name, tokens, (wall, cpu), kv, adapter, steps, forward in rows]
+    print(format_table(["contender", "tokens", "wall s", "CPU-s", "tokens/CPU-s", "mixed is (CPU)", "(wall)",
+                        "KV peak", "adapters", "forwards", "forward s"], table))
+    print(f"load average at the end: {os.getloadavg()[0]:.1f} (CPU-seconds count this process's work only; wall "
+          "seconds also count the other jobs on a shared machine)")
     return 0
 
 
