@@ -26,7 +26,7 @@ class MemoryStats:
         logical_tokens: tokens summed over the rows (a shared prompt counts once per row), whatever the windows.
         bytes_reserved: bytes of the K/V tensors, summed over layers.
         bytes_in_use: bytes of the blocks in use, summed over layers.
-        utilization: share of the token indices in the blocks in use that hold a token (1.0 when nothing is in use).
+        utilization: share of the token slots in the blocks in use that hold a token (1.0 when nothing is in use).
         num_sequences: live rows.
         blocks_cached: prefix caching: full blocks nobody holds, kept for reuse (not in use: evicted on demand).
         prefix_query_tokens / prefix_hit_tokens: the pool's prompt tokens looked up in the prefix cache / found
@@ -154,7 +154,7 @@ class MemoryStats:
         """The whole-cache figures of the same rows' layer groups (a block belongs to one group at a time)."""
         first, bs = groups[0], groups[0].block_size
         in_use = sum(g.blocks_in_use for g in groups)
-        filled = sum(g.tokens_stored for g in groups)  # token indices holding a token, over every group's blocks
+        filled = sum(g.tokens_stored for g in groups)  # token slots holding a token, over every group's blocks
         return replace(
             first,
             blocks_in_use=in_use,

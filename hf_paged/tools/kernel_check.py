@@ -128,7 +128,7 @@ class Config:
     "mla_decode" / "mla_prefill" (``head_dim`` is then the latent's rank, ``group`` the number of heads, the rope
     width ``MLA_ROPE``).
 
-    ``kv_dtype``: "same" (the pool holds ``dtype``) or "fp8" (e4m3 bits in uint8, bf16 scales per index and KV head).
+    ``kv_dtype``: "same" (the pool holds ``dtype``) or "fp8" (e4m3 bits in uint8, bf16 scales per slot and KV head).
     ``default``: a configuration users get without opting in (spills there fail the check); the others are the explored
     slice.
     """
@@ -419,7 +419,7 @@ def _launch_mla(module, config: Config) -> None:
 
 
 def _launch_lora(module, config: Config) -> None:
-    """The batched-LoRA launcher on meta tensors: ``max_loras`` 8 adapters of rank ``config.head_dim``."""
+    """The batched-LoRA launcher on meta tensors: 8 adapters of rank ``config.head_dim``."""
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[config.dtype]
     tokens, in_features, out_features = LORA_SHAPE
     empty = lambda *shape, dtype: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
