@@ -18,8 +18,9 @@ keeping its round of fewest CPU-seconds: the machine may be shared):
 
 Tokens per CPU-second = generated tokens / the CPU seconds this process used (``time.process_time``: on a shared
 machine other jobs inflate wall seconds, not these; with one torch thread they track the work done); wall seconds and
-the wall ratio beside them. Forwards (steps) and the seconds spent in them (engines). Memory: KV at its peak (pool blocks in use x bytes per block; a padded
-batch's DynamicCache) and the adapters' weights held (the mixed engine's stacked adapter tensors; PEFT's adapter parameters).
+the wall ratio beside them. Forwards (steps) and the seconds spent in them (engines). Memory: KV at its peak (pool
+blocks in use x bytes per block; a padded batch's DynamicCache) and the adapters' weights held (the mixed engine's
+stacked adapter tensors; PEFT's adapter parameters).
 """
 
 from __future__ import annotations

@@ -67,7 +67,8 @@ def test_torch_path_within_bound(name, dtype):
     add_lora_torch(y, case["x"], case["lora_a"], case["lora_b"], case["scales"],
                    lora_groups(case["indices"], case["ranks"]))
     err = (y.double() - expected).abs()
-    assert (err <= bound).all(), f"{name}: worst error {float(err.max()):.3g}, bound there {float(bound.flatten()[err.argmax()]):.3g}"
+    worst = err.argmax()
+    assert (err <= bound).all(), f"{name}: worst error {float(err.max()):.3g}, bound {float(bound.flatten()[worst]):.3g}"
     base = [t for t, s in enumerate(case["indices"]) if s < 0]
     assert torch.equal(y[base], case["y"][base])  # tokens of no adapter keep the base output exactly
 

@@ -481,7 +481,8 @@ class AdapterSet:
 
     @property
     def bytes_reserved(self) -> int:
-        """Bytes of the stacked adapter tensors (an index per adapter loaded so far, up to ``max_loras``; ranks padded)."""
+        """Bytes of the stacked adapter tensors (an index per adapter loaded so far, up to ``max_loras``; ranks
+        padded)."""
         with self.lock:
             return sum(layer.nbytes for layer in self.layers.values())
 
