@@ -293,3 +293,18 @@ def test_load_and_unload_while_serving(adapters):
     for rid, out, prompt, name in zip(ids, outs, prompts, names):
         oracle.check(f"threads/{rid}", out, prompt, 6, name)
     assert manager.adapters == ["a", "b"]
+
+
+def test_two_engines_on_one_model(adapters):
+    """``generate_batch`` twice on the same model object (a new engine each time, the layers wrapped once): the
+    second engine's adapters apply as the first's did."""
+    make, paths = FAMILIES["llama"], adapters["llama"]
+    model = make()
+    prompts = random_prompts(4, VOCAB, (4, 12), seed=61)
+    names = [None, "a", "b", "c"]
+    oracle = Oracle(make, paths)
+    for run_ in range(2):
+        outs = generate_batch(model, prompts, max_new_tokens=5, adapters=names, lora_modules=paths,
+                              progress_bar=False, pool=BlockPool(block_size=BLOCK, num_blocks=64))
+        for i, (prompt, adapter) in enumerate(zip(prompts, names)):
+            oracle.check(f"engine{run_}/{i}", outs[f"req_{i}"], prompt, 5, adapter)

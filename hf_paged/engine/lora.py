@@ -38,6 +38,7 @@ import math
 import os
 import re
 import threading
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -359,10 +360,13 @@ class AdapterSet:
         return layer
 
     def _wrap(self, module_name: str, module, linear) -> None:
-        if getattr(module, _WRAPPED, False):
-            return
-        module.forward = _lora_forward(self, module_name, module.forward, linear.forward)
-        setattr(module, _WRAPPED, True)
+        """Wrap the layer's forward once per model; every engine on the model registers its adapter set with it."""
+        hook = getattr(module, _WRAPPED, None)
+        if hook is None:
+            hook = _LayerHook()
+            module.forward = _lora_forward(hook, module_name, module.forward, linear.forward)
+            setattr(module, _WRAPPED, hook)
+        hook.owners.add(self)
 
     def _wrap_peft_layers(self) -> None:
         """PEFT layers of the model run their base layer only inside the engine's forwards (once)."""
@@ -498,12 +502,28 @@ def _grow(layer: ModuleLora, count: int, rank: int) -> None:
     layer.lora_b = torch.nn.functional.pad(layer.lora_b, (0, 0, 0, pad_rank, 0, pad_count))
 
 
-def _lora_forward(adapters: AdapterSet, module_name: str, original, base):
-    """A targeted layer's forward: as before outside the engine's forwards; inside, its base layer plus the step's
+class _LayerHook:
+    """What a wrapped layer consults: the adapter sets of the engines built on its model (weakly held: an engine
+    dropped leaves no trace), of which the one inside ``applied`` runs the forward."""
+
+    def __init__(self):
+        self.owners: weakref.WeakSet = weakref.WeakSet()
+
+    def running(self) -> AdapterSet | None:
+        found = [owner for owner in list(self.owners) if owner.current is not None]
+        if len(found) > 1:
+            raise RuntimeError("two engines with LoRA adapters run forwards on one model object at once; give each "
+                               "engine its own copy of the model.")
+        return found[0] if found else None
+
+
+def _lora_forward(hook: _LayerHook, module_name: str, original, base):
+    """A targeted layer's forward: as before outside the engines' forwards; inside, its base layer plus the step's
     adapters (a PEFT layer's own adapters are bypassed)."""
 
     def forward(x, *args, **kwargs):
-        if adapters.current is None:
+        adapters = hook.running()
+        if adapters is None:
             return original(x, *args, **kwargs)
         return adapters.add(module_name, base(x, *args, **kwargs), x)
 
