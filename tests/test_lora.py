@@ -308,3 +308,27 @@ def test_two_engines_on_one_model(adapters):
                               progress_bar=False, pool=BlockPool(block_size=BLOCK, num_blocks=64))
         for i, (prompt, adapter) in enumerate(zip(prompts, names)):
             oracle.check(f"engine{run_}/{i}", outs[f"req_{i}"], prompt, 5, adapter)
+
+
+def test_hybrid_model_adapters_equal_peft_alone(tmp_path):
+    """A hybrid model (LFM2: short-convolution state layers and attention layers), whose state mixers run per
+    request segment of the packed step: with the step laid out adapter by adapter, each request of an adapter on its
+    attention projections (and the base model) still equals the PeftModel alone; an adapter on a layer inside a state
+    mixer is refused at load."""
+
+    def make():
+        return tiny_family_model("lfm2", seed=4, num_hidden_layers=4, full_attn_idxs=[1, 3])
+
+    paths = save_adapters(make, tmp_path, {"x": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+                                            "y": dict(r=2, lora_alpha=4, target_modules=["k_proj", "self_attn.out_proj"]),
+                                            "conv": dict(r=2, target_modules=["conv.out_proj"])})
+    refused = init_continuous_batching(make(), pool=BlockPool(block_size=BLOCK, num_blocks=8))
+    with pytest.raises(ValueError, match="inside a state layer's mixer"):
+        refused.load_adapter("conv", paths.pop("conv"))
+    prompts = random_prompts(6, VOCAB, (4, 14), seed=71)
+    names = ["x", None, "y"] * 2
+    manager = engine(make, paths, BlockPool(block_size=BLOCK, num_blocks=64), max_batch_tokens=10)
+    outs = run(manager, [(f"h{i}", p, greedy(5), n) for i, (p, n) in enumerate(zip(prompts, names))], seed=3)
+    oracle = Oracle(make, paths)
+    for i, (prompt, adapter) in enumerate(zip(prompts, names)):
+        oracle.check(f"lfm2/{i}", outs[f"h{i}"], prompt, 5, adapter)

@@ -48,6 +48,7 @@ from safetensors.torch import load_file
 
 from ..allocator import root_key
 from ..ops.lora import LoraGroup, add_lora_kernel, add_lora_torch, lora_groups
+from ..patches import state_mixers
 
 DEFAULT_MAX_LORAS = 8
 _WRAPPED = "_hf_paged_lora"
@@ -249,6 +250,10 @@ class AdapterSet:
         self._generation = 0
         self._clock = 0
         self._modules = dict(_base_module(model).named_modules())
+        # hybrid models: the state mixers run per group of requests (engine/states.py), their layers on a subset of
+        # the step's tokens, which the token -> adapter map does not describe
+        mixers = {id(m) for m in state_mixers(_base_module(model)).values()}
+        self._in_mixers = tuple(f"{n}." for n, m in self._modules.items() if id(m) in mixers)
         self._peft_wrapped = False
 
     # ------------------------------------------------------------ adapters
@@ -270,6 +275,10 @@ class AdapterSet:
                 near = [n for n in self._modules if n.endswith(module_name.rsplit(".", 1)[-1])][:3]
                 raise ValueError(f"the adapter targets {module_name!r}, which this model does not have (e.g. "
                                  f"{near}); was it trained on another base model?")
+            if module_name.startswith(self._in_mixers):
+                raise ValueError(f"the adapter targets {module_name!r}, inside a state layer's mixer (which runs per "
+                                 "group of requests): only attention and MLP layers are served per request; merge "
+                                 "this adapter into the weights (peft's merge_and_unload) instead.")
             linear = _base_linear(module)
             if not isinstance(linear, torch.nn.Linear):
                 raise ValueError(f"the adapter targets {module_name!r}, a {type(linear).__name__}: only nn.Linear "

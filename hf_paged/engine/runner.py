@@ -118,11 +118,11 @@ class ModelRunner:
 
     def run(self, batch: Batch) -> torch.Tensor:
         t0 = time.perf_counter()
-        if self.kv.rows.stateful:
-            self._packed_states = PackedStates(self.kv.pool, segments(batch.chunks), self.kv.state_layers)
         restore = None
         if self.lora is not None:  # LoRA adapters: chunks laid out adapter by adapter, logits put back in batch order
             batch, restore = self.lora.grouped(batch)
+        if self.kv.rows.stateful:
+            self._packed_states = PackedStates(self.kv.pool, segments(batch.chunks), self.kv.state_layers)
         adapters = self.lora.token_map(batch.chunks) if self.lora is not None else None  # None: base weights only
         bucket = self.graphs.rows_for(batch.chunks) if self.graphs is not None and adapters is None else None
         inputs = pack(batch, self.device, bucket)
