@@ -319,9 +319,10 @@ def test_hybrid_model_adapters_equal_peft_alone(tmp_path):
     def make():
         return tiny_family_model("lfm2", seed=4, num_hidden_layers=4, full_attn_idxs=[1, 3])
 
-    paths = save_adapters(make, tmp_path, {"x": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-                                            "y": dict(r=2, lora_alpha=4, target_modules=["k_proj", "self_attn.out_proj"]),
-                                            "conv": dict(r=2, target_modules=["conv.out_proj"])})
+    specs = {"x": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+             "y": dict(r=2, lora_alpha=4, target_modules=["k_proj", "self_attn.out_proj"]),
+             "conv": dict(r=2, target_modules=["conv.out_proj"])}
+    paths = save_adapters(make, tmp_path, specs)
     refused = init_continuous_batching(make(), pool=BlockPool(block_size=BLOCK, num_blocks=8))
     with pytest.raises(ValueError, match="inside a state layer's mixer"):
         refused.load_adapter("conv", paths.pop("conv"))
