@@ -39,6 +39,8 @@ class MemoryStats:
             first write).
         state_bytes_in_use: ``state_slots_in_use * state_bytes_per_slot``.
         state_bytes_reserved: bytes of the state store's tensors (every state cell, held or not; the pool's, shared).
+        adapter_bytes / adapter_bytes_reserved: an engine's LoRA adapters (``manager.memory_stats()`` only): their
+            own weights, and the stacked adapter tensors holding them (ranks padded to each layer's largest).
         window: the sliding window of a group's layers (group figures only).
         groups: for models whose layers use different windows, the same figures per block-table group.
 
@@ -75,6 +77,8 @@ class MemoryStats:
     state_bytes_reserved: int = 0
     window: int | None = None
     groups: tuple = field(default=())
+    adapter_bytes: int = 0  # an engine's LoRA adapters: their own weights (engine/lora.py)
+    adapter_bytes_reserved: int = 0  # ... and their stacked adapter tensors (ranks padded)
 
     def with_states(self, store, cells_in_use: int) -> "MemoryStats":
         """These figures with a state store's (:class:`~hf_paged.states.StateStore`), ``cells_in_use`` of its cells

@@ -27,6 +27,7 @@ LOCAL_IMPORTS = {
     ("hf_paged.attention", "hf_paged.engine.transformers_api"): "the engine builds on the attention path (its factory "
     "attaches models), and attaching puts the engine's transformers-facing methods on the model: one edge must be "
     "taken at call time",
+    ("hf_paged.ops.lora", "hf_paged.ops.triton_lora"): "imports triton (the 'triton' extra) when LoRA runs on CUDA",
 }
 
 # (module, attribute written or called on another object): why it is not another object's private state.

@@ -352,7 +352,8 @@ class EngineCore:
             beams = [Request(request_id=f"{parent.request_id}#beam{i}", tokens=list(parent.tokens),
                              num_prompt=parent.num_prompt, max_new_tokens=parent.max_new_tokens,
                              max_length=parent.max_length, eos_token_ids=parent.eos_token_ids, params=parent.params,
-                             beam=search) for i in range(1, search.num_beams)]
+                             beam=search, adapter=parent.adapter, cache_root=parent.cache_root)
+                     for i in range(1, search.num_beams)]
             search.requests.extend(beams)
             self.scheduler.add_beams(parent, beams)
         self.scheduler.apply_beams(search.requests, plan.sources, plan.tokens)

@@ -18,6 +18,7 @@ from . import graphs
 from .core import EngineCore
 from .distributed import AgreeingRunner, agree_on_pool, make_sync
 from .kv import RequestKV
+from .lora import DEFAULT_MAX_LORAS, AdapterSet
 from .manager import DEFAULT_MAX_UNREAD, ContinuousBatchingManager, is_request_setting
 from .multimodal import DEFAULT_ENCODER_CACHE_BYTES, MultimodalInputs, takes_images
 from .options import (DEFAULT_WATERMARK, context_limit, default_batch_tokens, default_pool,
@@ -39,7 +40,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
                              encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES, speculative=None,
                              num_speculative_tokens: int = DEFAULT_NUM_TOKENS,
                              speculative_max_tokens: int | None = None,
-                             tokenizer=None) -> ContinuousBatchingManager:
+                             tokenizer=None, max_loras: int = DEFAULT_MAX_LORAS) -> ContinuousBatchingManager:
     """A continuous-batching manager serving ``model`` from a shared block pool (start it, or use ``with``).
 
     Args:
@@ -86,6 +87,9 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
         num_speculative_tokens: draft tokens per request and step.
         speculative_max_tokens: a step of more tokens than this never speculates (default: the policy decides from
             the step costs it measures).
+        max_loras: LoRA adapters loaded at once (``manager.load_adapter``; requests name one with ``adapter=``);
+            past it the least recently used idle one is unloaded. 0: no adapter support. Nothing is allocated until
+            an adapter is loaded (see ``hf_paged/engine/lora.py``).
 
     Requires transformers >= 5.24 (the attention plumbing the packed forward needs); ``generate()`` with a
     ``PagedCache`` works from 4.56.
@@ -147,6 +151,8 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     runner = ModelRunner(model, kv, paged_backend(model), num_layers,
                          None if state_layers else _decode_graphs(wanted_graphs, device, pool, scheduler.max_num_seqs),
                          media=media)
+    adapters = AdapterSet(model, max_loras, runner.backend) if max_loras and sync is None else None
+    runner.lora = adapters
     if sync is not None:
         runner = AgreeingRunner(runner, sync)
     limit, reason = context_limit(config)
@@ -165,7 +171,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
                                      else model.generation_config, vocab_size=config.vocab_size,
                                      max_queue_size=options.pop("max_queue_size", None),
                                      max_unread_results=max_unread_results, default_options=defaults, sync=sync,
-                                     media=media)
+                                     media=media, adapters=adapters)
 
 
 def _decode_graphs(wanted: bool | None, device, pool, max_rows: int):
@@ -198,7 +204,8 @@ def _cap_pool(pool, config, dtype, groups) -> None:
 
 
 def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool = True,
-                   max_new_tokens: int | None = None, **options) -> dict[str, GenerationOutput]:
+                   max_new_tokens: int | None = None, adapters: list[str | None] | None = None,
+                   lora_modules: dict | None = None, **options) -> dict[str, GenerationOutput]:
     """Generate for many prompts with continuous batching; returns ``{request_id: GenerationOutput}`` in input order.
 
     A drop-in for transformers' ``model.generate_batch(inputs, generation_config)``: ``inputs`` is a list of prompts
@@ -217,9 +224,17 @@ def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool 
     ``tokenizer``: the model's tokenizer, needed for ``stop_strings``. ``assistant_model=``
     (generate()'s name) is ``speculative=``.
 
+    ``adapters``: a LoRA adapter name (or None: the base model) per prompt, all run in the same steps;
+    ``lora_modules``: ``{name: source}`` to load them from (a directory saved by peft, a ``PeftModel``, or
+    ``(LoraConfig, state_dict)``). When ``model`` is a ``PeftModel``, names missing from ``lora_modules`` are
+    loaded from its own adapters (and a prompt with None runs the base weights).
+
     Example::
 
         outputs = hf_paged.generate_batch(model, [tok(p).input_ids for p in prompts], max_new_tokens=64)
+        mixed = hf_paged.generate_batch(base_model, [ids_a, ids_b, ids_c], max_new_tokens=64,
+                                        adapters=["sql", None, "chat"],
+                                        lora_modules={"sql": "adapters/sql", "chat": "adapters/chat"})
         for out in outputs.values():
             print(tok.decode(out.generated_tokens))
     """
@@ -234,7 +249,22 @@ def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool 
     options.setdefault("tensor_parallel", False)
     if not inputs:
         return {}
+    if adapters is not None and len(adapters) != len(inputs):
+        raise ValueError(f"adapters has {len(adapters)} entries for {len(inputs)} prompts: give one name (or None) "
+                         "per prompt.")
+    wanted = sorted({a for a in adapters or () if a is not None})
+    if wanted:
+        options.setdefault("max_loras", max(DEFAULT_MAX_LORAS, len(wanted)))
     manager = init_continuous_batching(model, generation_config, **options)
+    for name in wanted:
+        source = (lora_modules or {}).get(name)
+        if source is None and hasattr(model, "peft_config") and name in model.peft_config:
+            manager.load_adapter(name, model, adapter_name=name)
+        elif source is None:
+            raise ValueError(f"adapter {name!r} has no source: pass lora_modules={{{name!r}: path}} (a directory "
+                             "saved by peft), or a PeftModel holding it.")
+        else:
+            manager.load_adapter(name, source)
     results: dict[str, GenerationOutput] = {}
     order: list[list[str]] = []
     # Every request is queued before the engine starts, so its first step sees them all: the ranks of a
@@ -242,7 +272,8 @@ def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool 
     for i, prompt in enumerate(inputs):
         rid = f"req_{i}"
         try:
-            manager.add_request(prompt, request_id=rid, max_new_tokens=max_new_tokens, **request_options)
+            manager.add_request(prompt, request_id=rid, max_new_tokens=max_new_tokens,
+                                adapter=adapters[i] if adapters is not None else None, **request_options)
             n = request_options.get("num_return_sequences") or getattr(
                 generation_config or model.generation_config, "num_return_sequences", None) or 1
             order.append([rid, *(f"{rid}__child#{j}" for j in range(n - 1))])

@@ -8,6 +8,7 @@ checks and prepares requests outside it, and calls request callbacks outside its
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from collections.abc import Mapping
@@ -21,6 +22,7 @@ from ..distributed import sum_over_ranks
 from .core import EngineCore
 from .distributed import check_broadcastable
 from .handoff import Handoff, call_back
+from .lora import AdapterSet
 from .loop import run_engine, run_tp_engine
 from .multimodal import MediaPrompt
 from .outputs import EngineStats, GenerationOutput, RequestStatus
@@ -58,7 +60,8 @@ class ContinuousBatchingManager:
 
     def __init__(self, core: EngineCore, generation_config=None, *, vocab_size: int | None = None,
                  max_queue_size: int | None = None, max_unread_results: int = DEFAULT_MAX_UNREAD,
-                 default_options: dict | None = None, sync=None, media=None):
+                 default_options: dict | None = None, sync=None, media=None,
+                 adapters: AdapterSet | None = None):
         if max_queue_size is not None and (not isinstance(max_queue_size, int) or max_queue_size < 1):
             raise ValueError(f"max_queue_size must be a positive int or None (unlimited), got {max_queue_size!r}.")
         self._core = core
@@ -68,6 +71,7 @@ class ContinuousBatchingManager:
         self._defaults = dict(default_options or {})
         self._sync = sync  # tensor parallelism: the ranks' control channel (engine/distributed.py), else None
         self._media = media  # a vision-language model's image stage (engine/multimodal.py), else None
+        self._adapters = adapters  # LoRA adapters served per request (engine/lora.py), shared with the runner
         # The engine thread holds the handoff and the core, never the manager: a manager dropped without stop() is
         # collected, its handoff is abandoned, the thread ends (cancelling what is left), then the pool is freed.
         self._handoff = Handoff(core, max_unread_results)
@@ -217,6 +221,9 @@ class ContinuousBatchingManager:
         heads; ``all_ranks=True`` sums the byte figures over the ranks (a collective: call it on every rank at a
         moment their pools agree, e.g. after ``stop()``; ``ValueError`` if their block counts differ)."""
         stats = self.pool.memory_stats()
+        if self._adapters is not None:
+            stats = dataclasses.replace(stats, adapter_bytes=self._adapters.nbytes,
+                                        adapter_bytes_reserved=self._adapters.bytes_reserved)
         if all_ranks and self._sync is not None:
             return sum_over_ranks(stats, group=self._sync.stats_group)
         return stats
@@ -243,7 +250,7 @@ class ContinuousBatchingManager:
                     eos_token_id=None, stop_token_ids: list[int] | None = None, logprobs: int | None = None,
                     num_return_sequences: int | None = None, ignore_eos: bool | None = None,
                     min_tokens: int | None = None, prompt_logprobs: int | None = None, grammar=None, callback=None,
-                    record_timestamps: bool | None = None, **settings) -> str:
+                    record_timestamps: bool | None = None, adapter: str | None = None, **settings) -> str:
         """Queue one request; returns its id.
 
         Args:
@@ -272,6 +279,8 @@ class ContinuousBatchingManager:
                 request, whatever the engine's ``speculative``).
             callback: called from the engine thread with each step's :class:`GenerationOutput` delta (keep it short).
             record_timestamps: accepted for transformers' signature; timestamps are always recorded.
+            adapter: the name of a loaded LoRA adapter (:meth:`load_adapter`) to run this request with; None: the
+                base model. Requests of different adapters share the engine's steps.
             settings: any other ``GenerationConfig`` field for this request (``no_repeat_ngram_size``,
                 ``bad_words_ids``, ``sequence_bias``, ``suppress_tokens``, ``typical_p``, ``stop_strings`` (needs the
                 engine's ``tokenizer=``), ``max_time``, ...), and generate()'s ``logits_processor``,
@@ -282,6 +291,7 @@ class ContinuousBatchingManager:
             QueueFullError: ``max_queue_size`` requests are already waiting.
             RequestTooLargeError: the prompt + ``max_new_tokens`` could never fit the pool or the model's context.
             ValueError: a bad prompt or setting (named), or a request id in use.
+            AdapterNotLoadedError: (a ValueError) ``adapter`` names no loaded adapter; the message lists them.
             RuntimeError: the manager was stopped, or its engine failed.
         """
         return self._add([(input_ids, request_id)], max_new_tokens, streaming, generation_config, callback,
@@ -290,7 +300,7 @@ class ContinuousBatchingManager:
                               stop_token_ids=stop_token_ids, logprobs=logprobs,
                               num_return_sequences=num_return_sequences, ignore_eos=ignore_eos,
                               min_tokens=min_tokens, prompt_logprobs=prompt_logprobs, grammar=grammar,
-                              **settings))[0]
+                              **settings), adapter)[0]
 
     def add_requests(self, inputs, max_new_tokens: int | None = None, streaming: bool = False, **options) -> list[str]:
         """Queue several prompts with the same settings (all or none: every one is checked before any is queued).
@@ -302,12 +312,15 @@ class ContinuousBatchingManager:
         generation_config = options.pop("generation_config", None)
         callback = options.pop("callback", None)
         options.pop("record_timestamps", None)
+        adapter = options.pop("adapter", None)
         unknown = [name for name in options if not is_request_setting(name)]
         if unknown:
             raise TypeError(f"add_requests got unexpected options {sorted(unknown)}.")
-        return self._add(list(zip(inputs, ids)), max_new_tokens, streaming, generation_config, callback, options)
+        return self._add(list(zip(inputs, ids)), max_new_tokens, streaming, generation_config, callback, options,
+                         adapter)
 
-    def _add(self, items, max_new_tokens, streaming, generation_config, callback, sampling: dict) -> list[str]:
+    def _add(self, items, max_new_tokens, streaming, generation_config, callback, sampling: dict,
+             adapter: str | None = None) -> list[str]:
         config = generation_config if generation_config is not None else self.generation_config
         overrides = {**self._defaults, **{k: v for k, v in sampling.items() if v is not None}}
         prepared = []
@@ -323,7 +336,14 @@ class ContinuousBatchingManager:
             prepared.append((prompt, params, request_id))
         self._check_driver()
         new_request = partial(_new_request, self._core, streaming=streaming, callback=callback)
-        return self._handoff.add(prepared, new_request, self.max_queue_size)
+        if adapter is None:
+            return self._handoff.add(prepared, new_request, self.max_queue_size)
+        held = self._adapter_set().hold(adapter)  # not evicted until its requests are attached
+        try:
+            return self._handoff.add(prepared, partial(_with_adapter, new_request, self._adapters, held),
+                                     self.max_queue_size)
+        finally:
+            self._adapters.release(held)
 
     def _prompt(self, input_ids) -> list[int] | MediaPrompt:
         if isinstance(input_ids, Mapping):  # one prompt's processor outputs
@@ -368,6 +388,41 @@ class ContinuousBatchingManager:
         tokens generated so far). No-op for a request that already ended; ``KeyError`` for an unknown id."""
         self._check_driver()
         call_back(self._handoff.cancel(request_id))
+
+    # --------------------------------------------------------------- adapters
+    def load_adapter(self, name: str, source, adapter_name: str | None = None) -> None:
+        """Load a LoRA adapter under ``name`` for requests to name (``add_request(..., adapter=name)``).
+
+        ``source``: a directory saved by peft's ``save_pretrained`` (``adapter_config.json`` +
+        ``adapter_model.safetensors``), a ``PeftModel`` (its adapter ``adapter_name``, default its active one), or a
+        ``(LoraConfig, state_dict)`` pair. Loading a name again replaces it (its cached KV is never reused). Past
+        ``max_loras`` the least recently used idle adapter is unloaded; ``RuntimeError`` if all are in use.
+
+        Example::
+
+            manager.load_adapter("sql", "adapters/sql")
+            rid = manager.add_request(ids, max_new_tokens=32, adapter="sql")
+        """
+        self._adapter_set().load(name, source, adapter_name)
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload adapter ``name`` (``AdapterNotLoadedError`` if not loaded; ``RuntimeError`` while live requests
+        use it)."""
+        self._adapter_set().unload(name)
+
+    @property
+    def adapters(self) -> list[str]:
+        """The names of the loaded LoRA adapters."""
+        return self._adapters.names if self._adapters is not None else []
+
+    def _adapter_set(self) -> AdapterSet:
+        if self._sync is not None:
+            raise ValueError("LoRA adapters per request are not supported under tensor parallelism; merge the "
+                             "adapter into the weights (peft's merge_and_unload) and serve that model.")
+        if self._adapters is None:
+            raise ValueError("this manager was built without adapter support (max_loras=0); build it with "
+                             "init_continuous_batching(model, max_loras=N).")
+        return self._adapters
 
     # ---------------------------------------------------------------- results
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
@@ -445,3 +500,10 @@ def _graph_stats(graphs) -> dict:
         return {}
     return dict(graphs_captured=graphs.captured, graph_replays=graphs.replays, graph_capture_s=graphs.capture_s,
                 graphs_off=graphs.disabled_reason)
+
+
+def _with_adapter(new_request, adapters: AdapterSet, adapter, request_id, prompt, params):
+    """``new_request``'s request, attached to ``adapter`` (its KV chain rooted at the adapter)."""
+    request = new_request(request_id, prompt, params)
+    adapters.attach(adapter, request)
+    return request

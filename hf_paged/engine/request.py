@@ -36,6 +36,7 @@ class Request:
     # What made this request's K/V besides its token ids, folded into its blocks' keys (see ``allocator.root_key``):
     # the root of its key chain (an adapter, a weights version) ...
     cache_root: bytes = b""
+    adapter: object = None  # the LoadedAdapter (engine/lora.py) its tokens run with; None: the base model
     # Half-open token ranges [start, end) of the prompt whose tokens attend to each other both ways (Gemma 3's image
     # tokens, from token_type_ids); a chunk never ends inside one. Empty for causal-only prompts.
     bidirectional_spans: list[tuple[int, int]] = field(default_factory=list)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -119,13 +120,19 @@ class ModelRunner:
         self.plan_time = self.forward_time = 0.0
         self.before_forward = None  # called once the step is planned, before the forward (tensor parallelism)
         self._packed_states = None  # hybrid models: the running step's segments for the state mixers
+        self.lora = None  # engine/lora.py's AdapterSet (set by the factory): the step's adapters around the forward
 
     def run(self, batch: Batch) -> torch.Tensor:
         t0 = time.perf_counter()
+        restore = None
+        if self.lora is not None:  # LoRA adapters: chunks laid out adapter by adapter, logits put back in batch order
+            batch, restore = self.lora.grouped(batch)
         if self.kv.rows.stateful:
             self._packed_states = PackedStates(self.kv.pool, segments(batch.chunks), self.kv.state_layers)
         with_media = self.media is not None and self.media.needed(batch.chunks)
-        bucket = self.graphs.rows_for(batch.chunks) if self.graphs is not None and not with_media else None
+        adapters = self.lora.token_map(batch.chunks) if self.lora is not None else None  # None: base weights only
+        graphable = self.graphs is not None and not with_media and adapters is None
+        bucket = self.graphs.rows_for(batch.chunks) if graphable else None
         inputs = pack(batch, self.device, bucket)
         media = self.media.for_step(batch.chunks, inputs.position_ids, self.device) if with_media else None
         step = self._plan(batch, inputs.padding, graphed=bucket is not None)
@@ -133,13 +140,16 @@ class ModelRunner:
         self.plan_time = t1 - t0
         if self.before_forward is not None:
             self.before_forward()
-        if bucket is not None:
-            logits = self.graphs.run(step, inputs, self._buffers, self._forward)
-        else:
-            logits = self._forward(step, inputs.moved(lambda name, t: t.to(self.device, non_blocking=True)), media)
+        with self.lora.applied(adapters, self.device) if self.lora is not None else nullcontext():
+            if bucket is not None:
+                logits = self.graphs.run(step, inputs, self._buffers, self._forward)
+            else:
+                logits = self._forward(step, inputs.moved(lambda name, t: t.to(self.device, non_blocking=True)), media)
         if media is not None:
             self.media.done(batch.chunks)
         logits = logits[: inputs.num_sampled + inputs.num_prompt_logits]  # [k + m, vocab]
+        if restore is not None:
+            logits = logits[restore]
         if logits.device.type == "cuda":  # the time is the forward's, not the sampler's first sync
             torch.cuda.synchronize(logits.device)
         self.forward_time = time.perf_counter() - t1

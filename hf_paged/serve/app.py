@@ -37,6 +37,9 @@ class ServeSettings:
     larger bodies get a 413; ``drain_timeout``: seconds a shutdown waits for running requests before cancelling them;
     ``cors_origins``: origins allowed to call from a browser; ``owns_engine``: stop the manager when the app shuts down;
     ``media``: the image policy of chat requests (remote domains, a file root, count and pixel limits).
+    ``lora_loading``: serve vLLM's ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (off: 404);
+    ``lora_paths``: where each adapter loaded at start came from (``/v1/models`` reports it as the adapter's root).
+    Requests choose a loaded adapter by naming it as their ``model`` (vLLM's convention).
     """
 
     model_name: str
@@ -46,6 +49,8 @@ class ServeSettings:
     cors_origins: tuple[str, ...] = ()
     owns_engine: bool = True
     media: MediaPolicy = MediaPolicy()  # where chat images may come from, how many and how large (serve/media.py)
+    lora_loading: bool = False
+    lora_paths: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int | None = None,
@@ -107,12 +112,59 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    lora_paths = dict(settings.lora_paths)
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "hf_paged", "root": name, "parent": None,
-                                            "max_model_len": engine.max_context, "permission": [],
-                                            "input_modalities": ["text", "image"] if takes_images else ["text"]}]}
+        created = int(time.time())
+        base = {"id": name, "object": "model", "created": created, "owned_by": "hf_paged", "root": name,
+                "parent": None, "max_model_len": engine.max_context, "permission": []}
+        base["input_modalities"] = ["text", "image"] if takes_images else ["text"]
+        loras = [{**base, "id": lora, "root": lora_paths.get(lora, lora), "parent": name} for lora in adapters()]
+        return {"object": "list", "data": [base, *loras]}
+
+    # -- vLLM's LoRA adapter endpoints (only with --enable-lora-loading) -----------------------------------------------
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        body = lora_body(await engine.run(parse_json, await request.body()), "lora_path")
+        lora, path = body["lora_name"], body["lora_path"]
+        if lora == name:
+            raise APIError(400, f"'{lora}' is the base model's name; give the adapter another.", param="lora_name")
+        try:
+            await engine.run(manager.load_adapter, lora, path)
+        except (OSError, ValueError, KeyError) as exc:
+            raise APIError(400, f"could not load adapter '{lora}' from {path}: {exc}", param="lora_path") from None
+        except RuntimeError as exc:
+            raise APIError(409, str(exc), param="lora_name") from None
+        lora_paths[lora] = path
+        return Response(f"Success: LoRA adapter '{lora}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        lora = lora_body(await engine.run(parse_json, await request.body()))["lora_name"]
+        if lora not in adapters():
+            raise APIError(404, f"no adapter '{lora}' is loaded; loaded: {adapters() or 'none'}.", param="lora_name",
+                           code="model_not_found")
+        try:
+            await engine.run(manager.unload_adapter, lora)
+        except RuntimeError as exc:
+            raise APIError(409, str(exc), param="lora_name") from None
+        lora_paths.pop(lora, None)
+        return Response(f"Success: LoRA adapter '{lora}' removed successfully.", media_type="text/plain")
+
+    def lora_body(body, *more: str) -> dict:
+        if not settings.lora_loading:
+            raise APIError(404, "loading adapters at run time is off on this server; start it with "
+                                "--enable-lora-loading (or load them at start with --lora-modules name=path).")
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object.")
+        for key in ("lora_name", *more):
+            if not isinstance(body.get(key), str) or not body[key]:
+                raise APIError(400, f"'{key}' is required (a non-empty string).", param=key)
+        return body
+
+    def adapters() -> list[str]:
+        return list(getattr(manager, "adapters", []))
 
     # -- vLLM's tokenizer endpoints (lm-eval's and benchmark tools' tokenizer detection) ------------------------------
     @app.post("/tokenize")
@@ -156,10 +208,16 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
         info["add_bos_token"] = getattr(tokenizer, "add_bos_token", None)
         return info
 
-    def check_model(model: str | None) -> None:
-        if model is not None and model != name:
-            raise APIError(404, f"the model '{model}' does not exist on this server; it serves '{name}'.",
-                           param="model", code="model_not_found")
+    def check_model(model: str | None) -> str | None:
+        """The adapter a request's ``model`` names (None: the base model); 404 naming what is served."""
+        if model is None or model == name:
+            return None
+        loaded = adapters()
+        if model in loaded:
+            return model
+        served = f"'{name}'" + (f" and the adapters {loaded}" if loaded else "")
+        raise APIError(404, f"the model '{model}' does not exist on this server; it serves {served}.",
+                       param="model", code="model_not_found")
 
     if pool_tokens is None:
         pool_tokens = _pool_tokens(manager)
@@ -200,19 +258,19 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
     async def completions(request: Request):
         record = request.state.record
         req = await engine.run(lambda raw: parse_completion(parse_json(raw)), await request.body())
-        check_model(req.model)
+        adapter = check_model(req.model)
         prompts = [p if isinstance(p, list) else await engine.encode(p) for p in req.prompts]
         limits = await engine.run(budgets, prompts, req.params.max_tokens)
         if req.params.bad_words:
             req.params.bad_words_ids = await engine.run(bad_words_ids, engine.tokenizer, req.params.bad_words)
         if req.params.grammar_spec is not None:
             req.params.grammar = await engine.compile_grammar(req.params.grammar_spec)
-        gen = engine.generate(prompts, req.params, req.n, limits, record.start)
+        gen = engine.generate(prompts, req.params, req.n, limits, record.start, adapter=adapter)
         record.generation = gen
         echoes = None
         if req.echo:
             echoes = [p if isinstance(p, str) else await engine.decode(p) for p in req.prompts]
-        shape = Shape("completion", f"cmpl-{record.id}", int(time.time()), name, req.include_usage)
+        shape = Shape("completion", f"cmpl-{record.id}", int(time.time()), adapter or name, req.include_usage)
         if req.stream:
             return _stream(gen, shape, record, req.n, echoes, req.params, req.continuous_usage)
         return await _collect(gen, shape, request, record, req.n, echoes, req.params)
@@ -221,7 +279,7 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
     async def chat_completions(request: Request):
         record = request.state.record
         req = await engine.run(lambda raw: parse_chat(parse_json(raw)), await request.body())
-        check_model(req.model)
+        adapter = check_model(req.model)
         if has_images(req.messages):
             prompt = await image_prompt(req.messages, req.tools)
         else:
@@ -232,9 +290,9 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
         parser = tool_parser(req.tools, req.params)
         if req.params.grammar_spec is not None:
             req.params.grammar = await engine.compile_grammar(req.params.grammar_spec)
-        gen = engine.generate([prompt], req.params, req.n, limits, record.start)
+        gen = engine.generate([prompt], req.params, req.n, limits, record.start, adapter=adapter)
         record.generation = gen
-        shape = Shape("chat", f"chatcmpl-{record.id}", int(time.time()), name, req.include_usage)
+        shape = Shape("chat", f"chatcmpl-{record.id}", int(time.time()), adapter or name, req.include_usage)
         if req.stream:
             return _stream(gen, shape, record, req.n, None, req.params, req.continuous_usage, parser)
         return await _collect(gen, shape, request, record, req.n, None, req.params, parser)

@@ -16,6 +16,7 @@ import torch
 import uvicorn
 
 from .. import BlockPool, attach_paged_attention, embedded, init_continuous_batching
+from ..engine.lora import DEFAULT_MAX_LORAS
 from .app import ServeSettings, create_app
 from .distributed import serve as serve_distributed
 from .media import DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, MediaPolicy, load_vision_model
@@ -71,6 +72,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_PIXELS,
                    help="pixels (width x height, all images together) per chat request at most")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters to serve (directories saved by peft); a request chooses one by sending its "
+                        "NAME as 'model'")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="adapters loaded at once (default 8, or the number of --lora-modules if more); past it the "
+                        "least recently used idle one is unloaded")
+    p.add_argument("--enable-lora-loading", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's shapes)")
     p.add_argument("--tp-plan", default=None, choices=["auto"],
                    help="tensor parallelism under torchrun: torchrun --nproc-per-node N -m hf_paged serve --tp-plan "
                         "auto ... (rank 0 serves HTTP, the other ranks follow its steps)")
@@ -84,6 +93,17 @@ def _device(name: str):
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def lora_modules(specs: list[str]) -> dict[str, str]:
+    """``--lora-modules name=path ...`` as ``{name: path}``; ``ValueError`` naming a malformed entry."""
+    out = {}
+    for spec in specs:
+        lora, sep, path = spec.partition("=")
+        if not sep or not lora or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH entries (a directory saved by peft), got {spec!r}.")
+        out[lora] = path
+    return out
 
 
 def build(args, load=None):
@@ -119,18 +139,24 @@ def build(args, load=None):
             speculative.to(device)
     extra = {} if getattr(args, "num_speculative_tokens", None) is None else \
         {"num_speculative_tokens": args.num_speculative_tokens}
+    loras = lora_modules(getattr(args, "lora_modules", []))
+    max_loras = getattr(args, "max_loras", None) or max(DEFAULT_MAX_LORAS, len(loras))
     manager = init_continuous_batching(model, pool=pool, max_batch_tokens=args.max_batch_tokens,
                                        speculative=speculative, **extra,
                                        max_queue_size=args.max_queue,
                                        cuda_graphs=False if args.no_cuda_graphs else None,
-                                       tp_timeout_s=getattr(args, "tp_timeout", 60.0), tokenizer=tokenizer)
+                                       tp_timeout_s=getattr(args, "tp_timeout", 60.0), tokenizer=tokenizer,
+                                       max_loras=max_loras)
+    for lora, path in loras.items():
+        manager.load_adapter(lora, path)
     settings = ServeSettings(model_name=name, api_key=args.api_key,
                              max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
                              drain_timeout=args.drain_timeout, cors_origins=tuple(args.cors_origin),
                              media=MediaPolicy(tuple(getattr(args, "allowed_media_domains", ())),
                                                Path(args.media_root) if getattr(args, "media_root", None) else None,
                                                getattr(args, "max_images", DEFAULT_MAX_IMAGES),
-                                               getattr(args, "max_image_pixels", DEFAULT_MAX_PIXELS)))
+                                               getattr(args, "max_image_pixels", DEFAULT_MAX_PIXELS)),
+                             lora_loading=getattr(args, "enable_lora_loading", False), lora_paths=loras)
     vocab = model.config.get_text_config(decoder=True).vocab_size
     app = create_app(manager, tokenizer, settings, vocab_size=vocab, processor=processor)
     return app, f"{name} on {device} ({dtype}, KV {args.kv_dtype}, block {args.block_size})"

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..engine.lora import AdapterNotLoadedError
 from ..engine.outputs import QueueFullError
 from ..engine.structured import GrammarCompiler, GrammarSpec
 from .detokenizer import IncrementalDetokenizer
@@ -229,10 +230,11 @@ class AsyncEngine:
 
     # -- generation ------------------------------------------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams, n: int, max_new_tokens: list[int],
-                 start_time: float | None = None) -> Generation:
+                 start_time: float | None = None, adapter: str | None = None) -> Generation:
         """Submit ``n`` choices per prompt (token ids, or one prompt's processor outputs with images; choice index
-        ``prompt * n + i``). All or nothing: if the engine refuses
-        one (queue full, too large, stopped), those already submitted are cancelled and an :class:`APIError` raised."""
+        ``prompt * n + i``), run with LoRA ``adapter`` (None: the base model). All or nothing: if the engine refuses
+        one (queue full, too large, stopped, adapter unloaded), those already submitted are cancelled and an
+        :class:`APIError` raised."""
         gen = Generation(asyncio.get_running_loop(), self, start_time or time.perf_counter())
         gen.prompt_tokens = sum(len(prompt_ids(p)) for p in prompts)
         gen.n = n
@@ -262,7 +264,7 @@ class AsyncEngine:
                         self.manager.add_request(ids if isinstance(ids, Mapping) else list(ids),
                                                  request_id=choice.request_id,
                                                  max_new_tokens=max_new_tokens[p], callback=self._callback(choice),
-                                                 **params.engine_kwargs(i))
+                                                 **params.engine_kwargs(i), **({"adapter": adapter} if adapter else {}))
                     except Exception:
                         self._live.pop(choice.request_id, None)
                         raise
@@ -270,6 +272,9 @@ class AsyncEngine:
             gen.cancel()
             raise APIError(429, f"the server's queue is full ({exc}); retry in {RETRY_AFTER_S} s.",
                            code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except AdapterNotLoadedError as exc:  # unloaded (or evicted) since the request was checked
+            gen.cancel()
+            raise APIError(404, str(exc), param="model", code="model_not_found") from None
         except ValueError as exc:  # RequestTooLargeError is one
             gen.cancel()
             raise APIError(400, str(exc)) from None

@@ -32,7 +32,8 @@ checked for build errors and shared memory, and their spills are listed.
       gpt-oss with sinks, SmolLM2), and an opt-in slice at bf16, d128, group 4: fp8 KV, block sizes 8 and 128, 32 splits
       (SPLITS_P 32), a 4-query extend (a smaller BLOCK_Q). And MLA's latent attention (``hf_paged.ops.triton_mla``) at
       DeepSeek-V3's shape (rank 512, rope 64, 128 heads): decode (also split-KV with its merge) and a 512-query prefill
-      in bf16 and fp16 (defaults), fp32 and an fp8 pool (opt-in).
+      in bf16 and fp16 (defaults), fp32 and an fp8 pool (opt-in). And batched LoRA's shrink / expand kernels
+      (``hf_paged.ops.triton_lora``) at ranks 8, 16 and 64.
     * ``--full`` (~8,500 builds: hours on 2 cores): dtype x head dim x group 1-8 x block size 8-128 x {decode, split
       decode, prefill of 512 and of 4 queries}, fp8 KV for fp16/bf16, every merge width (SPLITS_P 2-32), KV writes for
       1-32 KV heads, soft-capping and sinks in every dtype.
@@ -70,6 +71,8 @@ from ..ops.metadata import AttentionMetadata
 
 KERNELS_MODULE = "hf_paged.ops.triton_kernels"
 MLA_MODULE = "hf_paged.ops.triton_mla"  # MLA's latent attention: configurations of kind "mla_decode" / "mla_prefill"
+LORA_MODULE = "hf_paged.ops.triton_lora"  # batched LoRA's shrink / expand: configurations of kind "lora"
+LORA_SHAPE = (256, 4096, 4096)  # tokens, in_features, out_features of the checked launch (Llama-3.1-8B's q_proj)
 # DeepSeek-V3's attention: kv_lora_rank 512 (Config.head_dim), qk_rope_head_dim 64, 128 heads (Config.group)
 MLA_RANK, MLA_ROPE, MLA_HEADS = 512, 64, 128
 DEFAULT_ARCHS = (80, 90)
@@ -144,6 +147,8 @@ class Config:
     default: bool = field(default=True, compare=False)
 
     def label(self) -> str:
+        if self.kind == "lora":  # head_dim holds the adapters' (padded) rank
+            return f"lora {self.dtype} r{self.head_dim}"
         parts = [self.kind, self.dtype if self.kv_dtype == "same" else f"{self.dtype}/{self.kv_dtype}-kv",
                  f"d{self.head_dim}", f"kv{self.num_kv_heads}" if self.kind == "write_kv" else f"G{self.group}",
                  f"bs{self.block_size}"]
@@ -181,7 +186,13 @@ def _ci_set() -> list[Config]:
         configs += _attention_configs(False, dtype="bf16", head_dim=128, group=4, block_size=block_size)
     configs.append(Config("decode", "bf16", 128, 4, splits=32, default=False))  # merge with SPLITS_P 32
     configs.append(Config("prefill", "bf16", 128, 4, query_len=SHORT_QUERY_LEN, default=False))
-    return configs + _mla_configs()
+    return configs + _mla_configs() + _lora_configs()
+
+
+def _lora_configs() -> list[Config]:
+    """Batched LoRA (``hf_paged.ops.triton_lora``) at ranks 8, 16, 64 (``head_dim`` holds the rank): fp16 / bf16
+    (default), fp32 (opt-in)."""
+    return [Config("lora", dtype, rank, default=dtype != "fp32") for dtype in DTYPES for rank in (8, 16, 64)]
 
 
 def _mla_configs() -> list[Config]:
@@ -367,6 +378,9 @@ def _launch(module, config: Config) -> None:
     if config.kind.startswith("mla"):
         _launch_mla(module, config)
         return
+    if config.kind == "lora":
+        _launch_lora(module, config)
+        return
     t = _meta_inputs(config)
     if config.kind == "write_kv":
         module.write_kv_triton(t["key"], t["key"], t["key_cache"], t["key_cache"], t["slot_mapping"], **t["scales"])
@@ -402,6 +416,17 @@ def _launch_mla(module, config: Config) -> None:
                                 empty(num_blocks, config.block_size, 1, MLA_ROPE, dtype=kv_dtype),  # rope cache
                                 meta, (rank // 4 + MLA_ROPE) ** -0.5,
                                 num_kv_splits=config.splits if config.kind == "mla_decode" else None, **scales)
+
+
+def _launch_lora(module, config: Config) -> None:
+    """The batched-LoRA launcher on meta tensors: 8 adapters of rank ``config.head_dim``."""
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[config.dtype]
+    tokens, in_features, out_features = LORA_SHAPE
+    empty = lambda *shape, dtype: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+    module.add_lora_triton(empty(tokens, out_features, dtype=dtype), empty(tokens, in_features, dtype=dtype),
+                           empty(8, config.head_dim, in_features, dtype=dtype),  # lora_a [N, R, in]
+                           empty(8, config.head_dim, out_features, dtype=dtype),  # lora_b [N, R, out]
+                           empty(8, dtype=torch.float32), empty(tokens, dtype=torch.int32))
 
 
 @contextmanager
@@ -443,8 +468,9 @@ def capture_variants(module_ref: str, configs: list[Config], archs) -> list[tupl
     so what is built is what they launch: the tile sizes, warps and stages ``launch_choices`` picks, and the
     argument values the JIT specialises on.
     """
-    by_module = [(module_ref, [c for c in configs if not c.kind.startswith("mla")]),
-                 (MLA_MODULE, [c for c in configs if c.kind.startswith("mla")])]
+    by_module = [(module_ref, [c for c in configs if not c.kind.startswith(("mla", "lora"))]),
+                 (MLA_MODULE, [c for c in configs if c.kind.startswith("mla")]),
+                 (LORA_MODULE, [c for c in configs if c.kind == "lora"])]
     out = []
     for ref, chosen in by_module:
         if not chosen:
