@@ -82,13 +82,14 @@ def _top_level_nodes(tree: ast.Module):
 
 
 def imports_of(module: str, source: str):
-    """``(line, target, at_top)`` for every import in ``source`` (``if TYPE_CHECKING:`` blocks left out)."""
+    """``(line, target, at_top)`` for every import in ``source``; those of a top-level ``if TYPE_CHECKING:`` block
+    count as at the top (a type-only import is still an edge of the import graph: a circle through one is a circle)."""
     tree = ast.parse(source)
     top = {id(n) for n in _top_level_nodes(tree)}
-    typing_only = {id(n) for t in tree.body if isinstance(t, ast.If) and "TYPE_CHECKING" in ast.unparse(t.test)
-                   for n in ast.walk(t)}
+    top |= {id(n) for t in tree.body if isinstance(t, ast.If) and "TYPE_CHECKING" in ast.unparse(t.test)
+            for n in ast.walk(t)}
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in typing_only:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
             for target in _targets(module, node):
                 yield node.lineno, target, id(node) in top
 
@@ -105,8 +106,11 @@ def test_the_import_checks_see_local_imports_and_circles():
     source = ("import os\nif True:\n    import json\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
               "    import csv\ndef f():\n    import re\n")
     assert [(line, target, top) for line, target, top in imports_of("hf_paged.x", source)] == \
-        [(1, "os", True), (4, "typing", True), (3, "json", True), (8, "re", False)]
+        [(1, "os", True), (4, "typing", True), (3, "json", True), (6, "csv", True), (8, "re", False)]
     assert find_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    # a type-only import closing a circle is seen
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hf_paged.b import B\n"
+    assert [t for _, t, top in imports_of("hf_paged.a", typed) if top] == ["typing", "hf_paged.b"]
     assert find_circles({"a": {"b"}, "b": set()}) == []
 
 

@@ -371,7 +371,7 @@ def paged_attention_unchecked(query, key_cache, value_cache, meta: AttentionMeta
     ``backend`` is ``"torch"`` or ``"triton"``; ``seq_lens`` and ``query_start_loc`` contiguous. The model path and
     the custom op call the backends through here.
 
-    ``meta.plan`` (torch backend): the step's read layout (:class:`~hf_paged.ops.reference.ReadLayout`), shared by
+    ``meta.plan`` (torch backend): the step's read layout (:class:`~hf_paged.ops.layout.ReadLayout`), shared by
     the layers of a step. ``reuse_partials`` (Triton): split-KV scratch kept per device and shape (eager calls only).
     """
     if backend == "triton":

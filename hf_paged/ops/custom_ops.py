@@ -21,8 +21,9 @@ from __future__ import annotations
 import torch
 
 from . import _triton_kernels, paged_attention_unchecked
+from .layout import ReadLayout
 from .metadata import AttentionMetadata
-from .reference import ReadLayout, write_kv_torch
+from .reference import write_kv_torch
 
 WRITE_KV_SCHEMA = ("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
                    "Tensor slot_mapping, Tensor(c!)? k_scale, Tensor(d!)? v_scale, str backend) -> ()")

@@ -5,18 +5,17 @@ device); :func:`hf_paged.ops.paged_attention` builds one from its arguments. Wha
 it: the pool tensors, the softmax scale, soft-capping, sinks and the fp8 scale caches. Crossing the custom-op
 boundary (``torch.ops.hf_paged.paged_attention``, whose schema takes only tensors and scalars) it is flattened by
 :func:`hf_paged.ops.custom_ops.op_arguments` and rebuilt by :func:`hf_paged.ops.custom_ops.from_op_arguments`, nowhere
-else. This module imports nothing of the package: the backends (``reference``, ``triton_kernels``) import it.
+else. This module imports only the read layout (``layout``, plain data): the backends (``reference``,
+``triton_kernels``) import it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # for the annotation only: reference.py imports this module
-    from .reference import ReadLayout
+from .layout import ReadLayout
 
 
 @dataclass
@@ -34,7 +33,7 @@ class AttentionMetadata:
     max_query_len: int | None = None  # host-side maxima (None: read from the tensors, a device sync)
     max_seq_len: int | None = None  # may be a bucketed bound above every seq_lens, up to W * block_size
     sliding_window: int | None = None
-    plan: "ReadLayout | None" = None  # the torch backend's read layout (hf_paged.ops.reference), once per step
+    plan: ReadLayout | None = None  # the torch backend's read layout (hf_paged.ops.layout), once per step
     chunk: int | None = None  # chunked attention: a query sees its own chunk of this many positions
 
     def moved(self, put) -> "AttentionMetadata":

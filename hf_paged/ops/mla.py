@@ -27,8 +27,9 @@ import sys
 
 import torch
 
+from .layout import AttentionPart
 from .metadata import AttentionMetadata
-from .reference import AttentionPart, dequantize_fp8, plan_torch_attention
+from .reference import dequantize_fp8, plan_torch_attention
 
 
 # Imported on first use, not at the top: triton is optional and triton_mla imports it (ImportError without it).
