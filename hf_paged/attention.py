@@ -51,7 +51,7 @@ from . import compat, ops
 from .cache import STEP_KWARG, PagedCache, StepCache
 from .cache_state import GenerateCall
 from .ops import custom_ops
-from .patches import attention_modules, check_model, find_patch
+from .patches import attention_modules, check_model, find_patch, kv_geometry
 
 _PREFIX = "hf_paged_"
 # The PagedCache of the generate() call running in this thread/task (for the stopping criteria it builds).
@@ -59,32 +59,38 @@ _GENERATE_CACHE: contextvars.ContextVar = contextvars.ContextVar("hf_paged_gener
 # Per-step outputs generate() returns for every row: finished rows must keep their history to match DynamicCache.
 _PER_STEP_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 # Attention arguments the paged attention implements (softcap, s_aux: ops.paged_attention's options; sliding_window:
-# the layer group's window, checked against it) or that carry nothing it needs (the step has the positions).
+# the layer group's window, checked against it).
 _IMPLEMENTED = frozenset({"softcap", "s_aux", "sliding_window"})
-_IGNORED = frozenset({"position_ids", "use_cache", "output_attentions", "output_hidden_states", "output_router_logits",
-                      "cache_position", "is_causal", "cache", "past_key_values", "past_key_value", "return_dict"})
+# Arguments transformers' attention functions (eager, sdpa, flash, flex; transformers 4.56 - 5.x) read that change
+# what attention computes and the paged attention does not implement: a positional bias added to the scores, packed
+# (varlen) sequences told by cumulative lengths, and transformers' own paged cache. Everything else a forward hands
+# the attention (generate()'s model kwargs such as tokenizer=, streamer=, a model's custom kwargs; position_ids,
+# output_attentions, kernel options) is passed through untouched: it does not change the result.
+REFUSED_ATTENTION_KWARGS = frozenset({"position_bias", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                                      "max_length_k", "block_table", "k_cache", "v_cache"})
 
 
 def _check_kwargs(module, kwargs: dict, layer) -> None:
-    """``ValueError`` naming the layer and the argument for an attention argument the paged path does not implement
-    (a model taken generically may pass anything: nothing is ignored silently)."""
+    """``ValueError`` naming the layer and the argument for an attention argument that changes attention and the
+    paged path does not implement (:data:`REFUSED_ATTENTION_KWARGS`, ``is_causal=False``, a window other than the
+    config's); every other argument is left alone."""
     for name, value in kwargs.items():
-        if value is None or name in _IGNORED:
-            if name == "is_causal" and value is False:
-                raise ValueError(f"layer {module.layer_idx} ({type(module).__name__}) asks for non-causal attention "
-                                 "(is_causal=False); paged attention is causal. Fix: use transformers' DynamicCache "
-                                 "for this model.")
+        if value is None:
             continue
+        if name == "is_causal" and value is False:
+            raise ValueError(f"layer {module.layer_idx} ({type(module).__name__}) asks for non-causal attention "
+                             "(is_causal=False); paged attention is causal. Fix: use transformers' DynamicCache "
+                             "for this model.")
         if name == "sliding_window" and value != layer.group.attention.sliding_window:
             raise ValueError(f"layer {module.layer_idx} ({type(module).__name__}) passes sliding_window={value} but "
                              f"its config describes window {layer.group.attention.sliding_window} "
                              "(hf_paged.patches.layer_windows). Fix: add a ModelPatch with this family's window rule "
                              "in patches/.")
-        if name not in _IMPLEMENTED:
+        if name in REFUSED_ATTENTION_KWARGS:
             raise ValueError(f"layer {module.layer_idx} ({type(module).__name__}) passes the attention argument "
-                             f"{name}={_short(value)}, which hf_paged's paged attention does not implement. Fix: use "
-                             "transformers' DynamicCache for this model (or PagedCache without "
-                             "enable_paged_attention).")
+                             f"{name}={_short(value)}, which changes attention and hf_paged's paged attention does "
+                             "not implement. Fix: use transformers' DynamicCache for this model (or PagedCache "
+                             "without enable_paged_attention).")
 
 
 def _short(value) -> str:
@@ -117,15 +123,20 @@ def _paged_forward(module, query, scaling, kwargs, layer) -> torch.Tensor:
 
 
 def _layer_step(module, kwargs, query_len: int):
-    """The layer's step: from its kwargs (``update`` put it there), else from the running forward's cache: a
-    KV-shared layer never calls ``update`` and reads its source layer's step (cut to the queries it got when the
-    model sliced them), as does every layer before transformers 5.24."""
+    """The layer's step, from what the attention is handed: in its kwargs when a cache of hf_paged's ran ``update``
+    (``PagedCache`` / ``StepCache``); none there means another cache's forward (or none), the model's own attention.
+    Two cases only find it through the running forward's cache: a KV-shared layer (the module says so:
+    ``_hf_paged_reads_source``), which never calls ``update`` and reads its source layer's step (cut to the queries
+    it got when the model sliced them), and every layer before transformers 5.24 (no step in the kwargs). Never while
+    compiling: neither case compiles with a ``PagedCache`` (``PagedCache.is_compileable``), and a compiled forward of
+    another cache (``StaticCache``) must not read a context variable."""
     layer = kwargs.pop(STEP_KWARG, None)
-    if layer is None:
-        cache = compat.running_cache()
-        if cache is not None:
-            layer = cache.layer_step(module.layer_idx, query_len)
-    return layer
+    if layer is not None or torch.compiler.is_compiling():
+        return layer
+    if compat.STEP_IN_ATTENTION_KWARGS and not getattr(module, "_hf_paged_reads_source", False):
+        return None
+    cache = compat.running_cache()
+    return cache.layer_step(module.layer_idx, query_len) if cache is not None else None
 
 
 @functools.lru_cache(maxsize=None)  # one builder per name, like the attention function
@@ -363,6 +374,10 @@ def attach_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module
         for sub in model.modules():
             if hasattr(sub, "layer_idx") and hasattr(sub, "head_dim"):
                 sub._hf_paged_eager = patch.eager_attention
+        geometry = kv_geometry(model.config)
+        for sub in attention_modules(model):  # KV-shared layers find their source's step through the forward's cache
+            if sub.layer_idx < len(geometry.layers) and geometry.layers[sub.layer_idx].kind == "reuse":
+                sub._hf_paged_reads_source = True
         if patch.attention is not None:  # a family whose pool holds something else than per-head K/V (MLA)
             for sub in attention_modules(model):
                 sub._hf_paged_eager, sub._hf_paged_attention = patch.eager_attention, patch.attention
@@ -416,6 +431,7 @@ def disable_paged_attention(model: nn.Module) -> nn.Module:
     for sub in model.modules():
         sub.__dict__.pop("_hf_paged_eager", None)
         sub.__dict__.pop("_hf_paged_attention", None)
+        sub.__dict__.pop("_hf_paged_reads_source", None)
     del model._hf_paged_state
     return model
 

@@ -30,6 +30,7 @@ FOREIGN_PRIVATE = {
     ("hf_paged.attention", "_hf_paged_state"): "hf_paged's own attribute on the user's model (its paged-path state)",
     ("hf_paged.attention", "_hf_paged_eager"): "hf_paged's own attribute on an attention module",
     ("hf_paged.attention", "_hf_paged_attention"): "hf_paged's own attribute on an attention module",
+    ("hf_paged.attention", "_hf_paged_reads_source"): "hf_paged's own attribute on a KV-shared attention module",
     ("hf_paged.attention", "_get_stopping_criteria"): "generate()'s hook wrapped on the model instance (undone by "
                                                       "disable_paged_attention)",
     ("hf_paged.compat", "_attn_implementation"): "transformers before set_attn_implementation() read the config field",
