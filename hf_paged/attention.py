@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.generation import GenerationMixin
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from . import compat, ops
@@ -337,6 +338,16 @@ def _wrap_stopping_criteria(get_criteria):
     return wrapped
 
 
+def generating_model(model: nn.Module) -> nn.Module:
+    """The model that owns the attention layers and runs ``generate()``'s loop: ``model`` itself, or for a wrapper
+    whose ``generate`` reaches an inner model's (peft's ``PeftModel`` -> ``LoraModel`` -> ``LlamaForCausalLM``) the
+    first transformers generation model among its modules. What :func:`enable_paged_attention` hooks and wraps."""
+    for sub in model.modules():
+        if isinstance(sub, GenerationMixin):
+            return sub
+    return model
+
+
 def attach_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module:
     """Put a supported model's attention on the paged path, without touching ``generate()``; returns the model.
 
@@ -360,6 +371,11 @@ def attach_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module
     if backend == "triton" and not ops.triton_available():
         raise ValueError("backend='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU); "
                          "use backend='torch' or 'auto'.")
+    _attach(generating_model(model), backend)
+    return model
+
+
+def _attach(model: nn.Module, backend: str) -> None:
     patch = find_patch(model)
     check_model(model)
     decoder = patch.decoder(model)
@@ -384,7 +400,6 @@ def attach_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module
         compat.use_attention(model, _PREFIX + original, _make_attention(original), _make_mask(original))
         model._hf_paged_state = state
     state.backend = backend
-    return model
 
 
 def enable_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module:
@@ -399,7 +414,8 @@ def enable_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module
     model computes exactly what it computed before. Calling it twice is harmless (the second call may change the
     backend); on a model already attached it adds only the wrappers. :func:`disable_paged_attention` undoes it.
     ``python -m hf_paged models`` lists the supported model families; others raise a ``ValueError`` naming the
-    missing feature.
+    missing feature. A wrapper whose ``generate()`` calls an inner model's (a peft ``PeftModel``) is enabled on that
+    inner model (:func:`generating_model`): LoRA adapters, ``set_adapter`` and ``merge_and_unload`` keep paging.
 
     Example::
 
@@ -407,22 +423,24 @@ def enable_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module
         out = model.generate(**inputs, cache=PagedCache(model.config), max_new_tokens=64)
     """
     attach_paged_attention(model, backend)
-    state = model._hf_paged_state
+    inner = generating_model(model)
+    state = inner._hf_paged_state
     if not state.takes_paged_cache:
         state.takes_paged_cache = True
-        if hasattr(model, "generate"):
-            model.generate = _wrap_generate(model, model.generate, state)
-            model.prepare_inputs_for_generation = _wrap_prepare_inputs(model.prepare_inputs_for_generation, model)
-            model._get_stopping_criteria = _wrap_stopping_criteria(model._get_stopping_criteria)
+        if hasattr(inner, "generate"):
+            inner.generate = _wrap_generate(inner, inner.generate, state)
+            inner.prepare_inputs_for_generation = _wrap_prepare_inputs(inner.prepare_inputs_for_generation, inner)
+            inner._get_stopping_criteria = _wrap_stopping_criteria(inner._get_stopping_criteria)
     return model
 
 
 def disable_paged_attention(model: nn.Module) -> nn.Module:
     """Undo :func:`enable_paged_attention` or :func:`attach_paged_attention`: the original attention
     implementation, no hooks, no wrappers."""
+    wrapper, model = model, generating_model(model)
     state = getattr(model, "_hf_paged_state", None)
     if state is None:
-        return model
+        return wrapper
     for handle in state.handles:
         handle.remove()
     compat.use_attention(model, state.original)
@@ -433,12 +451,12 @@ def disable_paged_attention(model: nn.Module) -> nn.Module:
         sub.__dict__.pop("_hf_paged_attention", None)
         sub.__dict__.pop("_hf_paged_reads_source", None)
     del model._hf_paged_state
-    return model
+    return wrapper
 
 
 def is_paged(model: nn.Module) -> bool:
     """Whether ``model`` is on the paged path (:func:`attach_paged_attention` or :func:`enable_paged_attention`)."""
-    return getattr(model, "_hf_paged_state", None) is not None
+    return getattr(generating_model(model), "_hf_paged_state", None) is not None
 
 
 def paged_backend(model: nn.Module) -> str:
@@ -447,4 +465,4 @@ def paged_backend(model: nn.Module) -> str:
     if not is_paged(model):
         raise ValueError("the model is not on the paged path: call hf_paged.enable_paged_attention(model) (or "
                          "attach_paged_attention(model) for the engine alone) first.")
-    return model._hf_paged_state.backend
+    return generating_model(model)._hf_paged_state.backend
