@@ -24,7 +24,9 @@ class AttentionMetadata:
 
     Query ``i`` of a sequence with ``q_len`` queries is at position ``seq_lens[s] - q_len + i`` and attends to the
     positions ``<=`` its own (the last ``sliding_window`` of them with a window; with ``chunk=C`` those from
-    ``floor(p / C) * C`` on: chunked attention).
+    ``floor(p / C) * C`` on: chunked attention). With ``query_limits``, a query sees the positions ``<=`` its limit
+    instead of its own (a bidirectional span: an image's tokens see each other); the window and the chunk still
+    count back from its own position.
     """
 
     block_tables: torch.Tensor  # [num_seqs, W] int32, logical block -> physical block
@@ -35,6 +37,7 @@ class AttentionMetadata:
     sliding_window: int | None = None
     plan: ReadLayout | None = None  # the torch backend's read layout (hf_paged.ops.layout), once per step
     chunk: int | None = None  # chunked attention: a query sees its own chunk of this many positions
+    query_limits: torch.Tensor | None = None  # [num_tokens] int32, the last position each query sees (None: its own)
 
     def moved(self, put) -> "AttentionMetadata":
         """The same metadata with each tensor replaced by ``put(name, tensor)`` (moved to a device, or staged in a
@@ -42,4 +45,5 @@ class AttentionMetadata:
         layout = None if self.plan is None else self.plan.moved(lambda name, t: put("layout." + name, t))
         return replace(self, block_tables=put("block_tables", self.block_tables),
                        seq_lens=put("seq_lens", self.seq_lens),
-                       query_start_loc=put("query_start_loc", self.query_start_loc), plan=layout)
+                       query_start_loc=put("query_start_loc", self.query_start_loc), plan=layout,
+                       query_limits=None if self.query_limits is None else put("query_limits", self.query_limits))

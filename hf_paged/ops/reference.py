@@ -115,6 +115,7 @@ SPLIT_MIN_POSITIONS = 256
 def plan_torch_attention(
     block_tables, seq_lens, query_start_loc, block_size: int, *, sliding_window: int | None = None,
     max_seq_len: int | None = None, always_mask: bool = False, zero_unowned: bool = False, chunk: int | None = None,
+    query_limits: torch.Tensor | None = None,
 ) -> ReadLayout:
     """The read layout (:class:`ReadLayout`: index and mask tensors) of :func:`paged_attention_torch`, built once per
     step and shared by its layers.
@@ -128,8 +129,9 @@ def plan_torch_attention(
     do, and blocks never read as views (a compiled step's layout then holds the same tensors, of shapes fixed by the
     step's sizes, every step). ``zero_unowned``: also mark the slots no sequence wrote (a caller's pool; hf_paged's
     own pools hold zeros there). ``chunk=C``: chunked attention (Llama 4), a query at position ``p`` sees positions
-    ``floor(p / C) * C .. p`` only. Reads ``seq_lens`` and ``query_start_loc`` on the host (they are host tensors
-    when a step is planned).
+    ``floor(p / C) * C .. p`` only. ``query_limits`` ``[num_tokens]``: the last position each query sees, at or
+    after its own (a bidirectional span; see :class:`~hf_paged.ops.AttentionMetadata`): the masks take it. Reads
+    ``seq_lens``, ``query_start_loc`` and ``query_limits`` on the host (host tensors when a step is planned).
     """
     if max_seq_len is not None and cdiv(max_seq_len, block_size) > block_tables.shape[1]:
         raise ValueError(
@@ -149,8 +151,10 @@ def plan_torch_attention(
     # ordered: the parts' queries, in turn, are the packed batch as it is (a compiled step: only a single part)
     ordered = [r for _, rows in groups for r in rows] == [r for r, c in enumerate(counts) if c > 0]
     layout = ReadLayout(ordered=ordered and (not always_mask or len(groups) == 1))
+    limits = None if query_limits is None else query_limits.tolist()
     context = dict(lens=lens, starts=starts, ordered=layout.ordered, block_tables=block_tables, block_size=block_size,
-                   window=sliding_window, chunk=chunk, always_mask=always_mask, zero_unowned=zero_unowned)
+                   window=sliding_window, chunk=chunk, always_mask=always_mask, zero_unowned=zero_unowned,
+                   limits=limits)
     for q, rows in groups:  # a single part may take the step's (bucketed) width
         layout.parts.append(_part(rows, q, max_seq_len if len(groups) == 1 else None, **context))
     return layout
@@ -173,7 +177,7 @@ def _by_context(rows: list[int], lens: list[int], block_size: int) -> list[list[
 
 
 def _part(rows: list[int], queries: int, max_seq_len, *, lens, starts, ordered: bool, block_tables, block_size,
-          window, chunk, always_mask, zero_unowned) -> AttentionPart:
+          window, chunk, always_mask, zero_unowned, limits) -> AttentionPart:
     part_lens = [lens[r] for r in rows]
     nb = cdiv(max(max(part_lens) if max_seq_len is None else max_seq_len, 1), block_size)
     length = nb * block_size
@@ -192,16 +196,23 @@ def _part(rows: list[int], queries: int, max_seq_len, *, lens, starts, ordered: 
         part.q_start = starts[rows[0]]
     else:
         part.q_index = torch.tensor([starts[r] + i for r in rows for i in range(queries)], device=device)
+    # each query's limit where a bidirectional span moves it past its own position (None: none does)
+    part_limits = None
+    if limits is not None:
+        own = [[n - queries + i for i in range(queries)] for n in part_lens]
+        given = [limits[starts[r]: starts[r] + queries] for r in rows]
+        part_limits = None if given == own else given
     if queries == 1:  # decode: a mask unless every row sees all L positions
         unmasked = window is None and chunk is None and all(n == length for n in part_lens)
     else:  # the row's queries are its first positions: causal, no mask
         unmasked = all(n == queries for n in part_lens) and (window is None or window >= queries) and (
             chunk is None or chunk >= queries)
-    if always_mask or not unmasked:
+    if always_mask or not unmasked or part_limits is not None:
         q_pos = torch.tensor([n - queries for n in part_lens], device=device)[:, None] + torch.arange(
             queries, device=device)  # [Sx, Q]
         kv_pos = torch.arange(length, device=device)
-        mask = kv_pos <= q_pos[:, :, None]  # [Sx, Q, L]
+        q_hi = q_pos if part_limits is None else torch.tensor(part_limits, device=device)  # [Sx, Q]
+        mask = kv_pos <= q_hi[:, :, None]  # [Sx, Q, L]
         if window is not None:
             mask &= kv_pos > (q_pos[:, :, None] - window)
         if chunk is not None:  # the query's own chunk only
@@ -269,7 +280,8 @@ def paged_attention_torch(
         # so zero them. hf_paged's own pools start zeroed and only hold written tokens, so the model path skips it.
         layout = plan_torch_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, key_cache.shape[1],
                                       sliding_window=meta.sliding_window, chunk=meta.chunk,
-                                      max_seq_len=meta.max_seq_len, zero_unowned=True)
+                                      max_seq_len=meta.max_seq_len, zero_unowned=True,
+                                      query_limits=meta.query_limits)
     explicit = softcap is not None or sinks is not None
     kv_dtype = torch.float32 if explicit else query.dtype
     features = (scale, softcap, sinks, explicit)
