@@ -53,6 +53,7 @@ from .cache import STEP_KWARG, PagedCache, StepCache
 from .cache_state import GenerateCall
 from .ops import custom_ops
 from .patches import attention_modules, check_model, find_patch, kv_geometry
+from .step import bidirectional_spans
 
 _PREFIX = "hf_paged_"
 # The PagedCache of the generate() call running in this thread/task (for the stopping criteria it builds).
@@ -312,7 +313,8 @@ def _wrap_generate(model, generate, state: PagedModel):
     return wrapped
 
 
-def _wrap_prepare_inputs(prepare, model):
+def _wrap_prepare_inputs(prepare, model, bidirectional):
+    """``bidirectional``: the family's marker of bidirectional tokens (``ModelPatch.bidirectional``) or None."""
     @functools.wraps(prepare)
     def wrapped(input_ids, *args, **kwargs):
         cache = compat.cache_from_kwargs(kwargs)
@@ -324,7 +326,9 @@ def _wrap_prepare_inputs(prepare, model):
             inputs = cache.skip_cached_prefix(inputs, input_ids.shape[1] if input_ids is not None else 0)
             ids, embeds = inputs.get("input_ids"), inputs.get("inputs_embeds")
             batch, query_len = (ids if ids is not None else embeds).shape[:2]
-            cache.plan(ids, kwargs.get("attention_mask"), batch, query_len, cache.call.backend, model.dtype)
+            marks = bidirectional(inputs) if bidirectional is not None else None
+            spans = bidirectional_spans(marks, kwargs.get("attention_mask")) if marks is not None else None
+            cache.plan(ids, kwargs.get("attention_mask"), batch, query_len, cache.call.backend, model.dtype, spans)
         return inputs
 
     return wrapped
@@ -429,7 +433,8 @@ def enable_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module
         state.takes_paged_cache = True
         if hasattr(inner, "generate"):
             inner.generate = _wrap_generate(inner, inner.generate, state)
-            inner.prepare_inputs_for_generation = _wrap_prepare_inputs(inner.prepare_inputs_for_generation, inner)
+            inner.prepare_inputs_for_generation = _wrap_prepare_inputs(inner.prepare_inputs_for_generation, inner,
+                                                                       find_patch(inner).bidirectional)
             inner._get_stopping_criteria = _wrap_stopping_criteria(inner._get_stopping_criteria)
     return model
 
