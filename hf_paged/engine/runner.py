@@ -139,7 +139,8 @@ class ModelRunner:
     def _plan(self, batch: Batch, padding: int, graphed: bool) -> Step:
         """The step of ``batch``'s chunks, then ``padding`` tokens of the padding row (``graphed``: one released row
         per padding token, so every row of a graphed step has one query)."""
-        inputs = [RowInput(c.request.row, c.num_tokens, c.tokens) for c in batch.chunks]
+        inputs = [RowInput(c.request.row, c.num_tokens, c.tokens, spans=c.request.bidirectional_spans)
+                  for c in batch.chunks]
         if graphed:
             inputs += [RowInput(PAD_ROW, 1, None) for _ in range(padding)]
         elif padding:
