@@ -64,12 +64,13 @@ _PER_STEP_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "out
 # the layer group's window, checked against it).
 _IMPLEMENTED = frozenset({"softcap", "s_aux", "sliding_window"})
 # Arguments transformers' attention functions (eager, sdpa, flash, flex; transformers 4.56 - 5.x) read that change
-# what attention computes and the paged attention does not implement: a positional bias added to the scores, packed
-# (varlen) sequences told by cumulative lengths, and transformers' own paged cache. Everything else a forward hands
+# what attention computes and the paged attention does not implement: a positional bias added to the scores (T5's
+# position_bias, ALiBi slopes), packed (varlen) sequences told by cumulative lengths, and transformers' own paged
+# cache. Everything else a forward hands
 # the attention (generate()'s model kwargs such as tokenizer=, streamer=, a model's custom kwargs; position_ids,
 # output_attentions, kernel options) is passed through untouched: it does not change the result.
-REFUSED_ATTENTION_KWARGS = frozenset({"position_bias", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-                                      "max_length_k", "block_table", "k_cache", "v_cache"})
+REFUSED_ATTENTION_KWARGS = frozenset({"position_bias", "alibi_slopes", "cu_seq_lens_q", "cu_seq_lens_k",
+                                      "max_length_q", "max_length_k", "block_table", "k_cache", "v_cache"})
 
 
 def _check_kwargs(module, kwargs: dict, layer) -> None:
