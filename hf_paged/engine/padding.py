@@ -110,26 +110,19 @@ def padding_sizes(cost: dict[int, float]) -> frozenset:
     return frozenset(sizes)
 
 
-def _padding_sizes(run) -> frozenset:
-    return padding_sizes(_fastest_per_size(run, range(1, TARGET + 1)))
+def _parts(model: nn.Module):
+    """(the first decoder layer's linear layers, the output head or None, the model's dtype)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = head if isinstance(head, nn.Linear) else None
+    param = next(model.parameters(), None)
+    return _layer_linears(model, head), head, param.dtype if param is not None else torch.float32
 
 
 @torch.no_grad()
-def measure_padding(model: nn.Module) -> PaddingRule:
-    """The :class:`PaddingRule` of ``model`` on this machine (CPU), measured once per model shape, dtype, thread
-    count and CPU capability, then cached: the model's first decoder layer's linear layers are timed on 1-16 tokens
-    (the step's cost but attention, which padding rows do not join), its output head on 1-16 rows."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head = head if isinstance(head, nn.Linear) else None
-    linears = _layer_linears(model, head)
-    param = next(model.parameters(), None)
-    dtype = param.dtype if param is not None else torch.float32
-    key = (tuple(tuple(m.weight.shape) for m in linears), None if head is None else tuple(head.weight.shape), dtype,
-           torch.get_num_threads(), torch.backends.cpu.get_cpu_capability())
-    rule = _RULES.get(key)
-    if rule is not None:
-        return rule
-    width = linears[0].in_features if linears else (head.in_features if head is not None else 0)
+def gemm_costs(model: nn.Module) -> tuple[dict[int, float] | None, dict[int, float] | None]:
+    """Seconds per call at each size ``1 .. TARGET``: of the first decoder layer's linear layers together (None
+    without any), and of the output head's first 4096 rows (None without a linear head)."""
+    linears, head, dtype = _parts(model)
 
     def layer_call(n: int):
         inputs = {m.in_features: torch.randn(n, m.in_features, dtype=dtype) for m in linears}
@@ -140,7 +133,22 @@ def measure_padding(model: nn.Module) -> PaddingRule:
         weight = head.weight[:HEAD_SLICE]  # [min(vocab, 4096), hidden], contiguous rows of the real weight
         return lambda: torch.nn.functional.linear(hidden, weight)
 
-    tokens = _padding_sizes(layer_call) if linears and width else frozenset()
-    rows = _padding_sizes(head_call) if head is not None else frozenset()
-    rule = _RULES[key] = PaddingRule(tokens, rows, "measured")
+    sizes = range(1, TARGET + 1)
+    return (_fastest_per_size(layer_call, sizes) if linears else None,
+            _fastest_per_size(head_call, sizes) if head is not None else None)
+
+
+def measure_padding(model: nn.Module) -> PaddingRule:
+    """The :class:`PaddingRule` of ``model`` on this machine (CPU), measured once per model shape, dtype, thread
+    count and CPU capability, then cached: the model's first decoder layer's linear layers are timed on 1-16 tokens
+    (the step's cost but attention, which padding rows do not join), its output head on 1-16 rows
+    (:func:`gemm_costs`), and :func:`padding_sizes` decides."""
+    linears, head, dtype = _parts(model)
+    key = (tuple(tuple(m.weight.shape) for m in linears), None if head is None else tuple(head.weight.shape), dtype,
+           torch.get_num_threads(), torch.backends.cpu.get_cpu_capability())
+    rule = _RULES.get(key)
+    if rule is None:
+        layer, head_cost = gemm_costs(model)
+        rule = _RULES[key] = PaddingRule(padding_sizes(layer) if layer else frozenset(),
+                                         padding_sizes(head_cost) if head_cost else frozenset(), "measured")
     return rule
