@@ -17,9 +17,11 @@ Where state lives, one place each:
   here, so compiled decoding plans outside the compiled region) or, for a forward called directly, by a pre-hook
   on the decoder (a no-op while compiling).
 * A layer's step tensors reach the attention function in the kwargs transformers hands it (``PagedCache.update``
-  adds them); transformers releases without that path (before 5.24), and KV-shared layers (which never call
-  ``update``: they read their source layer's step), ask the cache of the running forward, from a context variable
-  the decoder hooks set and clear around each forward (``compat.running_cache``). The mask
+  adds them): what it is handed tells its own forwards from another cache's (no step: the model's own attention), so
+  a compiled ``StaticCache`` forward of an enabled model traces as before. Transformers releases without that path
+  (before 5.24), and KV-shared layers (which never call ``update``: they read their source layer's step; the module
+  says so), ask the cache of the running forward, from a context variable the decoder hooks set and clear around
+  each forward (``compat.running_cache``), never while compiling (neither compiles with a ``PagedCache``). The mask
   builder registered with the attention asks the same cache whether its forward reads the pool (then no mask is
   built: the step carries the lengths and windows).
 * The columns a forward consumed are counted once it has run (``PagedCache.forward_ran``: after the decoder's
@@ -30,8 +32,9 @@ Where state lives, one place each:
   context variable the ``generate()`` wrapper sets for the call (per thread and task). Nothing refers to a cache
   after its forward or call ends.
 * What ``attach_paged_attention`` / ``enable_paged_attention`` did to a model (its original attention, hooks,
-  backend, whether it takes a ``PagedCache``) is one ``PagedModel`` on the model, which the hooks and wrappers are
-  bound to; each attention module also knows its family's eager attention (``_hf_paged_eager``), the fallback the
+  backend, whether it takes a ``PagedCache``) is one ``PagedModel`` on the model that owns the attention layers and
+  runs ``generate()`` (:func:`generating_model`: the model itself, or the inner model of a wrapper such as peft's
+  ``PeftModel``), which the hooks and wrappers are bound to; each attention module also knows its family's eager attention (``_hf_paged_eager``), the fallback the
   shared attention function calls without a paged step.
 """
 
