@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from helpers import dynamic, generate, left_padded, tiny_model
-from hf_paged import PagedCache, disable_paged_attention, enable_paged_attention, is_paged
+from helpers.engine_oracle import reference
+from hf_paged import PagedCache, disable_paged_attention, enable_paged_attention, generate_batch, is_paged
 from hf_paged.ops import custom_ops
 
 peft = pytest.importorskip("peft")
@@ -81,3 +82,14 @@ def test_merge_and_unload_keeps_paging(paged_calls):
     out, paged, gathered = paged_run(merged, inputs, paged_calls)
     assert is_paged(merged) and paged and not gathered
     assert torch.equal(out, expected)
+
+
+def test_the_engine_serves_a_lora_model():
+    """generate_batch on a PeftModel (attach_paged_attention finds the inner model): the adapter's tokens."""
+    model = lora_model()
+    model.set_adapter("second")
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    expected = [reference(model, p, 6).tokens for p in prompts]
+    outputs = generate_batch(model, prompts, max_new_tokens=6)
+    assert is_paged(model)
+    assert [list(o.generated_tokens) for o in outputs.values()] == expected
