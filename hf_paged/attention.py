@@ -34,8 +34,8 @@ Where state lives, one place each:
 * What ``attach_paged_attention`` / ``enable_paged_attention`` did to a model (its original attention, hooks,
   backend, whether it takes a ``PagedCache``) is one ``PagedModel`` on the model that owns the attention layers and
   runs ``generate()`` (:func:`generating_model`: the model itself, or the inner model of a wrapper such as peft's
-  ``PeftModel``), which the hooks and wrappers are bound to; each attention module also knows its family's eager attention (``_hf_paged_eager``), the fallback the
-  shared attention function calls without a paged step.
+  ``PeftModel``), which the hooks and wrappers are bound to; each attention module also knows its family's eager
+  attention (``_hf_paged_eager``), the fallback the shared attention function calls without a paged step.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ SmolLM2 costs 0.60 ms for 13-15 tokens and 0.38 ms for 16, its 49k-word head 62 
 an AMD EPYC (or MKL's AVX2 path) there is no such cliff and padding only adds work. So nothing is assumed: when the
 engine starts on CPU, :func:`measure_padding` times the model's own linear layers (one decoder layer's, standing for
 all of them) at 1-16 tokens and its output head (its first 4096 rows) at 1-16 rows, and a step (or its sampled
-rows) is padded to 16 only for the sizes where 16 measured at least 25% faster (a range ending at 15: a slow path). The rule is cached per model shape,
-dtype, thread count and CPU capability (one measurement per process for each), and takes about 0.2 s of small
-GEMMs per kind.
+rows) is padded to 16 only for the sizes where 16 measured at least 25% faster (a range ending at 15: a slow path).
+The rule is cached per model shape, dtype, thread count and CPU capability (one measurement per process for each);
+it times about 100 small GEMMs of each kind (a second or two for SmolLM2 on one thread, more on a busy machine).
 
 Padding tokens are a released row's (written to the pool's scratch block, their outputs dropped); padding logits
 repeat the last ones (``hf_paged.engine.runner.pack``). GPUs need none of it (their CUDA graphs pad to their own
