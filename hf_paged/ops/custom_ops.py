@@ -43,8 +43,9 @@ NO_WINDOW = 0  # how the op's schema spells "no sliding window"
 
 def op_arguments(meta: AttentionMetadata) -> tuple:
     """``(block_tables, seq_lens, query_start_loc, layout_tensors, layout_ints, sliding_window, max_query_len, chunk,
-    query_limits)`` of ``meta`` as the op's schema takes them. ``max_seq_len`` does not cross: the op reads the tables' width times the
-    block size (a shape, which a compiled graph keeps symbolic) instead of a Python int it would bake in."""
+    query_limits)`` of ``meta`` as the op's schema takes them. ``max_seq_len`` does not cross: the op reads the
+    tables' width times the block size (a shape, which a compiled graph keeps symbolic) instead of a Python int it
+    would bake in."""
     layout_tensors, layout_ints = ReadLayout.op_arguments(meta.plan)
     return (meta.block_tables, meta.seq_lens, meta.query_start_loc, layout_tensors, layout_ints,
             int(meta.sliding_window or NO_WINDOW), int(meta.max_query_len), int(meta.chunk or NO_WINDOW),
@@ -115,7 +116,8 @@ def paged_attention(query, layer, scale: float, softcap: float | None, sinks: to
         return paged_attention_unchecked(query, layer.key_cache, layer.value_cache, meta, float(scale), layer.backend,
                                          softcap=softcap or None, sinks=sinks, k_scale=layer.k_scale,
                                          v_scale=layer.v_scale, reuse_partials=True)
-    tables, lens, query_start_loc, layout_tensors, layout_ints, window, max_query_len, chunk, limits = op_arguments(meta)
+    tables, lens, query_start_loc, layout_tensors, layout_ints, window, max_query_len, chunk, limits = \
+        op_arguments(meta)
     return torch.ops.hf_paged.paged_attention(
         query, layer.key_cache, layer.value_cache, tables, lens, query_start_loc, layout_tensors, layout_ints, sinks,
         layer.k_scale, layer.v_scale, float(scale), window, float(softcap or _NO_SOFTCAP), max_query_len, layer.backend,
