@@ -19,7 +19,8 @@ peft = pytest.importorskip("peft")
 
 
 def lora_model():
-    """A tiny Llama with two LoRA adapters ("first", "second") of random, non-zero weights (so each changes the tokens)."""
+    """A tiny Llama with two LoRA adapters ("first", "second") of random, non-zero weights (so each changes the
+    tokens)."""
     model = tiny_model("llama", seed=1)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                              init_lora_weights=False)

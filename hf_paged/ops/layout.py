@@ -48,8 +48,8 @@ class ReadLayout:
     Rows are split into :class:`AttentionPart` s so that no row is padded to another's query count, nor a decode row
     to a much longer context: the rows with one query by context (power-of-two ranges of blocks, see
     ``hf_paged.ops.reference.SPLIT_MIN_POSITIONS``), then one part per distinct larger query count, in order of first
-    appearance (a continuous-batching step's chunks mostly one each; a ``generate()`` batch one part in all). A row with no query
-    takes no part. Each part gathers its rows' blocks up to its own longest context, in whole blocks
+    appearance (a continuous-batching step's chunks mostly one each; a ``generate()`` batch one part in all). A row
+    with no query takes no part. Each part gathers its rows' blocks up to its own longest context, in whole blocks
     (``L = nb * block_size``), or reads them as a view of the pool when it is a single row whose blocks are
     consecutive (``run``). When the parts' queries, in order, are the packed batch itself (``ordered``), the output
     is their concatenation; otherwise each part has index tensors and its output is scattered.

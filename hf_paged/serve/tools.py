@@ -257,7 +257,8 @@ class ToolCallParser:
             if self.mode == REQUIRED:
                 items = _complete_items(text)
                 if self.name is not None:  # a single tool: each item is its arguments
-                    return [ToolCall(self.name, json.dumps(_object(item), ensure_ascii=False)) for item in items] or None
+                    return [ToolCall(self.name, json.dumps(_object(item), ensure_ascii=False))
+                            for item in items] or None
                 return [_call(item) for item in items] or None
             if not self.in_call:
                 return None
