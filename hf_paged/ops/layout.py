@@ -42,8 +42,8 @@ class AttentionPart:
 
 @dataclass
 class ReadLayout:
-    """The torch backend's *read layout*: how :func:`paged_attention_torch` reads one batch, built once per step
-    (:func:`plan_torch_attention`) and shared by its layers.
+    """The torch backend's *read layout*: how :func:`~hf_paged.ops.reference.paged_attention_torch` reads one batch,
+    built once per step (:func:`~hf_paged.ops.reference.plan_torch_attention`) and shared by its layers.
 
     Rows are split into :class:`AttentionPart` s so that no row is padded to another's query count, nor a decode row
     to a much longer context: the rows with one query by context (power-of-two ranges of blocks, see
