@@ -5,7 +5,8 @@ SmolLM2 costs 0.60 ms for 13-15 tokens and 0.38 ms for 16, its 49k-word head 62 
 an AMD EPYC (or MKL's AVX2 path) there is no such cliff and padding only adds work. So nothing is assumed: when the
 engine starts on CPU, :func:`measure_padding` times the model's own linear layers (one decoder layer's, standing for
 all of them) at 1-16 tokens and its output head (its first 4096 rows) at 1-16 rows, and a step (or its sampled
-rows) is padded to 16 only for the sizes where 16 measured at least 25% faster (a range ending at 15: a slow path).
+rows) is padded to 16 only for the sizes where 16 measured at least 25% faster (a range of at least 3 sizes ending
+at 15: a slow path).
 The rule is cached per model shape, dtype, thread count and CPU capability (one measurement per process for each);
 it times about 100 small GEMMs of each kind (a second or two for SmolLM2 on one thread, more on a busy machine).
 
@@ -25,6 +26,7 @@ from torch import nn
 TARGET = 16  # the size a padded step (or its sampled rows) runs at
 _ROUNDS = 5  # timings per size, taken in rounds over all sizes (a load change hits every size); the fastest counts
 _TIMING = 0.002  # seconds one timing loops for
+_MIN_RANGE = 3  # a slow path spans several sizes (the Xeon's: 4-15 rows, 7-15 tokens); fewer is a noisy timing
 _MARGIN = 0.75  # padding must save a quarter of the unpadded time: timing noise on a busy machine never pads, a
 # slow path (the Xeon's: 1.6x per layer, 2.4x for the head) does
 HEAD_SLICE = 4096  # output rows of the head timed: its cost per row is flat, the slow path depends on the input rows
@@ -96,8 +98,8 @@ def _layer_linears(model: nn.Module, head: nn.Module | None) -> list[nn.Linear]:
 
 def padding_sizes(cost: dict[int, float]) -> frozenset:
     """From the cost of each size ``1 .. TARGET``, the sizes ``a .. TARGET - 1`` that run faster padded: the smallest
-    ``a`` from which every size up to ``TARGET - 1`` costs more than ``TARGET`` by the margin (a slow path's range);
-    empty when ``TARGET - 1`` does not (a size measured slow on its own, below faster ones, is noise).
+    ``a`` from which every size up to ``TARGET - 1`` costs more than ``TARGET`` by the margin (a slow path's range,
+    at least ``_MIN_RANGE`` sizes); empty otherwise (a size measured slow on its own is noise).
 
     Example: ``padding_sizes({**{n: n for n in range(1, 7)}, **{n: 30 for n in range(7, 16)}, 16: 16})`` ->
     ``frozenset(range(7, 16))``.
@@ -107,7 +109,7 @@ def padding_sizes(cost: dict[int, float]) -> frozenset:
         if not cost[TARGET] < _MARGIN * cost[n]:
             break
         sizes.add(n)
-    return frozenset(sizes)
+    return frozenset(sizes) if len(sizes) >= _MIN_RANGE else frozenset()
 
 
 def _parts(model: nn.Module):
