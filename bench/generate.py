@@ -7,6 +7,7 @@
    KV bytes, and blocks in use vs the blocks the same rows would take unshared.
 3. Compiled decoding: StaticCache + torch.compile vs PagedCache (fixed pool) + torch.compile, with DynamicCache and
    PagedCache eager beside them, alternated; first-call (compile) time reported apart from steady-state tokens/s.
+   ``--static-on-paged``: also StaticCache compiled on the enabled model (what enabling must leave unchanged).
 4. Prefix reuse: a request whose long system prompt is in the pool's prefix cache vs the same request on a cold
    pool: time to first token and prompt tokens the model computed.
 
@@ -41,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import transformers  # noqa: E402
 
 from hf_paged import compat, embedded  # noqa: E402
-from hf_paged.attention import disable_paged_attention, enable_paged_attention  # noqa: E402
+from hf_paged import disable_paged_attention, enable_paged_attention  # noqa: E402
 from hf_paged.cache import PagedCache  # noqa: E402
 from hf_paged.pool import BlockPool  # noqa: E402
 from hf_paged.progress import GenerationProgress  # noqa: E402
@@ -412,6 +413,7 @@ def section_sharing(model, tokenizer, args, backends: list[str]) -> dict:
 
 # ----------------------------------------------------------------------------------------------------- section 3
 STATIC_C, PAGED_C, PAGED_E = "StaticCache compiled", "PagedCache compiled", "PagedCache eager"
+STATIC_ON_PAGED = "StaticCache compiled, model enabled"  # enable_paged_attention() leaves other caches as they were
 
 
 def compile_config(device: torch.device, mode: str | None):
@@ -442,16 +444,16 @@ def section_compiled(model, tokenizer, args, backends: list[str]) -> dict:
     def run(name: str, label: str):
         if name == DYNAMIC:
             cache, extra = DynamicCache(config=model.config), {}
-        elif name == STATIC_C:
+        elif name in (STATIC_C, STATIC_ON_PAGED):
             cache, extra = StaticCache(config=model.config, max_cache_len=max_len), {"compile_config": cc}
         else:
             cache = PagedCache(model.config, block_size=args.block_size, num_blocks=blocks)
             extra = {"compile_config": cc} if name == PAGED_C else {"disable_compile": True}
-        out, seconds, _ = run_generate(paged_model if name in (PAGED_C, PAGED_E) else model, inputs, cache,
-                                       args.max_new_tokens, label, do_sample=False, **extra)
+        target = paged_model if name in (PAGED_C, PAGED_E, STATIC_ON_PAGED) else model
+        out, seconds, _ = run_generate(target, inputs, cache, args.max_new_tokens, label, do_sample=False, **extra)
         return out, seconds, cache
 
-    names = [DYNAMIC, PAGED_E, STATIC_C, PAGED_C]
+    names = [DYNAMIC, PAGED_E, STATIC_C, PAGED_C] + ([STATIC_ON_PAGED] if args.static_on_paged else [])
     first, seconds, outs = {}, {n: [] for n in names}, {}
 
     def first_call(name: str) -> None:
@@ -576,6 +578,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile-mode", default=None, help="torch.compile mode (default: reduce-overhead on CUDA, "
                    "default on CPU)")
     p.add_argument("--prefix-repeat", type=int, default=6, help="system prompt length, in paragraphs (section 4)")
+    p.add_argument("--static-on-paged", action="store_true",
+                   help="section 3: also StaticCache compiled on the paged (enabled) model, which must be unchanged")
     p.add_argument("--plots", metavar="DIR", default=None, help="write DIR/kv_over_steps.png")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="also write the results as JSON to PATH (stdout without PATH)")

@@ -294,10 +294,10 @@ def host_cases(args, device) -> dict:
                                                              layer.group.attention, scale, reuse_partials=True)
 
     def op_args(q, layer):  # torch.ops.hf_paged.paged_attention's arguments, as custom_ops.paged_attention makes them
-        tables, lens, qsl, layout, layout_ints, window, max_query_len, chunk = custom_ops.op_arguments(
+        tables, lens, qsl, layout, layout_ints, window, max_query_len, chunk, limits = custom_ops.op_arguments(
             layer.group.attention)
         return (q, layer.key_cache, layer.value_cache, tables, lens, qsl, layout, layout_ints, None, None, None, scale,
-                window, 0.0, max_query_len, "triton", chunk)
+                window, 0.0, max_query_len, "triton", chunk, limits)
 
     write_args = (kv_dec, kv_dec, dec.key_cache, dec.value_cache, g.slot_mapping, None, None, "triton")
     dec_args, pre_args = op_args(q_dec, dec), op_args(q_pre, pre)

@@ -7,7 +7,8 @@
 
 from . import ops
 from .allocator import BlockAllocator
-from .attention import attach_paged_attention, disable_paged_attention, enable_paged_attention, is_paged, paged_backend
+from .attention import is_paged, paged_backend
+from .enable import attach_paged_attention, disable_paged_attention, enable_paged_attention
 from .cache import PagedCache
 from .embedded import local_model_dir as embedded_model_dir
 from .engine import EngineStats, GenerationOutput, QueueFullError, RequestStatus, RequestTooLargeError

@@ -2,12 +2,12 @@
 
 Two entry points, one on top of the other:
 
-* ``attach_paged_attention`` puts the model on the paged path: it registers an attention function (and its mask
+* ``attach_attention`` (public: ``hf_paged.attach_paged_attention``) puts the model on the paged path: it registers an attention function (and its mask
   builder) under a name of its own and sets the model to it (one call, ``compat.use_attention``), and hooks the
   decoder. A forward handed a planned step (the engine's ``StepCache``) reads K/V through the block tables; with any
   other cache, or none, the function calls the implementation the model had before, so the model computes exactly
   what it did (plain forward, ``DynamicCache``, training). That is all the continuous-batching engine needs.
-* ``enable_paged_attention`` attaches and also wraps ``generate()``, its input preparation and its stopping criteria,
+* ``enable_generate`` (public: ``hf_paged.enable_paged_attention``) attaches and also wraps ``generate()``, its input preparation and its stopping criteria,
   which a :class:`PagedCache` needs. A model only attached refuses a ``PagedCache`` (``ValueError`` naming
   ``enable_paged_attention``) rather than run ``generate()`` without the call's planning.
 
@@ -17,9 +17,11 @@ Where state lives, one place each:
   here, so compiled decoding plans outside the compiled region) or, for a forward called directly, by a pre-hook
   on the decoder (a no-op while compiling).
 * A layer's step tensors reach the attention function in the kwargs transformers hands it (``PagedCache.update``
-  adds them); transformers releases without that path (before 5.24), and KV-shared layers (which never call
-  ``update``: they read their source layer's step), ask the cache of the running forward, from a context variable
-  the decoder hooks set and clear around each forward (``compat.running_cache``). The mask
+  adds them): what it is handed tells its own forwards from another cache's (no step: the model's own attention), so
+  a compiled ``StaticCache`` forward of an enabled model traces as before. Transformers releases without that path
+  (before 5.24), and KV-shared layers (which never call ``update``: they read their source layer's step; the module
+  says so), ask the cache of the running forward, from a context variable the decoder hooks set and clear around
+  each forward (``compat.running_cache``), never while compiling (neither compiles with a ``PagedCache``). The mask
   builder registered with the attention asks the same cache whether its forward reads the pool (then no mask is
   built: the step carries the lengths and windows).
 * The columns a forward consumed are counted once it has run (``PagedCache.forward_ran``: after the decoder's
@@ -30,9 +32,10 @@ Where state lives, one place each:
   context variable the ``generate()`` wrapper sets for the call (per thread and task). Nothing refers to a cache
   after its forward or call ends.
 * What ``attach_paged_attention`` / ``enable_paged_attention`` did to a model (its original attention, hooks,
-  backend, whether it takes a ``PagedCache``) is one ``PagedModel`` on the model, which the hooks and wrappers are
-  bound to; each attention module also knows its family's eager attention (``_hf_paged_eager``), the fallback the
-  shared attention function calls without a paged step.
+  backend, whether it takes a ``PagedCache``) is one ``PagedModel`` on the model that owns the attention layers and
+  runs ``generate()`` (:func:`generating_model`: the model itself, or the inner model of a wrapper such as peft's
+  ``PeftModel``), which the hooks and wrappers are bound to; each attention module also knows its family's eager
+  attention (``_hf_paged_eager``), the fallback the shared attention function calls without a paged step.
 """
 
 from __future__ import annotations
@@ -45,13 +48,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.generation import GenerationMixin
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from . import compat, ops
 from .cache import STEP_KWARG, PagedCache, StepCache
 from .cache_state import GenerateCall
 from .ops import custom_ops
-from .patches import attention_modules, check_model, find_patch
+from .patches import attention_modules, check_model, find_patch, kv_geometry
+from .step import bidirectional_spans
 
 _PREFIX = "hf_paged_"
 # The PagedCache of the generate() call running in this thread/task (for the stopping criteria it builds).
@@ -59,32 +64,39 @@ _GENERATE_CACHE: contextvars.ContextVar = contextvars.ContextVar("hf_paged_gener
 # Per-step outputs generate() returns for every row: finished rows must keep their history to match DynamicCache.
 _PER_STEP_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 # Attention arguments the paged attention implements (softcap, s_aux: ops.paged_attention's options; sliding_window:
-# the layer group's window, checked against it) or that carry nothing it needs (the step has the positions).
+# the layer group's window, checked against it).
 _IMPLEMENTED = frozenset({"softcap", "s_aux", "sliding_window"})
-_IGNORED = frozenset({"position_ids", "use_cache", "output_attentions", "output_hidden_states", "output_router_logits",
-                      "cache_position", "is_causal", "cache", "past_key_values", "past_key_value", "return_dict"})
+# Arguments transformers' attention functions (eager, sdpa, flash, flex; transformers 4.56 - 5.x) read that change
+# what attention computes and the paged attention does not implement: a positional bias added to the scores (T5's
+# position_bias, ALiBi slopes), packed (varlen) sequences told by cumulative lengths, and transformers' own paged
+# cache. Everything else a forward hands
+# the attention (generate()'s model kwargs such as tokenizer=, streamer=, a model's custom kwargs; position_ids,
+# output_attentions, kernel options) is passed through untouched: it does not change the result.
+REFUSED_ATTENTION_KWARGS = frozenset({"position_bias", "alibi_slopes", "cu_seq_lens_q", "cu_seq_lens_k",
+                                      "max_length_q", "max_length_k", "block_table", "k_cache", "v_cache"})
 
 
 def _check_kwargs(module, kwargs: dict, layer) -> None:
-    """``ValueError`` naming the layer and the argument for an attention argument the paged path does not implement
-    (a model taken generically may pass anything: nothing is ignored silently)."""
+    """``ValueError`` naming the layer and the argument for an attention argument that changes attention and the
+    paged path does not implement (:data:`REFUSED_ATTENTION_KWARGS`, ``is_causal=False``, a window other than the
+    config's); every other argument is left alone."""
     for name, value in kwargs.items():
-        if value is None or name in _IGNORED:
-            if name == "is_causal" and value is False:
-                raise ValueError(f"layer {module.layer_idx} ({type(module).__name__}) asks for non-causal attention "
-                                 "(is_causal=False); paged attention is causal. Fix: use transformers' DynamicCache "
-                                 "for this model.")
+        if value is None:
             continue
+        if name == "is_causal" and value is False:
+            raise ValueError(f"layer {module.layer_idx} ({type(module).__name__}) asks for non-causal attention "
+                             "(is_causal=False); paged attention is causal. Fix: use transformers' DynamicCache "
+                             "for this model.")
         if name == "sliding_window" and value != layer.group.attention.sliding_window:
             raise ValueError(f"layer {module.layer_idx} ({type(module).__name__}) passes sliding_window={value} but "
                              f"its config describes window {layer.group.attention.sliding_window} "
                              "(hf_paged.patches.layer_windows). Fix: add a ModelPatch with this family's window rule "
                              "in patches/.")
-        if name not in _IMPLEMENTED:
+        if name in REFUSED_ATTENTION_KWARGS:
             raise ValueError(f"layer {module.layer_idx} ({type(module).__name__}) passes the attention argument "
-                             f"{name}={_short(value)}, which hf_paged's paged attention does not implement. Fix: use "
-                             "transformers' DynamicCache for this model (or PagedCache without "
-                             "enable_paged_attention).")
+                             f"{name}={_short(value)}, which changes attention and hf_paged's paged attention does "
+                             "not implement. Fix: use transformers' DynamicCache for this model (or PagedCache "
+                             "without enable_paged_attention).")
 
 
 def _short(value) -> str:
@@ -117,15 +129,20 @@ def _paged_forward(module, query, scaling, kwargs, layer) -> torch.Tensor:
 
 
 def _layer_step(module, kwargs, query_len: int):
-    """The layer's step: from its kwargs (``update`` put it there), else from the running forward's cache: a
-    KV-shared layer never calls ``update`` and reads its source layer's step (cut to the queries it got when the
-    model sliced them), as does every layer before transformers 5.24."""
+    """The layer's step, from what the attention is handed: in its kwargs when a cache of hf_paged's ran ``update``
+    (``PagedCache`` / ``StepCache``); none there means another cache's forward (or none), the model's own attention.
+    Two cases only find it through the running forward's cache: a KV-shared layer (the module says so:
+    ``_hf_paged_reads_source``), which never calls ``update`` and reads its source layer's step (cut to the queries
+    it got when the model sliced them), and every layer before transformers 5.24 (no step in the kwargs). Never while
+    compiling: neither case compiles with a ``PagedCache`` (``PagedCache.is_compileable``), and a compiled forward of
+    another cache (``StaticCache``) must not read a context variable."""
     layer = kwargs.pop(STEP_KWARG, None)
-    if layer is None:
-        cache = compat.running_cache()
-        if cache is not None:
-            layer = cache.layer_step(module.layer_idx, query_len)
-    return layer
+    if layer is not None or torch.compiler.is_compiling():
+        return layer
+    if compat.STEP_IN_ATTENTION_KWARGS and not getattr(module, "_hf_paged_reads_source", False):
+        return None
+    cache = compat.running_cache()
+    return cache.layer_step(module.layer_idx, query_len) if cache is not None else None
 
 
 @functools.lru_cache(maxsize=None)  # one builder per name, like the attention function
@@ -301,7 +318,8 @@ def _wrap_generate(model, generate, state: PagedModel):
     return wrapped
 
 
-def _wrap_prepare_inputs(prepare, model):
+def _wrap_prepare_inputs(prepare, model, bidirectional):
+    """``bidirectional``: the family's marker of bidirectional tokens (``ModelPatch.bidirectional``) or None."""
     @functools.wraps(prepare)
     def wrapped(input_ids, *args, **kwargs):
         cache = compat.cache_from_kwargs(kwargs)
@@ -313,7 +331,9 @@ def _wrap_prepare_inputs(prepare, model):
             inputs = cache.skip_cached_prefix(inputs, input_ids.shape[1] if input_ids is not None else 0)
             ids, embeds = inputs.get("input_ids"), inputs.get("inputs_embeds")
             batch, query_len = (ids if ids is not None else embeds).shape[:2]
-            cache.plan(ids, kwargs.get("attention_mask"), batch, query_len, cache.call.backend, model.dtype)
+            marks = bidirectional(inputs) if bidirectional is not None else None
+            spans = bidirectional_spans(marks, kwargs.get("attention_mask")) if marks is not None else None
+            cache.plan(ids, kwargs.get("attention_mask"), batch, query_len, cache.call.backend, model.dtype, spans)
         return inputs
 
     return wrapped
@@ -327,29 +347,32 @@ def _wrap_stopping_criteria(get_criteria):
     return wrapped
 
 
-def attach_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module:
-    """Put a supported model's attention on the paged path, without touching ``generate()``; returns the model.
+def generating_model(model: nn.Module) -> nn.Module:
+    """The model that owns the attention layers and runs ``generate()``'s loop: ``model`` itself, or for a wrapper
+    whose ``generate`` reaches an inner model's (peft's ``PeftModel`` -> ``LoraModel`` -> ``LlamaForCausalLM``) the
+    first transformers generation model among its modules. What :func:`enable_paged_attention` hooks and wraps."""
+    for sub in model.modules():
+        if isinstance(sub, GenerationMixin):
+            return sub
+    return model
 
-    What the continuous-batching engine needs, and only that: the paged attention function (and its mask builder)
-    registered through transformers' ``AttentionInterface`` and set as the model's implementation, and the decoder
-    hooks that tell the attention which step a forward runs. A forward handed a planned step (the engine's) reads
-    K/V straight from the pool's blocks (``backend="torch"``: the PyTorch path, ``"triton"``: the kernels,
-    ``"auto"``: Triton on CUDA, torch otherwise); with any other cache, or none, the model computes exactly what it
-    computed before. ``generate()`` with a :class:`PagedCache` needs :func:`enable_paged_attention` (a model only
-    attached raises a ``ValueError`` saying so). Calling it twice is harmless (the second call may change the
-    backend), as is calling it on a model already enabled (whose ``generate()`` wrappers stay);
-    :func:`disable_paged_attention` undoes it.
 
-    Example::
-
-        model = attach_paged_attention(AutoModelForCausalLM.from_pretrained(path))
-        outputs = hf_paged.generate_batch(model, [tokenizer(p).input_ids for p in prompts], max_new_tokens=64)
-    """
+def attach_attention(model: nn.Module, backend: str = "auto") -> nn.Module:
+    """The paged attention function (and its mask builder) registered through transformers' ``AttentionInterface``
+    and set as the model's implementation, and the decoder hooks that tell the attention which step a forward runs:
+    what the continuous-batching engine needs, and only that. The public entry points are
+    :func:`hf_paged.attach_paged_attention` / :func:`hf_paged.enable_paged_attention` (``hf_paged/enable.py``), which
+    also put transformers' continuous-batching methods on the model."""
     if backend not in ops.BACKENDS:
         raise ValueError(f"backend must be one of {ops.BACKENDS}, got {backend!r}.")
     if backend == "triton" and not ops.triton_available():
         raise ValueError("backend='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU); "
                          "use backend='torch' or 'auto'.")
+    _attach(generating_model(model), backend)
+    return model
+
+
+def _attach(model: nn.Module, backend: str) -> None:
     patch = find_patch(model)
     check_model(model)
     decoder = patch.decoder(model)
@@ -364,55 +387,44 @@ def attach_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module
         for sub in model.modules():
             if hasattr(sub, "layer_idx") and hasattr(sub, "head_dim"):
                 sub._hf_paged_eager = patch.eager_attention
+        geometry = kv_geometry(model.config)
+        for sub in attention_modules(model):  # KV-shared layers find their source's step through the forward's cache
+            if sub.layer_idx < len(geometry.layers) and geometry.layers[sub.layer_idx].kind == "reuse":
+                sub._hf_paged_reads_source = True
         if patch.attention is not None:  # a family whose pool holds something else than per-head K/V (MLA)
             for sub in attention_modules(model):
                 sub._hf_paged_eager, sub._hf_paged_attention = patch.eager_attention, patch.attention
         compat.use_attention(model, _PREFIX + original, _make_attention(original), _make_mask(original))
         model._hf_paged_state = state
     state.backend = backend
-    from .engine import transformers_api  # the engine builds on this module: imported when a model is paged
-    transformers_api.install(model)  # model.generate_batch & co. on hf_paged's engine
-    return model
 
 
-def enable_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module:
-    """Put a supported model on the paged attention path for ``generate()`` with a :class:`PagedCache`; returns the
-    model.
-
-    :func:`attach_paged_attention` (the paged attention and the decoder hooks), plus wrappers around the model's
-    ``generate()``, its input preparation and its stopping criteria: they plan each step of the call on the host
-    (outside a compiled region), start rows from cached prefixes and give finished rows' blocks back. With a
-    :class:`PagedCache` the attention reads K/V straight from the pool's blocks (``backend="torch"``: the PyTorch
-    path, ``"triton"``: the kernels, ``"auto"``: Triton on CUDA, torch otherwise). With any other cache, or none, the
-    model computes exactly what it computed before. Calling it twice is harmless (the second call may change the
-    backend); on a model already attached it adds only the wrappers. :func:`disable_paged_attention` undoes it.
-    ``python -m hf_paged models`` lists the supported model families; others raise a ``ValueError`` naming the
-    missing feature.
-
-    Example::
-
-        model = enable_paged_attention(AutoModelForCausalLM.from_pretrained(path))
-        out = model.generate(**inputs, cache=PagedCache(model.config), max_new_tokens=64)
-    """
-    attach_paged_attention(model, backend)
-    state = model._hf_paged_state
+def enable_generate(model: nn.Module, backend: str = "auto") -> nn.Module:
+    """:func:`attach_attention` plus wrappers around the model's ``generate()``, its input preparation and its
+    stopping criteria, which plan each step of a call with a :class:`PagedCache` on the host (outside a compiled
+    region), start rows from cached prefixes and give finished rows' blocks back (public:
+    :func:`hf_paged.enable_paged_attention`). A wrapper whose ``generate()`` calls an inner model's (a peft
+    ``PeftModel``) is enabled on that inner model (:func:`generating_model`)."""
+    attach_attention(model, backend)
+    inner = generating_model(model)
+    state = inner._hf_paged_state
     if not state.takes_paged_cache:
         state.takes_paged_cache = True
-        if hasattr(model, "generate"):
-            model.generate = _wrap_generate(model, model.generate, state)
-            model.prepare_inputs_for_generation = _wrap_prepare_inputs(model.prepare_inputs_for_generation, model)
-            model._get_stopping_criteria = _wrap_stopping_criteria(model._get_stopping_criteria)
+        if hasattr(inner, "generate"):
+            inner.generate = _wrap_generate(inner, inner.generate, state)
+            inner.prepare_inputs_for_generation = _wrap_prepare_inputs(inner.prepare_inputs_for_generation, inner,
+                                                                       find_patch(inner).bidirectional)
+            inner._get_stopping_criteria = _wrap_stopping_criteria(inner._get_stopping_criteria)
     return model
 
 
-def disable_paged_attention(model: nn.Module) -> nn.Module:
-    """Undo :func:`enable_paged_attention` or :func:`attach_paged_attention`: the original attention
-    implementation, no hooks, no wrappers."""
+def detach(model: nn.Module) -> nn.Module:
+    """Undo :func:`enable_generate` or :func:`attach_attention`: the original attention implementation, no hooks,
+    no wrappers (public: :func:`hf_paged.disable_paged_attention`)."""
+    wrapper, model = model, generating_model(model)
     state = getattr(model, "_hf_paged_state", None)
     if state is None:
-        return model
-    from .engine import transformers_api  # (see attach_paged_attention)
-    transformers_api.uninstall(model)  # transformers' own generate_batch & co. again
+        return wrapper
     for handle in state.handles:
         handle.remove()
     compat.use_attention(model, state.original)
@@ -421,13 +433,14 @@ def disable_paged_attention(model: nn.Module) -> nn.Module:
     for sub in model.modules():
         sub.__dict__.pop("_hf_paged_eager", None)
         sub.__dict__.pop("_hf_paged_attention", None)
+        sub.__dict__.pop("_hf_paged_reads_source", None)
     del model._hf_paged_state
-    return model
+    return wrapper
 
 
 def is_paged(model: nn.Module) -> bool:
     """Whether ``model`` is on the paged path (:func:`attach_paged_attention` or :func:`enable_paged_attention`)."""
-    return getattr(model, "_hf_paged_state", None) is not None
+    return getattr(generating_model(model), "_hf_paged_state", None) is not None
 
 
 def paged_backend(model: nn.Module) -> str:
@@ -436,4 +449,4 @@ def paged_backend(model: nn.Module) -> str:
     if not is_paged(model):
         raise ValueError("the model is not on the paged path: call hf_paged.enable_paged_attention(model) (or "
                          "attach_paged_attention(model) for the engine alone) first.")
-    return model._hf_paged_state.backend
+    return generating_model(model)._hf_paged_state.backend

@@ -296,17 +296,19 @@ class PagedCache(Cache):
         self.forward_ran()
 
     def plan(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, batch: int, query_len: int,
-             backend: str = "auto", dtype: torch.dtype | None = None) -> None:
+             backend: str = "auto", dtype: torch.dtype | None = None,
+             spans: list[list[tuple[int, int]]] | None = None) -> None:
         """Plan the coming paged forward (called by the model hooks and ``generate()``, never inside a forward).
 
-        ``dtype``: the model's, which sizes a ``max_memory`` pool before its first blocks are taken."""
+        ``dtype``: the model's, which sizes a ``max_memory`` pool before its first blocks are taken. ``spans``: per
+        row, its bidirectional spans (:func:`hf_paged.step.bidirectional_spans`; Gemma 3's images)."""
         self._check_mode("paged")
         if dtype is not None:
             self._apply_memory_cap(dtype)
         self._check_call_start(batch)
         self.forward_ran()
         step = self._plan_rows(input_ids, attention_mask, batch, query_len, self._resolved_backend(backend, input_ids),
-                               gathered=False)
+                               gathered=False, spans=spans)
         call = self._call
         if call is not None and not call.prompt_planned:
             call.prompt_end = self._contents.columns + query_len  # the columns once the call's prompt has run
@@ -341,7 +343,8 @@ class PagedCache(Cache):
             trimmed["inputs_embeds"] = embeds[:, skip:]  # [B, S, hidden]
         return trimmed
 
-    def _plan_rows(self, input_ids, attention_mask, batch: int, query_len: int, backend: str, gathered: bool) -> Step:
+    def _plan_rows(self, input_ids, attention_mask, batch: int, query_len: int, backend: str, gathered: bool,
+                   spans=None) -> Step:
         """The step planner over this cache's rows; a first forward creates them (and drops them if it fails)."""
         call = self._call
         # Rows created for this forward: by it, or from cached prefix blocks at the start of the call.
@@ -353,7 +356,8 @@ class PagedCache(Cache):
             options = StepOptions(backend, self.num_layers or 0, static=decode and self.is_compileable,
                                   decode_bucket=decode, release_windows=not gathered and not self._contents.recording,
                                   gathered=gathered)
-            return plan_generate_step(self.rows, input_ids, attention_mask, batch, query_len, options, first=first)
+            return plan_generate_step(self.rows, input_ids, attention_mask, batch, query_len, options, first=first,
+                                      spans=spans)
         except OutOfBlocksError as err:
             advice = self._out_of_blocks_advice(err, query_len)
             if first:  # leave the cache as it was: empty

@@ -21,7 +21,7 @@ from . import compat, embedded, ops
 from .allocator import cdiv
 from .engine.factory import init_continuous_batching
 from .pool import BlockPool
-from .attention import disable_paged_attention, enable_paged_attention
+from .enable import disable_paged_attention, enable_paged_attention
 from .cache import PagedCache
 from .progress import GenerationProgress
 from .report import dynamic_cache_bytes, format_table, kv_bytes_per_token, mb, real_kv_bytes, row_token_counts
@@ -41,7 +41,8 @@ KV_DTYPES = {"model": None, "fp8": torch.float8_e4m3fn}
 
 
 def run(model_path=None, batch_size: int = 8, max_new_tokens: int = 64, block_size: int = 16,
-        backend: str = "auto", kv_dtype: str = "model", serve_requests: int = 16, pairs: int = 2) -> dict:
+        backend: str = "auto", kv_dtype: str = "model", serve_requests: int = 16, pairs: int = 2,
+        serve_rounds: int = 3) -> dict:
     print(f"loading {'the embedded SmolLM2-135M-Instruct' if model_path is None else model_path} ...", flush=True)
     model, tokenizer = embedded.load(model_path)
     inputs = embedded.chat_batch(tokenizer, batch_size)
@@ -111,8 +112,8 @@ def run(model_path=None, batch_size: int = 8, max_new_tokens: int = 64, block_si
     texts = tokenizer.batch_decode(out_paged[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     for text in texts[:2]:
         print(f"  > {text.strip()[:100]!r}")
-    served = serve_many(model, tokenizer, serve_requests, batch_size=batch_size,
-                        block_size=block_size) if serve_requests else None
+    served = serve_many(model, tokenizer, serve_requests, batch_size=batch_size, block_size=block_size,
+                        rounds=serve_rounds) if serve_requests else None
     return {
         "serve": served,
         "identical": identical,
@@ -173,8 +174,9 @@ def _transformers_generate_batch(model, prompts, max_new_tokens: int, num_blocks
 
 
 def serve_many(model, tokenizer, num_requests: int = 16, max_new_tokens: int = 32,
-               batch_size: int = 8, block_size: int = 16) -> dict:
-    """``num_requests`` chat requests, all at once: padded generate(), the engine, transformers' generate_batch."""
+               batch_size: int = 8, block_size: int = 16, rounds: int = 3) -> dict:
+    """``num_requests`` chat requests, all at once: padded generate(), the engine, transformers' generate_batch,
+    each timed in ``rounds`` alternated rounds (the median counts)."""
     chats = embedded.CHAT_PROMPTS
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": chats[i % len(chats)]
                                                + ("" if i < len(chats) else " Answer in one sentence.")}],
@@ -192,26 +194,51 @@ def serve_many(model, tokenizer, num_requests: int = 16, max_new_tokens: int = 3
           f"{max_new_tokens} new tokens each, greedy), every contender with {num_blocks} blocks x {block_size} tokens "
           f"({mb(num_blocks * block_size * per_token)}) of KV:", flush=True)
 
-    disable_paged_attention(model)
-    padded_tokens, t_padded, kv_padded = _padded_runs(model, tokenizer, prompts, max_new_tokens, batch_size, eos)
+    def engine_run():
+        disable_paged_attention(model)
+        pool = BlockPool(block_size=block_size, num_blocks=num_blocks, prefix_caching=True)
+        with init_continuous_batching(model, pool=pool, max_batch_tokens=512) as manager:
+            start = time.perf_counter()
+            ids = manager.add_requests(prompts, max_new_tokens=max_new_tokens, do_sample=False)
+            results = [manager.get_result(rid) for rid in ids]
+            seconds = time.perf_counter() - start
+            engine_stats.append(manager.stats())
+        disable_paged_attention(model)
+        engine_peaks.append(pool.memory_stats().peak_bytes_in_use)
+        return [list(r.generated_tokens) for r in results], seconds, None
 
-    pool = BlockPool(block_size=block_size, num_blocks=num_blocks, prefix_caching=True)
-    with init_continuous_batching(model, pool=pool, max_batch_tokens=512) as manager:
-        start = time.perf_counter()
-        ids = manager.add_requests(prompts, max_new_tokens=max_new_tokens, do_sample=False)
-        results = [manager.get_result(rid) for rid in ids]
-        t_engine = time.perf_counter() - start
-        stats = manager.stats()
-    disable_paged_attention(model)
-    engine_tokens = [list(r.generated_tokens) for r in results]
-    engine_peak = pool.memory_stats().peak_bytes_in_use
+    def padded_run():
+        disable_paged_attention(model)
+        return _padded_runs(model, tokenizer, prompts, max_new_tokens, batch_size, eos)
 
-    try:
-        cb_tokens, t_cb, cb_reserved = _transformers_generate_batch(model, prompts, max_new_tokens, num_blocks,
-                                                                    block_size)
-    except Exception as err:  # report it, show the rest
-        print(f"transformers' generate_batch failed: {type(err).__name__}: {err}")
-        cb_tokens, t_cb, cb_reserved = None, None, None
+    def generate_batch_run():
+        return _transformers_generate_batch(model, prompts, max_new_tokens, num_blocks, block_size)
+
+    engine_stats, engine_peaks = [], []
+    contenders = {"padded": padded_run, "engine": engine_run, "generate_batch": generate_batch_run}
+    times = {name: [] for name in contenders}
+    outputs = {}
+    for r in range(rounds):  # alternated: each round starts with the next contender, so load drifts hit all alike
+        names = list(contenders)[r % len(contenders):] + list(contenders)[:r % len(contenders)]
+        for name in names:
+            if name == "generate_batch" and outputs.get(name, ()) is None:
+                continue
+            try:
+                tokens, seconds, kv = contenders[name]()
+            except Exception as err:  # transformers' generate_batch: report it, show the rest
+                print(f"transformers' generate_batch failed: {type(err).__name__}: {err}")
+                outputs[name] = None
+                continue
+            times[name].append(seconds)
+            outputs[name] = (tokens, kv)
+    padded_tokens, kv_padded = outputs["padded"]
+    engine_tokens = outputs["engine"][0]
+    t_padded, t_engine = statistics.median(times["padded"]), statistics.median(times["engine"])
+    cb_tokens = cb_reserved = t_cb = None
+    if outputs.get("generate_batch") is not None:
+        cb_tokens, cb_reserved = outputs["generate_batch"]
+        t_cb = statistics.median(times["generate_batch"])
+    stats, engine_peak = engine_stats[-1], max(engine_peaks)
 
     def row(name, tokens, seconds, reserved, peak):
         generated = sum(map(len, tokens))
@@ -225,8 +252,11 @@ def serve_many(model, tokenizer, num_requests: int = 16, max_new_tokens: int = 3
             row("hf_paged engine (init_continuous_batching)", engine_tokens, t_engine, reserved, mb(engine_peak))]
     if cb_tokens is not None:
         rows.append(row("transformers generate_batch", cb_tokens, t_cb, mb(cb_reserved), "-"))
-    print(format_table(["contender", "seconds", "tokens", "tokens/s", "speed ratio", "KV reserved", "KV peak",
-                        "tokens = padded"], rows))
+    print(format_table(["contender", "seconds (median)", "tokens", "tokens/s", "speed ratio", "KV reserved",
+                        "KV peak", "tokens = padded"], rows))
+    runs = ", ".join(f"{name} {' '.join(f'{t:.1f}' for t in ts)}" for name, ts in times.items() if ts)
+    print(f"runs (s), alternated over {rounds} round(s): {runs}; speed ratio: padded generate()'s median time / the "
+          "contender's")
     print(f"engine: {stats.steps} forwards (prefill chunks and decode tokens packed together), {stats.preemptions} "
           f"preemptions, prefix hits {stats.prefix_hit_tokens} tokens. DynamicCache's KV: its largest batch's cache "
           "(padding and finished rows included); generate_batch reserves its pages up front.")
@@ -252,10 +282,12 @@ def main(argv=None) -> int:
                         help="requests served at once after the main job (0: skip that part)")
     parser.add_argument("--pairs", type=int, default=2,
                         help="timed DynamicCache / PagedCache pairs, alternated (the speed ratio is of the medians)")
+    parser.add_argument("--serve-rounds", type=int, default=3,
+                        help="rounds of the serving comparison, each contender once per round, alternated (medians)")
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON")
     args = parser.parse_args(argv)
     result = run(args.model, args.batch_size, args.max_new_tokens, args.block_size, args.backend, args.kv_dtype,
-                 args.serve_requests, max(1, args.pairs))
+                 args.serve_requests, max(1, args.pairs), max(1, args.serve_rounds))
     if args.json:
         print(json.dumps(result))
     return 0 if result["identical"] or args.kv_dtype != "model" else 1

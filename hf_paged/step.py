@@ -108,6 +108,9 @@ class Step:
             counts = real.sum(1).tolist()
             qsl = torch.tensor(list(itertools.accumulate(counts, initial=0)), dtype=torch.int32)
             meta = self.groups[group].attention
+            if meta.query_limits is not None:
+                raise ValueError("a model that slices its queries before KV-shared layers (Gemma 4's logits_to_keep) "
+                                 "cannot take bidirectional spans on the paged path. Fix: use DynamicCache for it.")
             layout = None
             if meta.plan is not None:  # the torch backend's read layout
                 context = cdiv(int(meta.seq_lens.max()), block_size) * block_size
@@ -259,6 +262,8 @@ class RowInput:
     num_tokens: int  # its new tokens (query length) in this step
     tokens: list[int] | None  # their ids (prefix keys and the row's record), None if unknown (embeddings)
     share_from: Row | None = None  # a new row with the same prompt as this one: takes its blocks, writes nothing
+    spans: list[tuple[int, int]] = ()  # bidirectional spans [start, end) of the row's positions (Gemma 3's image
+    # tokens: each sees its whole span); those holding this step's tokens must end within them
 
 
 @dataclass(frozen=True)
@@ -290,21 +295,23 @@ class StepOptions:
 
 
 def plan_generate_step(rows: Rows, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, batch: int,
-                       query_len: int, options: StepOptions, *, first: bool) -> Step:
+                       query_len: int, options: StepOptions, *, first: bool,
+                       spans: list[list[tuple[int, int]]] | None = None) -> Step:
     """Plan a ``generate()`` forward: ``[batch, query_len]`` left-padded columns, batch row ``r`` being ``rows[r]``.
 
     ``input_ids``: ``[batch, query_len]`` (None: the model got embeddings); ``attention_mask``: 2D, its last
     ``query_len`` columns mark the real tokens (None: all real). ``first``: the rows were just created for this
     forward (rows with the same prompt then share one copy of it; on rows holding nothing, the model's own attention
-    serves the forward). Raises :class:`~hf_paged.OutOfBlocksError` with every row unchanged when the blocks do not
-    fit.
+    serves the forward). ``spans``: per row, its bidirectional spans (positions in the row; see :class:`RowInput`).
+    Raises :class:`~hf_paged.OutOfBlocksError` with every row unchanged when the blocks do not fit.
     """
     real = real_columns(attention_mask, batch, query_len)
     counts = real.sum(1).tolist() if real is not None else [query_len] * batch
     tokens = row_tokens(input_ids, real)
     alias = duplicate_rows(rows, input_ids, real) if first and not options.gathered else {}
     inputs = [RowInput(row, counts[r], tokens[r] if tokens is not None else None,
-                       rows[alias[r]] if r in alias else None) for r, row in enumerate(rows)]
+                       rows[alias[r]] if r in alias else None, spans[r] if spans else ())
+              for r, row in enumerate(rows)]
     empty = all(rows.length(row) == 0 for row in rows)
     return _plan(rows, inputs, options, no_history=first and empty and not options.gathered, query_len=query_len,
                  token_index=None if real is None else real.flatten().nonzero().flatten())
@@ -356,6 +363,7 @@ def _plan(rows: Rows, inputs: list[RowInput], options: StepOptions, *, no_histor
                         a.release_outside_window(i.row.seqs[g], first_query // chunk * chunk)
         pool.ensure_capacity()
         _copy_on_write(pool, appended.copies)
+        limits = query_limits(inputs, starts)
         written = [i.share_from is None for i in inputs]
         group_steps = []
         for g, window in enumerate(groups.windows):
@@ -366,7 +374,7 @@ def _plan(rows: Rows, inputs: list[RowInput], options: StepOptions, *, no_histor
                 min_width=options.min_width)
             group_steps.append(GroupStep(slots, AttentionMetadata(block_tables, seq_lens, qsl, max_query_len,
                                                                   block_tables.shape[1] * bs, window,
-                                                                  chunk=groups.chunks[g])))
+                                                                  chunk=groups.chunks[g], query_limits=limits)))
 
     write_index = None
     if not all(written):
@@ -387,10 +395,64 @@ def _plan(rows: Rows, inputs: list[RowInput], options: StepOptions, *, no_histor
                 context = cdiv(int(meta.seq_lens.max()), bs) * bs if len(inputs) else bs
             meta.plan = plan_torch_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, bs,
                                              sliding_window=meta.sliding_window, chunk=meta.chunk, max_seq_len=context,
-                                             always_mask=options.static)
+                                             always_mask=options.static, query_limits=meta.query_limits)
     return Step(len(inputs), max_query_len if query_len is None else query_len, max_query_len, no_history,
                 token_index, write_index, group_steps, options.backend, options.static,
                 layers=[None] * max(options.num_layers, 1))
+
+
+def query_limits(inputs: list[RowInput], starts: list[int]) -> torch.Tensor | None:
+    """``[num_tokens]`` int32: the last position each packed query sees (its own, or for a token of a bidirectional
+    span the span's last); None when no span holds a token of this step. ``ValueError`` when a span goes past the
+    step's tokens (its later tokens would be unwritten: a span is never split across forwards)."""
+    if not any(i.spans for i in inputs):
+        return None
+    limits = array.array("i")
+    for i, start in zip(inputs, starts):
+        end = start + i.num_tokens
+        row = list(range(start, end))
+        for span_start, span_end in i.spans:
+            if span_end <= start or span_start >= end:
+                continue
+            if span_end > end:
+                raise ValueError(f"a bidirectional span [{span_start}, {span_end}) goes past this forward's tokens "
+                                 f"(positions {start}..{end - 1}): its tokens must run in one forward. Fix: schedule "
+                                 "chunks that end outside every span (the engine's scheduler does).")
+            for p in range(max(span_start, start), span_end):
+                row[p - start] = span_end - 1
+        limits.extend(row)
+    return _host(limits, torch.int32)
+
+
+def bidirectional_spans(marks: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[tuple[int, int]]]:
+    """Per row, the runs of marked tokens as half-open spans ``[start, end)`` of the row's positions (its real tokens
+    counted from its first). ``marks`` ``[B, W]`` bool covers the last ``W`` columns of ``attention_mask`` ``[B, S]``
+    (2D; None: every column real), e.g. ``token_type_ids == 1`` for a generate() call's whole sequence.
+
+    Example: ``bidirectional_spans(torch.tensor([[0, 1, 1, 0, 1]]).bool(), torch.tensor([[0, 1, 1, 1, 1]]))``
+    -> ``[[(0, 2), (3, 4)]]`` (the first column is padding).
+    """
+    marks = marks.to("cpu", torch.bool)
+    batch, width = marks.shape
+    if attention_mask is None or attention_mask.dim() != 2:
+        real = torch.ones(batch, width, dtype=torch.bool)
+        before = [0] * batch
+    else:
+        full = attention_mask.to("cpu", torch.bool)
+        real = full[:, -width:]
+        before = full[:, : full.shape[1] - width].sum(1).tolist()  # real tokens left of the marked columns
+    spans = []
+    for r in range(batch):
+        row_marks = marks[r][real[r]].tolist()
+        found, start = [], None
+        for p, marked in enumerate(row_marks + [False]):
+            if marked and start is None:
+                start = p
+            elif not marked and start is not None:
+                found.append((before[r] + start, before[r] + p))
+                start = None
+        spans.append(found)
+    return spans
 
 
 def _copy_on_write(pool, copies) -> None:

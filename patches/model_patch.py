@@ -40,6 +40,9 @@ class ModelPatch:
         attention: the family's own paged attention, ``(module, query [N, H, Dq], layer_step, scale) -> [N, H, Dv]``,
             where its pool holds something other than per-head K/V (MLA's latent, :mod:`latent`); None: the shared
             one (``hf_paged.ops.paged_attention``).
+        bidirectional: ``(model inputs) -> [B, S] bool | None``, the tokens of a forward's columns that attend
+            bidirectionally within each run of them (Gemma 3's image tokens); the paged path turns the runs into
+            bidirectional spans (:func:`hf_paged.step.bidirectional_spans`). None: a causal-only family.
     """
 
     model_types: tuple[str, ...]
@@ -48,6 +51,7 @@ class ModelPatch:
     window: WindowRule = layer_types_window
     decoder: Callable[[nn.Module], nn.Module] = base_decoder
     attention: Callable | None = None
+    bidirectional: Callable | None = None
 
     @property
     def eager_attention(self) -> Callable:

@@ -24,9 +24,6 @@ LOCAL_IMPORTS = {
     ("hf_paged.serve.cli", "hf_paged.serve.replicas"): "--replicas needs the 'replicas' extra (ray[serve])",
     ("hf_paged.ops", "hf_paged.ops.triton_kernels"): "imports triton (the 'triton' extra) when the Triton backend runs",
     ("hf_paged.ops.mla", "hf_paged.ops.triton_mla"): "imports triton (the 'triton' extra) when the Triton backend runs",
-    ("hf_paged.attention", "hf_paged.engine.transformers_api"): "the engine builds on the attention path (its factory "
-    "attaches models), and attaching puts the engine's transformers-facing methods on the model: one edge must be "
-    "taken at call time",
     ("hf_paged.ops.lora", "hf_paged.ops.triton_lora"): "imports triton (the 'triton' extra) when LoRA runs on CUDA",
 }
 
@@ -35,6 +32,7 @@ FOREIGN_PRIVATE = {
     ("hf_paged.attention", "_hf_paged_state"): "hf_paged's own attribute on the user's model (its paged-path state)",
     ("hf_paged.attention", "_hf_paged_eager"): "hf_paged's own attribute on an attention module",
     ("hf_paged.attention", "_hf_paged_attention"): "hf_paged's own attribute on an attention module",
+    ("hf_paged.attention", "_hf_paged_reads_source"): "hf_paged's own attribute on a KV-shared attention module",
     ("hf_paged.attention", "_get_stopping_criteria"): "generate()'s hook wrapped on the model instance (undone by "
                                                       "disable_paged_attention)",
     ("hf_paged.compat", "_attn_implementation"): "transformers before set_attn_implementation() read the config field",
@@ -87,13 +85,14 @@ def _top_level_nodes(tree: ast.Module):
 
 
 def imports_of(module: str, source: str):
-    """``(line, target, at_top)`` for every import in ``source`` (``if TYPE_CHECKING:`` blocks left out)."""
+    """``(line, target, at_top)`` for every import in ``source``; those of a top-level ``if TYPE_CHECKING:`` block
+    count as at the top (a type-only import is still an edge of the import graph: a circle through one is a circle)."""
     tree = ast.parse(source)
     top = {id(n) for n in _top_level_nodes(tree)}
-    typing_only = {id(n) for t in tree.body if isinstance(t, ast.If) and "TYPE_CHECKING" in ast.unparse(t.test)
-                   for n in ast.walk(t)}
+    top |= {id(n) for t in tree.body if isinstance(t, ast.If) and "TYPE_CHECKING" in ast.unparse(t.test)
+            for n in ast.walk(t)}
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in typing_only:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
             for target in _targets(module, node):
                 yield node.lineno, target, id(node) in top
 
@@ -110,8 +109,11 @@ def test_the_import_checks_see_local_imports_and_circles():
     source = ("import os\nif True:\n    import json\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
               "    import csv\ndef f():\n    import re\n")
     assert [(line, target, top) for line, target, top in imports_of("hf_paged.x", source)] == \
-        [(1, "os", True), (4, "typing", True), (3, "json", True), (8, "re", False)]
+        [(1, "os", True), (4, "typing", True), (3, "json", True), (6, "csv", True), (8, "re", False)]
     assert find_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    # a type-only import closing a circle is seen
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hf_paged.b import B\n"
+    assert [t for _, t, top in imports_of("hf_paged.a", typed) if top] == ["typing", "hf_paged.b"]
     assert find_circles({"a": {"b"}, "b": set()}) == []
 
 

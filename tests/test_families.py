@@ -195,7 +195,8 @@ def test_named_refusals_in_generate_and_engine(model_type):
 
 
 def test_unknown_attention_argument_is_refused_by_name():
-    """An attention argument the paged path does not implement is refused, naming the layer and the argument."""
+    """An attention argument that changes attention and the paged path does not implement (ALiBi slopes) is
+    refused, naming the layer and the argument."""
     model = enable_paged_attention(tiny_family_model("glm4", seed=0), backend="torch")
     name = model.config._attn_implementation
     original = ALL_ATTENTION_FUNCTIONS[name]

@@ -286,6 +286,51 @@ def test_prefill_features_match_float64(name, feature):
     assert_close_to_float64(case, triton_public)
 
 
+def span_limits(seq_lens, q_lens, spans) -> torch.Tensor:
+    """``[num_tokens]`` int32 query limits: each query's own position, or the last position of the span (per
+    sequence, ``[start, end)`` within its queries) holding it."""
+    limits = []
+    for s, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens)):
+        for p in range(seq_len - q_len, seq_len):
+            limits.append(next((end - 1 for start, end in spans.get(s, []) if start <= p < end), p))
+    return torch.tensor(limits, dtype=torch.int32, device=DEVICE)
+
+
+# name -> (PREFILL_CASES entry, {sequence: bidirectional spans within its queries}): a continued chunk with a span
+# in its middle, a fresh prompt that is one span, spans crossing blocks and the window's edge
+SPAN_CASES = {
+    "fp32-d64-bs16-gqa2": ("fp32-d64-bs16-gqa2", {1: [(25, 33)], 3: [(32, 33)], 4: [(10, 30), (40, 70)]}),
+    "bf16-d64-bs8-gqa4-window": ("bf16-d64-bs8-gqa4-window", {0: [(3, 12)], 1: [(33, 41)]}),
+    "fp32-d80-bs16-gqa3": ("fp32-d80-bs16-gqa3", {0: [(13, 16)], 1: [(0, 17)]}),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("name", list(SPAN_CASES))
+def test_prefill_with_bidirectional_spans_matches_float64(name, backend):
+    """A query inside a bidirectional span sees every position of its span (later ones too), its window still
+    counting back from its own position; torch (the read layout's mask) and Triton (per-query limits in the prefill
+    kernel) both match float64, and the spans change the result."""
+    entry, spans = SPAN_CASES[name]
+    seq_lens, q_lens, num_kv_heads, group, head_dim, block_size, dtype, window = PREFILL_CASES[entry]
+    case = make_case(seq_lens, q_lens, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+                     block_size=block_size, dtype=dtype, window=window, seed=6)
+    causal = attention_float64(**case)
+    case["query_limits"] = span_limits(seq_lens, q_lens, spans)
+    assert (attention_float64(**case) - causal).abs().max() > 1e-2  # the spans matter here
+    if backend == "torch":
+        got = ops.paged_attention(**case, backend="torch")
+        expected = attention_float64(**case)
+        eps = torch.finfo(dtype).eps
+        assert (got.cpu().double() - expected).abs().max() <= REF_ULPS * eps * max(1.0, expected.abs().max().item())
+        # the step planner's path: the read layout built once, with the limits in its masks
+        layout = plan_torch_attention(case["block_tables"], case["seq_lens"], case["query_start_loc"], block_size,
+                                      sliding_window=window, zero_unowned=True, query_limits=case["query_limits"])
+        assert torch.equal(on_backend(paged_attention_torch, case, plan=layout), got)
+    else:
+        assert_close_to_float64(case, triton_public)
+
+
 def test_features_change_the_result():
     # The options are not no-ops on these cases: each moves the float64 result well past the error bounds above.
     base = dict(num_kv_heads=2, group=2, head_dim=64, block_size=16, dtype=torch.float32, seed=5)

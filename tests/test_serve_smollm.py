@@ -80,3 +80,25 @@ def test_tool_choice_required_gives_a_valid_call(served):
     args = json.loads(call.function.arguments)
     assert call.function.name == "get_weather" and set(args) == {"city", "unit"}
     assert isinstance(args["city"], str) and len(args["city"]) <= 40 and args["unit"] in ("celsius", "fahrenheit")
+
+
+@pytest.mark.parametrize("max_tokens", [20, 60, 120])
+@pytest.mark.parametrize("choice, parallel", [
+    ("required", False), ("required", True), ({"type": "function", "function": {"name": "get_weather"}}, True)])
+def test_constrained_tool_choice_returns_parsed_calls_at_any_max_tokens(served, choice, parallel, max_tokens):
+    """Greedy, where the model repeats a call while the grammar lets it (required with parallel calls): the
+    response holds every complete call (never null) and says "length" when max_tokens cut it, "tool_calls" when the
+    grammar ended it; without parallel calls (or named) the grammar allows exactly one call."""
+    r = served.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER],
+        tool_choice=choice, parallel_tool_calls=parallel, temperature=0, max_tokens=max_tokens)
+    choice_out = r.choices[0]
+    calls = choice_out.message.tool_calls
+    assert calls, f"no tool call parsed (finish_reason {choice_out.finish_reason})"
+    assert choice_out.finish_reason == ("length" if r.usage.completion_tokens == max_tokens else "tool_calls")
+    if not parallel or choice != "required":
+        assert len(calls) == 1
+    for call in calls:
+        args = json.loads(call.function.arguments)
+        assert call.function.name == "get_weather" and set(args) == {"city", "unit"}
+        assert args["unit"] in ("celsius", "fahrenheit")

@@ -13,7 +13,9 @@ pytest.importorskip("xgrammar")
 from test_serve import MODEL, Server, tiny_lm, tiny_tokenizer  # noqa: E402
 
 from helpers.engine_shadow import one_thread  # noqa: E402
-from hf_paged.serve.tools import HERMES, LLAMA3, MISTRAL, ToolCallParser, tool_format  # noqa: E402
+from hf_paged.serve.tools import (  # noqa: E402
+    HERMES, LLAMA3, MISTRAL, REQUIRED, ToolCallParser, parse_tools, required_schema, tool_format,
+)
 
 TOOL_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
@@ -55,6 +57,33 @@ def test_parsers_split_content_and_calls_fed_in_pieces(mode, text, content, call
         assert len({c.id for c in got}) == len(got)
     else:
         assert streamed + rest == text and got == []
+
+
+@pytest.mark.parametrize("name, text, calls", [
+    (None, '[{"name": "f", "arguments": {"x": 1}},{"name": "g", "arguments": {}},{"name": "f", "argu',
+     [("f", {"x": 1}), ("g", {})]),  # cut by max_tokens: the complete calls
+    (None, '{"name": "g", "arguments": {"y": 2}}', [("g", {"y": 2})]),  # parallel_tool_calls false: one object
+    ("f", '[{"x": 1},{"x": 2},{"x"', [("f", {"x": 1}), ("f", {"x": 2})]),  # a single tool: its arguments
+    ("f", '{"x": 3}', [("f", {"x": 3})]),
+    (None, '[{"name": "f", "argu', []),  # no complete call: content, as before
+])
+def test_required_output_gives_its_complete_calls(name, text, calls):
+    """tool_choice "required": an array cut short parses into the calls it completed; one object is one call."""
+    streamed, rest, got = pieces(ToolCallParser(REQUIRED, name), text)
+    assert streamed == ""
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    assert rest == ("" if calls else text)
+
+
+def test_required_schema_allows_one_call_without_parallel_calls():
+    """parallel_tool_calls false: the schema is one call object (no array); a single tool's calls are its
+    arguments; with parallel calls, a non-empty array."""
+    two = parse_tools({"tools": [WEATHER, TIME], "tool_choice": "required", "parallel_tool_calls": False})
+    schema = required_schema(two)
+    assert "anyOf" in schema and schema.get("type") != "array"
+    one = parse_tools({"tools": [TIME], "tool_choice": "required"})
+    assert one.name == "get_time"
+    assert required_schema(one) == {"type": "array", "minItems": 1, "items": TIME["function"]["parameters"]}
 
 
 def test_tool_format_follows_the_chat_template():

@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import compat
-from ..attention import attach_paged_attention, is_paged, paged_backend
+from ..attention import attach_attention, is_paged, paged_backend
 from ..groups import LayerGroups
 from ..patches import check_engine_supported, check_model, kv_geometry
 from . import graphs
@@ -117,7 +117,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     check_model(model)
     check_engine_supported(model)
     if not is_paged(model) or backend != "auto":  # a model paged before keeps its backend unless one is asked
-        attach_paged_attention(model, backend=backend)
+        attach_attention(model, backend=backend)
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     device = model.device
     groups = LayerGroups.from_geometry(kv_geometry(config))

@@ -24,22 +24,12 @@ from ..ops import resolve_backend
 from ..rows import Row
 from ..step import RowInput, Step, StepOptions, plan_engine_step
 from .multimodal import StepMedia, position_offset
+from .padding import PaddingRule, measure_padding
 from .scheduler import Batch
 from .states import PackedStates, segments
 
 
-# On CPU, MKL's fp32 GEMM takes a slow path for an input of 4-15 tokens: measured here (2-core Xeon, one thread) a
-# linear layer of SmolLM2 costs 0.60 ms for 13-15 tokens and 0.38 ms for 16, its 49k-word head 62 ms for 15 tokens and
-# 26 ms for 16, a whole forward of 15 tokens 184 ms and of 16 tokens 125 ms. A step of that size runs padded to 16
-# tokens; the padding tokens are a released row's (written to the pool's scratch block, their outputs dropped), the
-# padding logits repeat the last ones. GPUs have no such cliff (and their CUDA graphs pad to their own buckets).
-CPU_GEMM_TOKENS = 16
 PAD_ROW = Row(seqs=[], tokens=None, released=True)  # holds no KV: its tokens go to the scratch block
-
-
-def cpu_gemm_size(n: int, smallest: int) -> int:
-    """The token (or logits) count to run ``n`` with on CPU: 16 when ``smallest <= n < 16``, else ``n``."""
-    return CPU_GEMM_TOKENS if smallest <= n < CPU_GEMM_TOKENS else n
 
 
 @dataclass
@@ -60,10 +50,11 @@ class PackedInputs:
                             self.num_prompt_logits)
 
 
-def pack(batch: Batch, device: torch.device, bucket: int | None = None) -> PackedInputs:
-    """The packed inputs of ``batch`` as host tensors (built from host lists once), padded to GEMM-friendly sizes on
-    CPU; ``bucket``: a decode-only batch padded to that many one-token rows (a graph's bucket), every token's logits
-    kept."""
+def pack(batch: Batch, device: torch.device, bucket: int | None = None,
+         rule: PaddingRule | None = None) -> PackedInputs:
+    """The packed inputs of ``batch`` as host tensors (built from host lists once); ``rule``: on CPU, the sizes
+    this machine runs faster padded (:func:`~hf_paged.engine.padding.measure_padding`; None: none); ``bucket``: a
+    decode-only batch padded to that many one-token rows (a graph's bucket), every token's logits kept."""
     ids, positions, keep, prompt_keep = [], [], [], []
     for chunk in batch.chunks:
         base = len(ids) - chunk.start
@@ -79,10 +70,10 @@ def pack(batch: Batch, device: torch.device, bucket: int | None = None) -> Packe
         assert not num_prompt_logits, "a graphed decode-only step has no prompt positions"
         padding = bucket - len(ids)
         keep = list(range(bucket))
-    elif device.type == "cpu":
-        padding = cpu_gemm_size(len(ids), 7) - len(ids)  # fewer than 7 tokens run faster unpadded
+    elif device.type == "cpu" and rule is not None:
+        padding = rule.step_tokens(len(ids)) - len(ids)
         if keep:
-            keep.extend([keep[-1]] * (cpu_gemm_size(len(keep), 4) - len(keep)))
+            keep.extend([keep[-1]] * (rule.logit_rows(len(keep)) - len(keep)))
     ids.extend([0] * padding)
     positions.extend(range(padding) if bucket is None else [0] * padding)
     return PackedInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
@@ -99,6 +90,8 @@ class ModelRunner:
     :class:`~hf_paged.engine.graphs.DecodeGraphs` replaying decode-only steps (None: every step eager). ``media``: a
     :class:`~hf_paged.engine.multimodal.MultimodalInputs` for a model that takes images (a step with image tokens,
     or a request's 3-axis positions, runs eagerly with the stage's extra inputs).
+    ``padding``: on CPU, the step sizes run padded (:class:`~hf_paged.engine.padding.PaddingRule`, measured for
+    this model at start; assignable, e.g. ``PaddingRule()`` for none).
     """
 
     def __init__(self, model, kv, backend: str, num_layers: int, graphs=None, media=None):
@@ -117,6 +110,7 @@ class ModelRunner:
         self._buffers = kv.pool.lend_step_buffers(self)
         params = inspect.signature(model.forward).parameters
         self.keeps_logits = "logits_to_keep" in params
+        self.padding = measure_padding(model) if self.device.type == "cpu" else None
         self.plan_time = self.forward_time = 0.0
         self.before_forward = None  # called once the step is planned, before the forward (tensor parallelism)
         self._packed_states = None  # hybrid models: the running step's segments for the state mixers
@@ -133,7 +127,7 @@ class ModelRunner:
         adapters = self.lora.token_map(batch.chunks) if self.lora is not None else None  # None: base weights only
         graphable = self.graphs is not None and not with_media and adapters is None
         bucket = self.graphs.rows_for(batch.chunks) if graphable else None
-        inputs = pack(batch, self.device, bucket)
+        inputs = pack(batch, self.device, bucket, self.padding)
         media = self.media.for_step(batch.chunks, inputs.position_ids, self.device) if with_media else None
         step = self._plan(batch, inputs.padding, graphed=bucket is not None)
         t1 = time.perf_counter()
@@ -160,7 +154,8 @@ class ModelRunner:
         """The step of ``batch``'s chunks, then ``padding`` tokens of the padding row (``graphed``: one released row
         per padding token, so every row of a graphed step has one query)."""
         # the ids the rows' blocks are keyed by (a prompt with images: content stand-ins at its image positions)
-        inputs = [RowInput(c.request.row, c.num_tokens, c.request.key_tokens[c.start: c.start + c.num_tokens])
+        inputs = [RowInput(c.request.row, c.num_tokens, c.request.key_tokens[c.start: c.start + c.num_tokens],
+                           spans=c.request.bidirectional_spans)
                   for c in batch.chunks]
         if graphed:
             inputs += [RowInput(PAD_ROW, 1, None) for _ in range(padding)]

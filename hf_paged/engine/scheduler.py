@@ -167,14 +167,16 @@ class Scheduler:
             draft = drafts.get(id(req), [])
             n = 1 + len(draft) if decode and decode_left > 0 else min(req.remaining, prefill_left) if not decode else 0
             if n and not decode:
-                n = self.kv.chunk_tokens(req.row, req.num_computed, n)
+                n = outside_spans(req, req.num_computed, self.kv.chunk_tokens(req.row, req.num_computed, n),
+                                  self.max_batch_tokens)
             if n == 0:
                 i += 1
                 continue
             need = self.kv.blocks_needed(req.row, n)
             while need > self.kv.num_free() - reserved:
                 available = self.kv.num_free() - reserved
-                fit = 0 if decode else self.kv.tokens_that_fit(req.row, available, n)
+                fit = 0 if decode else outside_spans(req, req.num_computed,
+                                                     self.kv.tokens_that_fit(req.row, available, n))
                 if decode and draft:  # the draft goes first
                     fit = self.kv.tokens_that_fit(req.row, available, n)
                     if fit > 0:
@@ -234,11 +236,12 @@ class Scheduler:
                 self.waiting.appendleft(req)
                 break
             cached = len(prefix) * self.kv.block_size
-            n = self.kv.chunk_tokens(row, cached, min(len(req.tokens) - cached, budget))
+            n = outside_spans(req, cached, self.kv.chunk_tokens(row, cached, min(len(req.tokens) - cached, budget)),
+                              self.max_batch_tokens)
             need = self.kv.blocks_needed(row, n)
             available = self.kv.num_free() - reserved - (self.watermark_blocks if self.running else 0)
             if need > available:
-                n = self.kv.tokens_that_fit(row, available, n)
+                n = outside_spans(req, cached, self.kv.tokens_that_fit(row, available, n))
                 need = self.kv.blocks_needed(row, n) if n else 0
             if req.beam is not None and self.kv.capacity is not None:  # admitted only with room for its worst case
                 worst = req.beam.worst_case_blocks(self.kv, min(req.num_prompt + req.max_new_tokens, req.max_length))
@@ -427,3 +430,17 @@ class Scheduler:
             assert req.status == RequestStatus.PENDING and req.row is None and req.num_computed == 0, req.request_id
         for key, owner in self._pending.items():
             assert owner in self.running, "a pending prefix block belongs to a request that is not running"
+
+
+def outside_spans(req: Request, start: int, n: int, most: int | None = None) -> int:
+    """``n`` tokens from ``start``, or fewer so that the chunk never ends inside one of the request's bidirectional
+    spans (its tokens see each other: they run in one forward); 0 when the chunk would have to end inside the span
+    it starts in (it waits for a step with room for the whole span), unless what is left of that span is longer than
+    ``most`` (a step's whole budget): then all of it, over the budget, rather than never."""
+    end = start + n
+    for span_start, span_end in req.bidirectional_spans:
+        if span_start < end < span_end:
+            if span_start <= start and most is not None and span_end - start > most:
+                return span_end - start
+            return max(0, span_start - start)
+    return n

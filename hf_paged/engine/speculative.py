@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention import attach_paged_attention, is_paged, paged_backend
+from ..attention import attach_attention, is_paged, paged_backend
 from ..groups import LayerGroups
 from ..patches import kv_geometry
 from ..pool import BlockPool
@@ -111,7 +111,7 @@ class DraftModelProposer:
 
     def __init__(self, model, block_size: int = 16):
         if not is_paged(model):
-            attach_paged_attention(model)
+            attach_attention(model)
         config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") \
             else model.config
         geometry = kv_geometry(config)

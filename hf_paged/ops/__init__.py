@@ -277,6 +277,7 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     chunk: int | None = None,
+    query_limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over KV read through block tables.
 
@@ -305,6 +306,10 @@ def paged_attention(
             through the same block tables.
         chunk: chunked attention (Llama 4): a query at position ``p`` sees only positions ``floor(p / chunk) *
             chunk .. p`` (with ``sliding_window``, both bounds apply).
+        query_limits: ``[num_tokens]`` int32, bidirectional spans (Gemma 3's image tokens): query ``i`` sees the
+            positions ``<= query_limits[i]`` (at or after its own, before its sequence's end) instead of ``<=`` its
+            own; the window and the chunk still count from its own position. A span's tokens each get the span's
+            last position. None: every query its own.
 
     Returns:
         ``[num_tokens, num_q_heads, head_dim]``, same dtype as ``query``.
@@ -353,11 +358,16 @@ def paged_attention(
         _fail(f"scale must be a Python float, got {type(scale).__name__}.")
     _check_softcap_sinks(softcap, sinks, query.shape[1], query.device)
     _check_kv_scales(key_cache, k_scale, v_scale)
+    if query_limits is not None:
+        _check_index("query_limits", query_limits, 1, key_cache.device)
+        if query_limits.shape[0] != query.shape[0]:
+            _fail(f"query_limits must have one entry per query ({query.shape[0]}), got {query_limits.shape[0]}.")
+        query_limits = query_limits.contiguous()
     if max_seq_len is not None and max_seq_len > block_tables.shape[1] * block_size:
         _fail(f"max_seq_len={max_seq_len} exceeds what block_tables can address ({block_tables.shape[1]} blocks x "
               f"{block_size} = {block_tables.shape[1] * block_size}); pass a width <= that, or None.")
     meta = AttentionMetadata(block_tables, seq_lens.contiguous(), query_start_loc.contiguous(), max_query_len,
-                             max_seq_len, sliding_window, chunk=chunk)
+                             max_seq_len, sliding_window, chunk=chunk, query_limits=query_limits)
     return paged_attention_unchecked(
         query, key_cache, value_cache, meta, float(scale), resolve_backend(backend, query.device),
         softcap=None if softcap is None else float(softcap),
@@ -371,7 +381,7 @@ def paged_attention_unchecked(query, key_cache, value_cache, meta: AttentionMeta
     ``backend`` is ``"torch"`` or ``"triton"``; ``seq_lens`` and ``query_start_loc`` contiguous. The model path and
     the custom op call the backends through here.
 
-    ``meta.plan`` (torch backend): the step's read layout (:class:`~hf_paged.ops.reference.ReadLayout`), shared by
+    ``meta.plan`` (torch backend): the step's read layout (:class:`~hf_paged.ops.layout.ReadLayout`), shared by
     the layers of a step. ``reuse_partials`` (Triton): split-KV scratch kept per device and shape (eager calls only).
     """
     if backend == "triton":

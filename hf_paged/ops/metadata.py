@@ -5,18 +5,17 @@ device); :func:`hf_paged.ops.paged_attention` builds one from its arguments. Wha
 it: the pool tensors, the softmax scale, soft-capping, sinks and the fp8 scale caches. Crossing the custom-op
 boundary (``torch.ops.hf_paged.paged_attention``, whose schema takes only tensors and scalars) it is flattened by
 :func:`hf_paged.ops.custom_ops.op_arguments` and rebuilt by :func:`hf_paged.ops.custom_ops.from_op_arguments`, nowhere
-else. This module imports nothing of the package: the backends (``reference``, ``triton_kernels``) import it.
+else. This module imports only the read layout (``layout``, plain data): the backends (``reference``,
+``triton_kernels``) import it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # for the annotation only: reference.py imports this module
-    from .reference import ReadLayout
+from .layout import ReadLayout
 
 
 @dataclass
@@ -25,7 +24,9 @@ class AttentionMetadata:
 
     Query ``i`` of a sequence with ``q_len`` queries is at position ``seq_lens[s] - q_len + i`` and attends to the
     positions ``<=`` its own (the last ``sliding_window`` of them with a window; with ``chunk=C`` those from
-    ``floor(p / C) * C`` on: chunked attention).
+    ``floor(p / C) * C`` on: chunked attention). With ``query_limits``, a query sees the positions ``<=`` its limit
+    instead of its own (a bidirectional span: an image's tokens see each other); the window and the chunk still
+    count back from its own position.
     """
 
     block_tables: torch.Tensor  # [num_seqs, W] int32, logical block -> physical block
@@ -34,8 +35,9 @@ class AttentionMetadata:
     max_query_len: int | None = None  # host-side maxima (None: read from the tensors, a device sync)
     max_seq_len: int | None = None  # may be a bucketed bound above every seq_lens, up to W * block_size
     sliding_window: int | None = None
-    plan: "ReadLayout | None" = None  # the torch backend's read layout (hf_paged.ops.reference), once per step
+    plan: ReadLayout | None = None  # the torch backend's read layout (hf_paged.ops.layout), once per step
     chunk: int | None = None  # chunked attention: a query sees its own chunk of this many positions
+    query_limits: torch.Tensor | None = None  # [num_tokens] int32, the last position each query sees (None: its own)
 
     def moved(self, put) -> "AttentionMetadata":
         """The same metadata with each tensor replaced by ``put(name, tensor)`` (moved to a device, or staged in a
@@ -43,4 +45,5 @@ class AttentionMetadata:
         layout = None if self.plan is None else self.plan.moved(lambda name, t: put("layout." + name, t))
         return replace(self, block_tables=put("block_tables", self.block_tables),
                        seq_lens=put("seq_lens", self.seq_lens),
-                       query_start_loc=put("query_start_loc", self.query_start_loc), plan=layout)
+                       query_start_loc=put("query_start_loc", self.query_start_loc), plan=layout,
+                       query_limits=None if self.query_limits is None else put("query_limits", self.query_limits))

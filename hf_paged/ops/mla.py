@@ -27,8 +27,9 @@ import sys
 
 import torch
 
+from .layout import AttentionPart
 from .metadata import AttentionMetadata
-from .reference import AttentionPart, dequantize_fp8, plan_torch_attention
+from .reference import dequantize_fp8, plan_torch_attention
 
 
 # Imported on first use, not at the top: triton is optional and triton_mla imports it (ImportError without it).
@@ -109,7 +110,7 @@ def mla_attention_torch(q_lat: torch.Tensor, q_rot: torch.Tensor, latent_cache: 
     if layout is None:  # a caller's pool may hold NaN in unwritten slots: zero them
         layout = plan_torch_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, latent_cache.shape[1],
                                       sliding_window=meta.sliding_window, max_seq_len=meta.max_seq_len,
-                                      zero_unowned=True)
+                                      zero_unowned=True, query_limits=meta.query_limits)
     dtype = q_lat.dtype
     softmax_dtype = torch.promote_types(dtype, torch.float32)
     outputs = []
@@ -178,6 +179,9 @@ def paged_mla(query: torch.Tensor, kv_b_weight: torch.Tensor, kv_b_bias: torch.T
     w_uk, w_uv = split_kv_b(kv_b_weight, num_heads, nope_dim)
     q_lat = absorb_query(query[..., :nope_dim], w_uk)  # [N, H, R]
     q_rot = query[..., nope_dim:]  # [N, H, P]
+    if backend == "triton" and meta.query_limits is not None:
+        raise ValueError("the Triton MLA kernel has no bidirectional spans (query_limits): use backend='torch' for "
+                         "a prompt with them.")
     if backend == "triton":
         out_lat = _triton_mla().mla_attention_triton(q_lat, q_rot, latent_cache, rope_cache, meta, scale,
                                                      latent_scale=latent_scale, rope_scale=rope_scale)

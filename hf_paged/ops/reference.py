@@ -8,12 +8,11 @@ head written with the token: the stored value is ``fp8 * scale``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 
 from ..allocator import cdiv
+from .layout import AttentionPart, ReadLayout
 from .metadata import AttentionMetadata
 
 
@@ -113,96 +112,10 @@ def copy_blocks_torch(key_cache, value_cache, src, dst, k_scale=None, v_scale=No
 SPLIT_MIN_POSITIONS = 256
 
 
-@dataclass
-class AttentionPart:
-    """Rows of a step read together: one attention call over their blocks, no query padding.
-
-    The rows have the same number of queries ``Q``. With one (decode), the query heads of each KV head become that
-    head's queries (one call, no repeated K/V); with several, the call is causal over each row's history. ``mask``
-    None: nothing to mask (decode rows whose contexts fill the part's whole blocks; rows whose queries are their first
-    positions, a fresh prompt or chunk with no window cutting it, take SDPA's causal path). ``q_index`` None: the
-    part's queries are the packed batch's ``q_start .. q_start + rows * Q - 1`` in order (a slice, nothing gathered).
-    """
-
-    tables: torch.Tensor  # [Sx * nb] int64, physical block of each context block
-    num_rows: int  # Sx (-1 in a compiled step: the mask's shape tells)
-    queries: int  # Q, per row (likewise)
-    mask: torch.Tensor | None = None  # [Sx, 1, Q, L] bool: causal from each row's history, window
-    q_index: torch.Tensor | None = None  # [Sx * Q] int64 into the packed queries
-    q_start: int = 0
-    run: int | None = None  # one row whose blocks are run .. run + nb - 1 (read as a view)
-    kv_valid: torch.Tensor | None = None  # [Sx, L, 1, 1] bool, public entry only
-
-    TENSORS = ("tables", "mask", "q_index", "kv_valid")
-
-    def sizes(self) -> tuple[int, int]:
-        """``(Sx, Q)``, from the mask's shape where there is one."""
-        if self.mask is not None:
-            return self.mask.shape[0], self.mask.shape[2]
-        return self.num_rows, self.queries
-
-
-@dataclass
-class ReadLayout:
-    """The torch backend's *read layout*: how :func:`paged_attention_torch` reads one batch, built once per step
-    (:func:`plan_torch_attention`) and shared by its layers.
-
-    Rows are split into :class:`AttentionPart` s so that no row is padded to another's query count, nor a decode row
-    to a much longer context: the rows with one query by context (power-of-two ranges of blocks, see
-    ``SPLIT_MIN_POSITIONS``), then one part per distinct larger query count, in order of first appearance (a
-    continuous-batching step's chunks mostly one each; a ``generate()`` batch one part in all). A row with no query
-    takes no part. Each part gathers its rows' blocks up to its own longest context, in whole blocks
-    (``L = nb * block_size``), or reads them as a view of the pool when it is a single row whose blocks are
-    consecutive (``run``). When the parts' queries, in order, are the packed batch itself (``ordered``), the output
-    is their concatenation; otherwise each part has index tensors and its output is scattered.
-
-    Every field is a tensor, an int or None (the step planner moves the tensors to the model's device, :meth:`moved`).
-    A compiled step (``always_mask``) keeps one part per query count and carries every size the attention needs in a
-    tensor's shape (a compiled graph sees no varying Python int): see :meth:`op_arguments` and
-    :meth:`from_op_arguments`, through which the layout crosses the custom-op boundary.
-    """
-
-    parts: list[AttentionPart] = field(default_factory=list)
-    ordered: bool = True
-
-    def moved(self, put) -> "ReadLayout":
-        """A copy whose tensors are ``put(name, tensor)`` (e.g. moved to a device or staged in a step buffer)."""
-        def move(part, prefix):
-            return AttentionPart(**{n: put(prefix + n, v) if isinstance(v, torch.Tensor) else v
-                                    for n, v in vars(part).items()})
-
-        return ReadLayout([move(part, f"parts.{i}.") for i, part in enumerate(self.parts)], self.ordered)
-
-    @staticmethod
-    def op_arguments(layout: "ReadLayout | None") -> tuple[list, list[int]]:
-        """``(tensors, ints)`` for the op's schema: each part's tensors (``AttentionPart.TENSORS`` order); the ints
-        ``[ordered, then per part: run, q_start, num_rows, queries]`` (-1: none). No layout (the Triton backend): two
-        empty lists."""
-        if layout is None:
-            return [], []
-        tensors, ints = [], [int(layout.ordered)]
-        for part in layout.parts:
-            tensors += [getattr(part, n) for n in AttentionPart.TENSORS]
-            ints += [-1 if part.run is None else part.run, part.q_start, part.num_rows, part.queries]
-        return tensors, ints
-
-    @classmethod
-    def from_op_arguments(cls, tensors, ints) -> "ReadLayout | None":
-        if not ints:
-            return None
-        layout = cls(ordered=bool(ints[0]))
-        width = len(AttentionPart.TENSORS)
-        for i in range(len(tensors) // width):
-            fields = dict(zip(AttentionPart.TENSORS, tensors[i * width: (i + 1) * width]))
-            run, q_start, num_rows, queries = ints[1 + 4 * i: 5 + 4 * i]
-            layout.parts.append(AttentionPart(**fields, num_rows=num_rows, queries=queries, q_start=q_start,
-                                              run=None if run < 0 else run))
-        return layout
-
-
 def plan_torch_attention(
     block_tables, seq_lens, query_start_loc, block_size: int, *, sliding_window: int | None = None,
     max_seq_len: int | None = None, always_mask: bool = False, zero_unowned: bool = False, chunk: int | None = None,
+    query_limits: torch.Tensor | None = None,
 ) -> ReadLayout:
     """The read layout (:class:`ReadLayout`: index and mask tensors) of :func:`paged_attention_torch`, built once per
     step and shared by its layers.
@@ -216,8 +129,9 @@ def plan_torch_attention(
     do, and blocks never read as views (a compiled step's layout then holds the same tensors, of shapes fixed by the
     step's sizes, every step). ``zero_unowned``: also mark the slots no sequence wrote (a caller's pool; hf_paged's
     own pools hold zeros there). ``chunk=C``: chunked attention (Llama 4), a query at position ``p`` sees positions
-    ``floor(p / C) * C .. p`` only. Reads ``seq_lens`` and ``query_start_loc`` on the host (they are host tensors
-    when a step is planned).
+    ``floor(p / C) * C .. p`` only. ``query_limits`` ``[num_tokens]``: the last position each query sees, at or
+    after its own (a bidirectional span; see :class:`~hf_paged.ops.AttentionMetadata`): the masks take it. Reads
+    ``seq_lens``, ``query_start_loc`` and ``query_limits`` on the host (host tensors when a step is planned).
     """
     if max_seq_len is not None and cdiv(max_seq_len, block_size) > block_tables.shape[1]:
         raise ValueError(
@@ -237,8 +151,10 @@ def plan_torch_attention(
     # ordered: the parts' queries, in turn, are the packed batch as it is (a compiled step: only a single part)
     ordered = [r for _, rows in groups for r in rows] == [r for r, c in enumerate(counts) if c > 0]
     layout = ReadLayout(ordered=ordered and (not always_mask or len(groups) == 1))
+    limits = None if query_limits is None else query_limits.tolist()
     context = dict(lens=lens, starts=starts, ordered=layout.ordered, block_tables=block_tables, block_size=block_size,
-                   window=sliding_window, chunk=chunk, always_mask=always_mask, zero_unowned=zero_unowned)
+                   window=sliding_window, chunk=chunk, always_mask=always_mask, zero_unowned=zero_unowned,
+                   limits=limits)
     for q, rows in groups:  # a single part may take the step's (bucketed) width
         layout.parts.append(_part(rows, q, max_seq_len if len(groups) == 1 else None, **context))
     return layout
@@ -261,7 +177,7 @@ def _by_context(rows: list[int], lens: list[int], block_size: int) -> list[list[
 
 
 def _part(rows: list[int], queries: int, max_seq_len, *, lens, starts, ordered: bool, block_tables, block_size,
-          window, chunk, always_mask, zero_unowned) -> AttentionPart:
+          window, chunk, always_mask, zero_unowned, limits) -> AttentionPart:
     part_lens = [lens[r] for r in rows]
     nb = cdiv(max(max(part_lens) if max_seq_len is None else max_seq_len, 1), block_size)
     length = nb * block_size
@@ -280,16 +196,23 @@ def _part(rows: list[int], queries: int, max_seq_len, *, lens, starts, ordered: 
         part.q_start = starts[rows[0]]
     else:
         part.q_index = torch.tensor([starts[r] + i for r in rows for i in range(queries)], device=device)
+    # each query's limit where a bidirectional span moves it past its own position (None: none does)
+    part_limits = None
+    if limits is not None:
+        own = [[n - queries + i for i in range(queries)] for n in part_lens]
+        given = [limits[starts[r]: starts[r] + queries] for r in rows]
+        part_limits = None if given == own else given
     if queries == 1:  # decode: a mask unless every row sees all L positions
         unmasked = window is None and chunk is None and all(n == length for n in part_lens)
     else:  # the row's queries are its first positions: causal, no mask
         unmasked = all(n == queries for n in part_lens) and (window is None or window >= queries) and (
             chunk is None or chunk >= queries)
-    if always_mask or not unmasked:
+    if always_mask or not unmasked or part_limits is not None:
         q_pos = torch.tensor([n - queries for n in part_lens], device=device)[:, None] + torch.arange(
             queries, device=device)  # [Sx, Q]
         kv_pos = torch.arange(length, device=device)
-        mask = kv_pos <= q_pos[:, :, None]  # [Sx, Q, L]
+        q_hi = q_pos if part_limits is None else torch.tensor(part_limits, device=device)  # [Sx, Q]
+        mask = kv_pos <= q_hi[:, :, None]  # [Sx, Q, L]
         if window is not None:
             mask &= kv_pos > (q_pos[:, :, None] - window)
         if chunk is not None:  # the query's own chunk only
@@ -357,7 +280,8 @@ def paged_attention_torch(
         # so zero them. hf_paged's own pools start zeroed and only hold written tokens, so the model path skips it.
         layout = plan_torch_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, key_cache.shape[1],
                                       sliding_window=meta.sliding_window, chunk=meta.chunk,
-                                      max_seq_len=meta.max_seq_len, zero_unowned=True)
+                                      max_seq_len=meta.max_seq_len, zero_unowned=True,
+                                      query_limits=meta.query_limits)
     explicit = softcap is not None or sinks is not None
     kv_dtype = torch.float32 if explicit else query.dtype
     features = (scale, softcap, sinks, explicit)

@@ -151,7 +151,7 @@ def _attend_kv_range(
     m_i,  # [BLOCK_M] fp32, running max of each entry's scores (log2 units)
     l_i,  # [BLOCK_M] fp32, running sum of each entry's exp2(score - m_i)
     q,  # [BLOCK_M, HEAD_DIM_P], one query head per tile entry
-    q_pos,  # [BLOCK_M] int32, position of each entry's query in its sequence
+    q_hi,  # [BLOCK_M] int32, last position each entry's query sees (its own, or its bidirectional span's end)
     q_lo,  # [BLOCK_M] int32, first position each entry's query sees (window start, chunk start, or 0)
     kv_lo,  # first KV position any entry of the tile may need
     kv_hi,  # one past the last such position
@@ -205,7 +205,8 @@ def _attend_kv_range(
             k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # [TILE_N, HEAD_DIM_P]
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # [TILE_N, HEAD_DIM_P]
 
-        # Scores in log2 units, soft-capped, then masked: causal, window or chunk start, and positions not loaded.
+        # Scores in log2 units, soft-capped, then masked: causal (or span end), window or chunk start, and positions
+        # not loaded.
         s = _dot(q, tl.trans(k), DOT_FP32, DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
         if KV_FP8:
             s = s * k_s[None, :]
@@ -213,7 +214,7 @@ def _attend_kv_range(
             s = softcap * (1.0 - 2.0 / (tl.exp2(s * 2.8853900817779268) + 1.0))
         visible = (
             kv_ok[None, :]
-            & (kv_pos[None, :] <= q_pos[:, None])
+            & (kv_pos[None, :] <= q_hi[:, None])
             & (kv_pos[None, :] >= q_lo[:, None])
         )
         s = tl.where(visible, s, float("-inf"))
@@ -410,6 +411,7 @@ def _prefill_kernel(
     sinks_ptr,  # [num_q_heads] fp32, read when USE_SINKS
     k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] bf16, read when KV_FP8
     v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] bf16, read when KV_FP8
+    query_limits_ptr,  # [num_tokens] int32, the last position each query sees, read when USE_LIMITS
     qk_scale,
     softcap,
     sliding_window,
@@ -440,6 +442,7 @@ def _prefill_kernel(
     FP8_NATIVE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_LIMITS: tl.constexpr,  # bidirectional spans: each query's last visible position from query_limits_ptr
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     q_tile = tl.program_id(0)
@@ -473,12 +476,16 @@ def _prefill_kernel(
     last_q_pos = tl.minimum(first_q_pos + BLOCK_Q, seq_len) - 1
     kv_lo = tl.maximum(tl.maximum(first_q_pos - sliding_window + 1, (first_q_pos // chunk) * chunk), 0)
     kv_hi = last_q_pos + 1
+    q_hi = q_pos  # [BLOCK_M]
+    if USE_LIMITS:  # a query in a bidirectional span sees up to the span's end: the tile reads as far as its latest
+        q_hi = tl.maximum(tl.load(query_limits_ptr + q_token, mask=m_ok, other=0), q_pos)
+        kv_hi = tl.maximum(kv_hi, tl.max(tl.where(m_ok, q_hi, 0), 0) + 1)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attend_kv_range(
-        acc, m_i, l_i, q, q_pos, q_lo, kv_lo, kv_hi,
+        acc, m_i, l_i, q, q_hi, q_lo, kv_lo, kv_hi,
         block_tables_ptr + seq.to(tl.int64) * stride_bt_seq, stride_bt_block,
         k_cache_ptr, v_cache_ptr, kv_head, stride_cb, stride_ct, stride_ch, stride_cd,
         k_scale_ptr, v_scale_ptr, stride_st, qk_scale, softcap,
@@ -619,6 +626,8 @@ def _signature(kernel_name: str, constexprs: dict, query_dtype: torch.dtype, kv_
             signature[name] = "constexpr"
         elif name in fixed:
             signature[name] = fixed[name]
+        elif name == "query_limits_ptr":  # int32 limits; the fp32 placeholder when not read
+            signature[name] = "*i32" if constexprs.get("USE_LIMITS") else "*fp32"
         elif name in ("k_scale_ptr", "v_scale_ptr"):  # bf16 scale caches; the fp32 placeholder when not fp8
             signature[name] = "*bf16" if kv_dtype == torch.uint8 else "*fp32"
         elif name in ("k_cache_ptr", "v_cache_ptr"):
@@ -651,6 +660,7 @@ def launch_choices(
     num_kv_heads: int = 1,
     capability: int | None = None,
     interpreted: bool | None = None,
+    limits: bool = False,
 ) -> list[LaunchChoice]:
     """The kernels a launch runs and the compile-time values, warps and stages the launchers pick for them.
 
@@ -661,6 +671,7 @@ def launch_choices(
         split_kv: decode only: split-KV, which adds the merge kernel.
         kind: ``"decode"`` (one query per sequence), ``"prefill"`` (any number) or ``"write_kv"``.
         softcap, sinks: whether logit soft-capping / attention sinks are on.
+        limits: prefill only: whether per-query visibility limits (bidirectional spans) are read.
         max_query_len: prefill only: caps the query tile for short extends (None: no cap, the largest tile).
         num_splits: decode with split-KV: the split count (None: the largest, ``_MAX_KV_SPLITS``).
         num_kv_heads: write_kv only (its tile holds every KV head of a token).
@@ -715,7 +726,8 @@ def launch_choices(
         # Eight heads per query fill the tile with the widest group: halving the KV tile keeps the scores
         # and the accumulator in registers (found by `python -m hf_paged check-kernels`: 8-16 B spilled otherwise).
         prefill_tile_n = tile_n // 2 if group_p == 8 else tile_n
-        constexprs = dict(common, TILE_N=prefill_tile_n, GROUP_P=group_p, BLOCK_Q=block_q, USE_SINKS=bool(sinks))
+        constexprs = dict(common, TILE_N=prefill_tile_n, GROUP_P=group_p, BLOCK_Q=block_q, USE_SINKS=bool(sinks),
+                          USE_LIMITS=bool(limits))
         return [_choice("_prefill_kernel", constexprs, num_warps, 2, query_dtype, kv_dtype)]
 
     decode = dict(common, BLOCK_M=max(16, _next_pow2(group)), SPLIT_KV=bool(split_kv),
@@ -897,6 +909,7 @@ def attention_spec(
     sinks: bool = False,
     kv_scales: bool = False,
     chunk: int | None = None,
+    limits: bool = False,
 ) -> LaunchSpec:
     """The (cached) spec of a :func:`paged_attention_triton` call on tensors shaped like these.
 
@@ -920,11 +933,12 @@ def attention_spec(
     decode = max_query_len == 1
     key = (query.device, query.dtype, query.shape, query.stride(), key_cache.dtype, key_cache.shape,
            key_cache.stride(), block_tables.shape, block_tables.stride(), max_query_len,
-           max_seq_len if decode else None, num_kv_splits, sliding_window, scale, softcap, sinks, kv_scales, chunk)
+           max_seq_len if decode else None, num_kv_splits, sliding_window, scale, softcap, sinks, kv_scales, chunk,
+           limits and not decode)
     spec = _ATTENTION_SPECS.get(key)
     if spec is None:
         spec = _build_attention_spec(query, key_cache, block_tables, scale, sliding_window, max_query_len,
-                                     max_seq_len, num_kv_splits, softcap, sinks, chunk)
+                                     max_seq_len, num_kv_splits, softcap, sinks, chunk, limits and not decode)
         if len(_ATTENTION_SPECS) >= _MAX_SPECS:
             _ATTENTION_SPECS.clear()
         _ATTENTION_SPECS[key] = spec
@@ -932,7 +946,7 @@ def attention_spec(
 
 
 def _build_attention_spec(query, key_cache, block_tables, scale, sliding_window, max_query_len, max_seq_len,
-                          num_kv_splits, softcap, sinks, chunk=None) -> LaunchSpec:
+                          num_kv_splits, softcap, sinks, chunk=None, limits=False) -> LaunchSpec:
     _check_runnable(query)
     device = query.device
     num_tokens, num_q_heads, head_dim = query.shape
@@ -954,7 +968,7 @@ def _build_attention_spec(query, key_cache, block_tables, scale, sliding_window,
     )
     placeholder = _placeholder(device)
     if max_query_len != 1:
-        (prefill,) = launch_choices(kind="prefill", max_query_len=max_query_len, **choose)
+        (prefill,) = launch_choices(kind="prefill", max_query_len=max_query_len, limits=limits, **choose)
         grid = (triton.cdiv(max_query_len, prefill.constexprs["BLOCK_Q"]), num_kv_heads, num_seqs)
         launch = Launch("_prefill_kernel", grid, (qk_scale, softcap_arg, window, chunk_arg, *strides), _options(prefill))
         return LaunchSpec((launch,), None, device_index, placeholder)
@@ -1019,12 +1033,13 @@ def paged_attention_triton(
         sinks = sinks.float()
     spec = attention_spec(query, key_cache, block_tables, scale, meta.sliding_window, max_query_len, max_seq_len,
                           num_kv_splits, softcap=softcap, sinks=sinks is not None, kv_scales=k_scale is not None,
-                          chunk=meta.chunk)
+                          chunk=meta.chunk, limits=meta.query_limits is not None)
     if not spec.launches:
         return out
     placeholder = spec.placeholder
     pointers = (placeholder if sinks is None else sinks, placeholder if k_scale is None else k_scale,
-                placeholder if v_scale is None else v_scale)
+                placeholder if v_scale is None else v_scale,
+                placeholder if meta.query_limits is None else meta.query_limits)
     tensors = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out)
     if spec.device_index is not None and spec.device_index != torch.cuda.current_device():
         with torch.cuda.device(spec.device_index):
@@ -1036,21 +1051,21 @@ def paged_attention_triton(
 
 def _launch_attention(spec, tensors, pointers, reuse_partials: bool):
     """``tensors``: query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out; ``pointers``: sinks,
-    k_scale, v_scale (or the placeholder)."""
+    k_scale, v_scale, query_limits (or the placeholder; the decode kernels take the first three)."""
     first = spec.launches[0]
     out, query_start_loc, device = tensors[6], tensors[5], tensors[0].device
     if first.kernel == "_prefill_kernel":
         _prefill_kernel[first.grid](*tensors, *pointers, *first.scalars, **first.options)
         return
     if spec.partial_shape is None:
-        _decode_kernel[first.grid](*tensors, out, out, *pointers, *first.scalars, **first.options)  # partials unused
+        _decode_kernel[first.grid](*tensors, out, out, *pointers[:3], *first.scalars, **first.options)  # no partials
         return
     if reuse_partials:
         partial_out, partial_lse = _partials(device, spec.partial_shape)
     else:
         partial_out = torch.empty(spec.partial_shape, dtype=torch.float32, device=device)  # [S, Hq, splits, D]
         partial_lse = torch.empty(spec.partial_shape[:3], dtype=torch.float32, device=device)  # [S, Hq, splits]
-    _decode_kernel[first.grid](*tensors, partial_out, partial_lse, *pointers, *first.scalars, **first.options)
+    _decode_kernel[first.grid](*tensors, partial_out, partial_lse, *pointers[:3], *first.scalars, **first.options)
     merge = spec.launches[1]
     _merge_splits_kernel[merge.grid](out, partial_out, partial_lse, pointers[0], query_start_loc, *merge.scalars,
                                      **merge.options)

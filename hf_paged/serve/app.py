@@ -401,8 +401,8 @@ async def _collect(gen: Generation, shape: Shape, request: Request, record, n: i
             text = tools.feed(text)
             rest, found = tools.finish()
             text += rest
-            if found:
-                calls, reason = [call.openai() for call in found], "tool_calls"
+            if found:  # a response cut by max_tokens keeps "length" (its complete calls are returned)
+                calls, reason = [call.openai() for call in found], "length" if reason == "length" else "tool_calls"
         choices.append({"index": c.index, "text": text, "finish_reason": reason,
                         "logprobs": (logprobs[c.index] or []) if want else None, "offset": len(prefix),
                         "echo_logprobs": echo_lp, "prompt_logprobs": vllm_lp, "tool_calls": calls})
@@ -461,7 +461,7 @@ def _stream(gen: Generation, shape: Shape, record, n: int, echoes, params: Sampl
                         for at in range(0, len(call.arguments), ARGUMENT_FRAGMENT):
                             yield shape.chunk(piece.index, None, usage_now=now(), tool_calls=[{
                                 "index": i, "function": {"arguments": call.arguments[at:at + ARGUMENT_FRAGMENT]}}])
-                    if calls:
+                    if calls and reason != "length":
                         reason = "tool_calls"
                 if reason is not None:
                     yield shape.chunk(piece.index, None if shape.kind == "chat" else "", reason, usage_now=now())

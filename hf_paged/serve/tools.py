@@ -7,8 +7,10 @@ into OpenAI's ``tool_calls``.
   Qwen ``<tool_call>`` JSON, Llama 3 JSON (``{"name", "parameters"}``, optionally after ``<|python_tag|>``) or Mistral
   ``[TOOL_CALLS] [{"name", "arguments"}]``. Text before a call is content; text that does not parse stays content.
 - ``"required"`` / a named function: decoding is constrained by a JSON schema built from the tools
-  (:func:`required_schema`: a non-empty array of ``{"name", "arguments"}``; :func:`named_schema`: the function's
-  parameters), so any model produces a valid call.
+  (:func:`required_schema`: a non-empty array of ``{"name", "arguments"}`` (of the arguments alone with a single
+  tool), or exactly one without parallel calls; :func:`named_schema`: the function's parameters), so any model
+  produces a valid call. An array
+  cut by ``max_tokens`` (a model repeating calls) gives the complete calls it holds; the response says ``length``.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class ToolRequest:
 
     tools: list[dict]  # [{"type": "function", "function": {"name", "description"?, "parameters"?}}]
     choice: str  # "none" | "auto" | "required" | "named"
-    name: str | None = None  # the named function
+    name: str | None = None  # the named function; "required" with a single tool: that tool (calls name no other)
     parallel: bool = True  # parallel_tool_calls: False allows one call at most
 
     @property
@@ -82,6 +84,8 @@ def parse_tools(body: dict) -> ToolRequest | None:
     request = ToolRequest(tools, "auto", parallel=parallel is not False)
     if choice is None or choice in ("none", "auto", "required"):
         request.choice = choice or "auto"
+        if choice == REQUIRED and len(request.names) == 1:
+            request.name = request.names[0]
     elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in request.names:
@@ -99,15 +103,20 @@ def _parameters(fn: dict) -> dict:
 
 
 def required_schema(request: ToolRequest) -> dict:
-    """A non-empty JSON array of calls (one at most without parallel calls), each ``{"name": <a tool>,
-    "arguments": <its parameters>}``."""
+    """The calls ``tool_choice="required"`` allows: each ``{"name": <a tool>, "arguments": <its parameters>}``
+    (with a single tool, ``request.name``, just its arguments: the name is known); a non-empty JSON array of them,
+    or, without parallel calls (``parallel_tool_calls: false``), exactly one (no array: the grammar itself allows
+    one call, and it costs no bracket tokens)."""
     calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                "arguments": _parameters(t["function"])},
               "required": ["name", "arguments"], "additionalProperties": False} for t in request.tools]
-    schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    if request.name is not None:
+        call = _parameters(request.function(request.name))
+    else:
+        call = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if not request.parallel:
-        schema["maxItems"] = 1
-    return schema
+        return call
+    return {"type": "array", "minItems": 1, "items": call}
 
 
 def named_schema(request: ToolRequest) -> dict:
@@ -246,7 +255,11 @@ class ToolCallParser:
             if self.mode == NAMED:
                 return [ToolCall(self.name, json.dumps(json.loads(text), ensure_ascii=False))]
             if self.mode == REQUIRED:
-                return [_call(item) for item in json.loads(text)]
+                items = _complete_items(text)
+                if self.name is not None:  # a single tool: each item is its arguments
+                    return [ToolCall(self.name, json.dumps(_object(item), ensure_ascii=False))
+                            for item in items] or None
+                return [_call(item) for item in items] or None
             if not self.in_call:
                 return None
             if self.mode == HERMES:
@@ -262,6 +275,33 @@ class ToolCallParser:
             return [_call(item) for item in items]
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             return None
+
+
+def _complete_items(text: str) -> list:
+    """The JSON values of ``text``: one object (one call), or the complete items of an array, also of one cut short
+    (``[{...},{...},{"na`` -> the first two); ``json.JSONDecodeError`` when there is none of either."""
+    text = text.strip()
+    if not text.startswith("["):
+        return [json.loads(text)]
+    decoder, items, at = json.JSONDecoder(), [], 1
+    while True:
+        while at < len(text) and text[at] in " \t\n\r,":
+            at += 1
+        if at >= len(text) or text[at] == "]":
+            return items
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            if items:
+                return items
+            raise
+        items.append(item)
+
+
+def _object(item) -> dict:
+    if not isinstance(item, dict):
+        raise TypeError("a tool call's arguments must be an object")
+    return item
 
 
 def _call(item: dict) -> ToolCall:

@@ -85,13 +85,15 @@ def scrambled_case(seq_lens, q_lens, *, num_kv_heads=2, group=2, head_dim=32, bl
 
 
 def attention_float64(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                      softcap=None, sinks=None, k_scale=None, v_scale=None, chunk=None) -> torch.Tensor:
+                      softcap=None, sinks=None, k_scale=None, v_scale=None, chunk=None,
+                      query_limits=None) -> torch.Tensor:
     """Per sequence, per position: gather the visible keys by hand and do softmax(q k^T) v in float64, on the CPU.
 
     Takes what ``ops.paged_attention`` takes (a :func:`scrambled_case`) and returns ``[num_tokens, Hq, D]`` float64.
     fp8 blocks are dequantized in float64 (bits -> e4m3fn value -> times the slot's scale); ``softcap`` caps the
     scaled scores before the mask; ``sinks`` adds one logit per head to the softmax denominator and no value;
-    ``chunk=C``: a query at position ``p`` sees ``floor(p / C) * C .. p`` only (chunked attention).
+    ``chunk=C``: a query at position ``p`` sees ``floor(p / C) * C .. p`` only (chunked attention);
+    ``query_limits`` ``[num_tokens]``: query ``i`` sees up to position ``query_limits[i]`` instead of its own.
     """
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = query.shape[1] // num_kv_heads
@@ -118,7 +120,8 @@ def attention_float64(query, key_cache, value_cache, block_tables, seq_lens, que
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, q_len, L]
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
-        visible = pos[None, :] <= q_pos[:, None]  # [q_len, L]
+        q_hi = q_pos if query_limits is None else query_limits.cpu().long()[start:end]  # [q_len]
+        visible = pos[None, :] <= q_hi[:, None]  # [q_len, L]
         if sliding_window is not None:
             visible &= pos[None, :] > q_pos[:, None] - sliding_window
         if chunk is not None:
@@ -140,6 +143,7 @@ def on_backend(backend_fn, case: dict, *, plan=None, max_query_len=None, max_seq
     from hf_paged.ops import AttentionMetadata
 
     meta = AttentionMetadata(case["block_tables"], case["seq_lens"], case["query_start_loc"], max_query_len,
-                             max_seq_len, case.get("sliding_window"), plan, chunk=case.get("chunk"))
+                             max_seq_len, case.get("sliding_window"), plan, chunk=case.get("chunk"),
+                             query_limits=case.get("query_limits"))
     layer = {k: case[k] for k in ("softcap", "sinks", "k_scale", "v_scale") if k in case}
     return backend_fn(case["query"], case["key_cache"], case["value_cache"], meta, case["scale"], **layer, **options)
