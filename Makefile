@@ -49,6 +49,7 @@ test-oldest: setup
 # again with MKL, oneDNN and ATen held to AVX2: the math path an AMD EPYC takes, which moved an fp8 figure from 94.7%
 # to 74.8% on the same prompts; on an Intel machine it reproduces an AMD run's figures (docs/testing.md).
 FLOAT_TESTS = tests/test_engine_smollm.py tests/test_fp8.py tests/test_prefix_differential.py tests/test_mla_ops.py \
+              tests/test_engine_padding.py tests/test_engine_bidirectional.py tests/test_bidirectional.py \
               tests/test_engine_models.py
 test-avx2: setup
 	MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q $(FLOAT_TESTS)

@@ -34,13 +34,14 @@ from .support import (
     required_features, state_mixers,
 )
 from .table import format_models_table, supported_models
-from .vision import IMAGE_VERIFIED, bidirectional_image_families
+from .vision import IMAGE_VERIFIED, bidirectional_image_families, refused_image_families
 from .windows import WindowRule, layer_types_window, text_config
 
 __all__ = [
     "GENERIC_VERIFIED",
     "IMAGE_VERIFIED",
     "bidirectional_image_families",
+    "refused_image_families",
     "STATE_VERIFIED",
     "check_engine_supported",
     "state_mixers",

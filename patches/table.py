@@ -7,7 +7,7 @@ from .registry import GENERIC_VERIFIED, REFUSED, STATE_VERIFIED, _registry, gene
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from .support import available_features
-from .vision import BIDIRECTIONAL_IMAGES, IMAGE_VERIFIED
+from .vision import IMAGE_VERIFIED
 
 
 def supported_models() -> list[dict]:
@@ -33,9 +33,6 @@ def supported_models() -> list[dict]:
         status = "verified" if model_type in CONFIG_MAPPING_NAMES else "not in this transformers"
         rows.append({"model_type": model_type, "features": (), "path": "generic", "status": status,
                      "images": f"engine ({how})"})
-    for model_type in sorted(BIDIRECTIONAL_IMAGES & {"gemma3"}):
-        rows.append({"model_type": model_type, "features": (), "path": "generic", "status": "verified (text only)",
-                     "images": "refused in the engine (image tokens attend both ways)"})
     for model_type, why in REFUSED.items():
         rows.append({"model_type": model_type, "features": (), "path": "refused", "status": f"refused: {why}"})
     for row in rows:
@@ -44,7 +41,7 @@ def supported_models() -> list[dict]:
 
 
 GENERIC_NOTE = ("Any other model type whose attention goes through transformers' AttentionInterface is taken "
-                "generically (kinds and shapes from its config; an attention argument hf_paged does not implement, "
+                "generically (kinds and shapes from its config; an attention argument that changes attention and hf_paged does not implement, "
                 "or a layer kind it does not page, is refused by name).")
 
 

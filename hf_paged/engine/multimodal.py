@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..patches import bidirectional_image_families
+from ..patches import bidirectional_image_families, refused_image_families
 
 # Processor outputs that are not image tensors (the prompt and its masks).
 PROMPT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
@@ -244,10 +244,11 @@ class MultimodalInputs:
                                  "but no image tensors: pass the processor's whole output (pixel_values, ...).")
             return None
         bidirectional = self.model_type in bidirectional_image_families()
-        if bidirectional:  # (lifted once the scheduler and runner honour Request.bidirectional_spans)
+        if self.model_type in refused_image_families():
             raise ValueError(f"{self.model_type}: its image tokens attend to each other both ways, which the "
-                             "engine's packed step does not do yet. Fix: run image prompts of this model through "
-                             "generate() (with a PagedCache or a DynamicCache); text-only requests work here.")
+                             "engine serves only for the families verified with bidirectional spans (gemma3). Fix: "
+                             "run image prompts of this model through generate() (with a PagedCache or a "
+                             "DynamicCache); text-only requests work here.")
         unknown = sorted(set(tensors) - self._encoder_args)
         if unknown:
             raise ValueError(f"{type(self.model).__name__}.get_image_features takes none of {unknown}; it takes "
