@@ -148,10 +148,11 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
         raise ValueError("cuda_graphs=True is not supported for models with state layers (their mixers run per group "
                          "of requests, outside a graph). Leave cuda_graphs unset.")
     media = MultimodalInputs(model, encoder_cache_bytes) if takes_images(model) and sync is None else None
+    sharded = (getattr(model, "tp_size", None) or 1) > 1  # tensor-parallel weights (with or without a driver)
     runner = ModelRunner(model, kv, paged_backend(model), num_layers,
                          None if state_layers else _decode_graphs(wanted_graphs, device, pool, scheduler.max_num_seqs),
-                         media=media)
-    adapters = AdapterSet(model, max_loras, runner.backend) if max_loras and sync is None else None
+                         media=media, measured_padding=not sharded)
+    adapters = AdapterSet(model, max_loras, runner.backend) if max_loras and not sharded else None
     runner.lora = adapters
     if sync is not None:
         runner = AgreeingRunner(runner, sync)

@@ -91,10 +91,12 @@ class ModelRunner:
     :class:`~hf_paged.engine.multimodal.MultimodalInputs` for a model that takes images (a step with image tokens,
     or a request's 3-axis positions, runs eagerly with the stage's extra inputs).
     ``padding``: on CPU, the step sizes run padded (:class:`~hf_paged.engine.padding.PaddingRule`, measured for
-    this model at start; assignable, e.g. ``PaddingRule()`` for none).
+    this model at start unless ``measured_padding=False``, as under tensor parallelism, where every rank must pad
+    alike and a rank's linears hold a shard; assignable, e.g. ``PaddingRule()`` for none).
     """
 
-    def __init__(self, model, kv, backend: str, num_layers: int, graphs=None, media=None):
+    def __init__(self, model, kv, backend: str, num_layers: int, graphs=None, media=None,
+                 measured_padding: bool = True):
         self.model = model
         self.kv = kv
         self.backend = resolve_backend(backend, model.device)  # "auto" -> what runs on this device
@@ -110,7 +112,7 @@ class ModelRunner:
         self._buffers = kv.pool.lend_step_buffers(self)
         params = inspect.signature(model.forward).parameters
         self.keeps_logits = "logits_to_keep" in params
-        self.padding = measure_padding(model) if self.device.type == "cpu" else None
+        self.padding = measure_padding(model) if self.device.type == "cpu" and measured_padding else None
         self.plan_time = self.forward_time = 0.0
         self.before_forward = None  # called once the step is planned, before the forward (tensor parallelism)
         self._packed_states = None  # hybrid models: the running step's segments for the state mixers
