@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
-import uvicorn  # noqa: E402
+from helpers.servers import ThreadedServer  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 from helpers.engine_shadow import one_thread  # noqa: E402
@@ -133,16 +132,8 @@ class Server:
         self.manager = hf_paged.init_continuous_batching(model, pool=pool, max_queue_size=max_queue)
         settings = ServeSettings(model_name=MODEL, api_key=api_key, max_body_bytes=max_body_bytes, drain_timeout=5)
         app = create_app(self.manager, tokenizer, settings, vocab_size=model.config.vocab_size)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
+        served = ThreadedServer(app)
+        self.url, self.server, self.thread = served.url, served.server, served.thread
 
     def client(self, **kwargs) -> "openai.OpenAI":
         return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=120, **kwargs)

@@ -11,7 +11,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 Image = pytest.importorskip("PIL.Image")
 
-import uvicorn  # noqa: E402
+from helpers.servers import ThreadedServer  # noqa: E402
 from helpers.vlm import save_tiny_llava  # noqa: E402
 from transformers import AutoModelForImageTextToText, AutoProcessor  # noqa: E402
 
@@ -64,16 +63,8 @@ class Served:
                                                                               prefix_caching=True))
         app = create_app(manager, self.processor.tokenizer, ServeSettings(model_name=MODEL, media=policy),
                          processor=self.processor)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
+        served = ThreadedServer(app)
+        self.url, self.server, self.thread = served.url, served.server, served.thread
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
     def reference(self, color, max_new_tokens: int) -> str:

@@ -7,13 +7,10 @@ several adapters and the base model each give the text of the PeftModel with tha
 from __future__ import annotations
 
 import socket
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-import uvicorn
 
 pytest.importorskip("peft")
 
@@ -22,6 +19,7 @@ from test_serve import KEY, Server, tiny_lm, tiny_tokenizer  # noqa: E402
 from helpers.engine_oracle import reference  # noqa: E402
 from helpers.engine_shadow import one_thread  # noqa: E402
 from helpers.lora import peft_model, save_adapters  # noqa: E402
+from helpers.servers import ThreadedServer  # noqa: E402
 from hf_paged.serve import cli  # noqa: E402
 
 BASE = "tiny-base"
@@ -37,16 +35,8 @@ class AppServer:
     """uvicorn serving ``app`` in a background thread on a loopback socket."""
 
     def __init__(self, app):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
+        served = ThreadedServer(app)
+        self.url, self.server, self.thread = served.url, served.server, served.thread
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=120)

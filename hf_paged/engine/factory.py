@@ -286,21 +286,27 @@ def generate_batch(model, inputs, generation_config=None, *, progress_bar: bool 
                                             error=f"{type(err).__name__}: {err}", created_time=now, end_time=now)
             order.append([rid])
     with manager:
-        total = sum(len(ids) for ids in order)
-        start, tokens = time.perf_counter(), 0
-        with tqdm(total=total, desc="generate_batch", unit="req", disable=not progress_bar, leave=False) as bar:
-            bar.update(len(results))
-            while len(results) < total:
-                out = manager.get_result(timeout=1.0)
-                if out is None:
-                    if not manager.is_running():
-                        break
-                    continue
-                results[out.request_id] = out
-                tokens += len(out.generated_tokens)
-                bar.update(1)
-                bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.1f} tok/s")
+        collect_results(manager, results, sum(len(ids) for ids in order), "generate_batch", "req", progress_bar)
     return {rid: results[rid] for ids in order for rid in ids if rid in results}
+
+
+def collect_results(manager: ContinuousBatchingManager, results: dict[str, GenerationOutput], total: int,
+                    desc: str, unit: str, progress_bar: bool = True) -> None:
+    """Take ``manager``'s results into ``results`` (request id -> output) until it holds ``total`` (or the engine
+    stops), with a progress bar of requests and tokens/s."""
+    start, tokens = time.perf_counter(), 0
+    with tqdm(total=total, desc=desc, unit=unit, disable=not progress_bar, leave=False) as bar:
+        bar.update(len(results))
+        while len(results) < total:
+            out = manager.get_result(timeout=1.0)
+            if out is None:
+                if not manager.is_running():
+                    break
+                continue
+            results[out.request_id] = out
+            tokens += len(out.generated_tokens)
+            bar.update(1)
+            bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.1f} tok/s")
 
 
 _INIT_OPTIONS = frozenset(inspect.signature(init_continuous_batching).parameters)

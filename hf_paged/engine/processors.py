@@ -70,7 +70,11 @@ def _bias(value) -> tuple[tuple[tuple[int, ...], float], ...]:
     return tuple((seq, float(b)) for seq, (_, b) in zip(sequences, pairs))
 
 
-def _ids(value, name: str) -> tuple[int, ...]:
+def token_ids(value, name: str) -> tuple[int, ...]:
+    """``value`` (a token id, a list of them or a 1-D tensor; None: none) as a tuple of ids; ``ValueError`` naming
+    ``name`` otherwise."""
+    if value is None:
+        return ()
     if isinstance(value, torch.Tensor):
         value = value.tolist()
     items = [value] if not isinstance(value, (list, tuple)) else list(value)
@@ -145,7 +149,7 @@ class ProcessorSettings:
                 raise ValueError(f"forced_bos_token_id must be a token id >= 0, got {bos!r}")
             out["forced_bos_token_id"] = int(bos)
         if settings.get("forced_eos_token_id") is not None:
-            out["forced_eos_token_id"] = _ids(settings["forced_eos_token_id"], "forced_eos_token_id")
+            out["forced_eos_token_id"] = token_ids(settings["forced_eos_token_id"], "forced_eos_token_id")
         if settings.get("remove_invalid_values"):
             out["remove_invalid_values"] = True
         decay = settings.get("exponential_decay_length_penalty")
@@ -156,9 +160,9 @@ class ProcessorSettings:
                                  f"got {decay!r}")
             out["exponential_decay_length_penalty"] = (int(decay[0]), float(decay[1]))
         if settings.get("suppress_tokens") is not None and len(settings["suppress_tokens"]):
-            out["suppress_tokens"] = _ids(settings["suppress_tokens"], "suppress_tokens")
+            out["suppress_tokens"] = token_ids(settings["suppress_tokens"], "suppress_tokens")
         if settings.get("begin_suppress_tokens") is not None and len(settings["begin_suppress_tokens"]):
-            out["begin_suppress_tokens"] = _ids(settings["begin_suppress_tokens"], "begin_suppress_tokens")
+            out["begin_suppress_tokens"] = token_ids(settings["begin_suppress_tokens"], "begin_suppress_tokens")
         if settings.get("logits_processor"):
             out["logits_processor"] = _callables(settings["logits_processor"], "logits_processor")
         mark = settings.get("watermarking_config")

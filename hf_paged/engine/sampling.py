@@ -46,7 +46,7 @@ from transformers import (
 )
 
 from .. import compat
-from .processors import NGramIndex, Processors, ProcessorSettings, RequestState
+from .processors import NGramIndex, Processors, ProcessorSettings, RequestState, token_ids
 from .stopping import Stopping, StopSettings
 
 # GenerationConfig fields read into SamplingParams (the processors' and stopping's through their settings).
@@ -317,14 +317,14 @@ class SamplingParams:
         if num_beams > 1:
             length_penalty = 1.0 if settings.get("length_penalty") is None else settings["length_penalty"]
             early_stopping = settings.get("early_stopping") or False
-        eos = () if settings.get("ignore_eos") else _token_ids(settings.get("eos_token_id"), "eos_token_id")
+        eos = () if settings.get("ignore_eos") else token_ids(settings.get("eos_token_id"), "eos_token_id")
         min_tokens = settings.get("min_tokens")
         if min_tokens is None:
             min_tokens = settings.get("min_new_tokens") or 0
         return cls(
             do_sample=do_sample, temperature=float(temperature) if _is_number(temperature) else temperature,
             top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=penalty, max_new_tokens=max_new_tokens,
-            eos_token_ids=eos + _token_ids(settings.get("stop_token_ids"), "stop_token_ids"),
+            eos_token_ids=eos + token_ids(settings.get("stop_token_ids"), "stop_token_ids"),
             seed=settings.get("seed"), logprobs=settings.get("logprobs"),
             num_return_sequences=settings.get("num_return_sequences") or 1,
             min_tokens=min_tokens, prompt_logprobs=settings.get("prompt_logprobs"), grammar=settings.get("grammar"),
@@ -353,17 +353,6 @@ def _same(value, default) -> bool:
         return bool(value == default)
     except Exception:  # tensors, configs: anything not comparable is a change
         return False
-
-
-def _token_ids(value, name: str) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, torch.Tensor):
-        value = value.tolist()
-    items = [value] if not isinstance(value, (list, tuple)) else list(value)
-    if not all(_is_int(t) and t >= 0 for t in items):
-        raise ValueError(f"{name} must be a token id or a list of token ids >= 0, got {value!r}")
-    return tuple(int(t) for t in items)
 
 
 def _fork_seed(seed: int, index: int) -> int:

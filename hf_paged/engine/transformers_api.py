@@ -20,9 +20,8 @@ import time
 from contextlib import contextmanager
 
 import torch
-from tqdm.auto import tqdm
 
-from .factory import init_continuous_batching as build_manager
+from .factory import collect_results, init_continuous_batching as build_manager
 from .manager import SAMPLING_KEYS, ContinuousBatchingManager
 from .outputs import GenerationOutput, RequestStatus
 
@@ -139,20 +138,7 @@ class TransformersMethods:
                 except (ValueError, RuntimeError) as err:
                     results[rid] = _failed(rid, prompt, err)
             total = len(inputs) * n - (n - 1) * len(results)  # a refused prompt: one result, no forks
-            start, tokens = time.perf_counter(), 0
-            with tqdm(total=total, desc=f"Solving {total} requests", unit="request", disable=not progress_bar,
-                      leave=False) as bar:
-                bar.update(len(results))
-                while len(results) < total:
-                    out = manager.get_result(timeout=1.0)
-                    if out is None:
-                        if not manager.is_running():
-                            break
-                        continue
-                    results[out.request_id] = out
-                    tokens += len(out.generated_tokens)
-                    bar.update(1)
-                    bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.1f} tok/s")
+            collect_results(manager, results, total, f"Solving {total} requests", "request", progress_bar)
         order = [cid for rid in ids for cid in (*(f"{rid}__child#{j}" for j in range(n - 1)), rid)]
         return {rid: results[rid] for rid in order if rid in results}
 
