@@ -16,7 +16,7 @@ from helpers.engine_oracle import drive, random_prompts
 from helpers.engine_shadow import one_thread
 from hf_paged import BlockPool, RequestStatus, compat, enable_paged_attention, generate_batch, init_continuous_batching
 from hf_paged.engine.sampling import SamplingParams
-from hf_paged.engine.speculative import NgramProposer, SpeculationPolicy, accept_sampled
+from hf_paged.engine.speculative import PRIOR_ACCEPTANCE, NgramProposer, SpeculationPolicy, accept_sampled
 
 BLOCK = 4
 
@@ -303,3 +303,21 @@ def test_requests_with_processors_verify_drafts_through_them(model):
                                  eos_token_id=EOS, pad_token_id=PAD, **kw,
                                  **{compat.GENERATE_CACHE_KWARG: DynamicCache(config=model.config)})
         assert out.generated_tokens == ref[0, len(prompt):].tolist(), kw
+
+
+def test_plain_steps_learn_the_held_back_drafts_acceptance(model):
+    """A policy that keeps every step plain still learns how often the n-gram drafts it held back would have been
+    accepted (their first token against the token the request then got), so a high acceptance rate is not hidden
+    behind the prior: on input-grounded prompts the proposer's learned rate rises above it."""
+    manager = init_continuous_batching(model, pool=BlockPool(block_size=BLOCK, num_blocks=256), max_batch_tokens=64,
+                                       speculative="ngram", num_speculative_tokens=4)
+    speculation = manager._core.speculation
+    speculation.policy.choose = lambda options: 0  # never speculate
+    prompts = grounded_prompts(model, 3, seed=41)
+    with manager:
+        outs = [manager.get_result(rid, timeout=120)
+                for rid in [manager.add_request(p, max_new_tokens=12, eos_token_id=EOS) for p in prompts]]
+    assert speculation.stats.speculative_steps == 0 and speculation.stats.accepted == 0
+    assert speculation._mode_acceptance["ngram"] > PRIOR_ACCEPTANCE
+    for prompt, out in zip(prompts, outs):
+        assert out.generated_tokens == greedy(model, prompt, 12)

@@ -303,6 +303,7 @@ class EngineCore:
             else:
                 self.ttft.append(now - req.created_time)
             req.append(token, now, lp, top)
+            self.speculation.observe_token(req, token)
             if stop:  # a stop string, max_time or the request's own stopping criteria (see stopping.py)
                 req.finish_reason = "stop"
             self.generated_tokens += 1

@@ -275,6 +275,7 @@ class Speculation:
         self._acceptance: dict[int, float] = {}  # id(request) -> its per-token acceptance rate
         self._mode_acceptance = {"ngram": PRIOR_ACCEPTANCE, "draft": PRIOR_ACCEPTANCE}  # a new request's prior
         self._modes: dict[int, str] = {}  # id(request) -> how it drafts this step
+        self._shadow: dict[int, int] = {}  # id(request) -> the first token of a draft a plain step held back
 
     def _mode(self, req: Request) -> tuple[str | None, int]:
         p = req.params
@@ -296,6 +297,7 @@ class Speculation:
         t0 = time.perf_counter()
         self.stats.steps += 1
         decoding, ngram, drafting = [], [], []
+        self._shadow = {}
         for req in running:
             req.draft = []
             if req.remaining != 1 or req.beam is not None:
@@ -320,6 +322,9 @@ class Speculation:
                     self._gain(req, min(k, m)) for req, k in drafting)
                 options.append((n + sum(lengths), expected, len(drafting), m if drafting else 0))
             m = self.policy.choose(options)
+            # a plain step still learns the n-gram drafts' acceptance: whether each one's first token is the token
+            # the request then gets (free to check, so a request the policy keeps plain is not judged by the prior)
+            self._shadow = {} if m else {id(req): d[0] for req, d in proposals}
             if m:
                 if drafting:
                     t1 = time.perf_counter()
@@ -335,6 +340,19 @@ class Speculation:
         """Expected extra tokens from a draft of ``m`` tokens."""
         a = min(self._acceptance.get(id(req), self._mode_acceptance[self._modes[id(req)]]), 0.99)
         return (1 - a ** (m + 1)) / (1 - a) - 1
+
+    def observe_token(self, req: Request, token: int) -> None:
+        """``req`` got ``token`` from a plain step: if the policy held back a draft for it, learn from its first
+        token whether it would have been accepted."""
+        first = self._shadow.pop(id(req), None)
+        if first is not None:
+            self._learn(req, self._modes.get(id(req), "ngram"), 1.0 if first == token else 0.0)
+
+    def _learn(self, req: Request, mode: str, rate: float) -> None:
+        """One more observation of ``req``'s per-token acceptance rate (and of its proposer's)."""
+        old = self._acceptance.get(id(req), self._mode_acceptance[mode])
+        self._acceptance[id(req)] = ACCEPTANCE_DECAY * old + (1 - ACCEPTANCE_DECAY) * rate
+        self._mode_acceptance[mode] = ACCEPTANCE_DECAY * self._mode_acceptance[mode] + (1 - ACCEPTANCE_DECAY) * rate
 
     def observe_step(self, batch: Batch, forward_seconds: float) -> None:
         """The step's forward took ``forward_seconds``: a decode-only step teaches the policy its cost."""
@@ -361,17 +379,15 @@ class Speculation:
         self.stats.proposed += m
         self.stats.accepted += accepted
         self.stats.verified_requests += 1
-        mode = self._modes.get(id(req), "ngram")
-        old = self._acceptance.get(id(req), self._mode_acceptance[mode])
         rate = accepted / (accepted + 1) if accepted < m else 1.0  # positions verified until the first rejection
-        self._acceptance[id(req)] = ACCEPTANCE_DECAY * old + (1 - ACCEPTANCE_DECAY) * rate
-        self._mode_acceptance[mode] = ACCEPTANCE_DECAY * self._mode_acceptance[mode] + (1 - ACCEPTANCE_DECAY) * rate
+        self._learn(req, self._modes.get(id(req), "ngram"), rate)
         return out
 
     def forget(self, req: Request) -> None:
         """``req`` left the engine."""
         self.ngram.forget(req)
         self._acceptance.pop(id(req), None)
+        self._shadow.pop(id(req), None)
         if self.draft is not None:
             self.draft.forget(req)
 
