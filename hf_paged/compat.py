@@ -56,6 +56,9 @@ FORWARD_CACHE_KWARG = GENERATE_CACHE_KWARG  # model(**inputs, **{FORWARD_CACHE_K
 
 # A model directory saved by transformers 5 (tokenizer_class "TokenizersBackend") does not load in 4.x: directories
 # this package saves (the embedded model's conversion) get this suffix so the two majors never share one.
+# The top-h warper (generate()'s ``top_h``) arrived after the oldest supported transformers: None where absent.
+TopHLogitsWarper = getattr(transformers, "TopHLogitsWarper", None)
+
 SAVED_DIR_SUFFIX = "" if TRANSFORMERS_VERSION.major >= 5 else "-transformers4"
 
 # Names the decoder's forward has used for the cache argument, newest first.

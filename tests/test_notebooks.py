@@ -319,6 +319,7 @@ CLAIMS = {
 }
 
 
+@pytest.mark.slow  # each notebook end to end (3 minutes for all): `make test-slow`, run by CI
 @EACH
 def test_rerun_gives_the_stored_outputs(notebook):
     if notebook.needs_model and MODEL_MISSING:

@@ -39,7 +39,6 @@ from transformers import (
     LogitsProcessorList,
     MinPLogitsWarper,
     TemperatureLogitsWarper,
-    TopHLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
     TypicalLogitsWarper,
@@ -177,6 +176,9 @@ class SamplingParams:
             raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
         if self.top_h is not None and (not _is_number(self.top_h) or not 0 < self.top_h <= 1):
             raise ValueError(f"top_h must be a number in (0, 1], got {self.top_h!r}")
+        if self.top_h is not None and compat.TopHLogitsWarper is None:
+            raise ValueError(f"top_h needs a transformers with TopHLogitsWarper (this is {compat.TRANSFORMERS_VERSION}); "
+                             "upgrade transformers or leave top_h unset")
         for name in ("typical_p", "epsilon_cutoff", "eta_cutoff"):
             value = getattr(self, name)
             if value is not None and (not _is_number(value) or not 0 < value < 1):
@@ -525,7 +527,7 @@ class Sampler:
                 if temperature != 1.0:
                     chain.append(TemperatureLogitsWarper(float(temperature)))
                 if top_h is not None:
-                    chain.append(TopHLogitsWarper(top_h=float(top_h)))
+                    chain.append(compat.TopHLogitsWarper(top_h=float(top_h)))
                 if top_k is not None:
                     chain.append(TopKLogitsWarper(top_k=int(top_k)))
                 if top_p is not None:
