@@ -15,10 +15,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .engine_client import AsyncEngine, Generation, prompt_ids
 from .errors import APIError, error_body
-from .media import MediaPolicy, has_images
+from .media import MediaLoader, MediaPolicy, has_images
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .middleware import DEFAULT_MAX_BODY_BYTES, ServeMiddleware
-from .protocol import SamplingParams, bad_words_ids, parse_chat, parse_messages, parse_completion, parse_json
+from .protocol import (
+    DEFAULT_LIMITS,
+    RequestLimits,
+    SamplingParams,
+    bad_words_ids,
+    parse_chat,
+    parse_completion,
+    parse_json,
+    parse_messages,
+    template_kwargs,
+)
 from .responses import DONE, Shape, echo_logprobs, sse, usage, vllm_prompt_logprobs
 from .tools import MISTRAL, NAMED, REQUIRED, ToolCallParser, template_reads_tools, tool_format
 
@@ -39,6 +49,7 @@ class ServeSettings:
     ``media``: the image policy of chat requests (remote domains, a file root, count and pixel limits).
     ``lora_loading``: serve vLLM's ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (off: 404);
     ``lora_paths``: where each adapter loaded at start came from (``/v1/models`` reports it as the adapter's root).
+    ``limits``: caps on the list-valued fields of a request (:class:`~hf_paged.serve.protocol.RequestLimits`).
     Requests choose a loaded adapter by naming it as their ``model`` (vLLM's convention).
     """
 
@@ -51,6 +62,7 @@ class ServeSettings:
     media: MediaPolicy = MediaPolicy()  # where chat images may come from, how many and how large (serve/media.py)
     lora_loading: bool = False
     lora_paths: dict[str, str] = dataclasses.field(default_factory=dict)
+    limits: RequestLimits = DEFAULT_LIMITS  # caps on list-valued request fields (protocol.py)
 
 
 def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int | None = None,
@@ -73,6 +85,10 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
     engine = AsyncEngine(manager, tokenizer, metrics, vocab_size)
     name = settings.model_name
     takes_images = processor is not None and getattr(manager, "takes_images", False)
+    caps = settings.limits
+    media = MediaLoader(settings.media)
+    # a top_k the model's generation config sets is kept for requests without one (vLLM's); otherwise top-k is off
+    model_top_k = getattr(getattr(manager, "generation_config", None), "top_k", None) is not None
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -86,6 +102,7 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
                 # uvicorn has already waited (up to drain_timeout) for open responses; what is left is cancelled.
                 await asyncio.to_thread(manager.stop, block=True, timeout=settings.drain_timeout, drain=False)
             engine.close()
+            media.close()
 
     app = FastAPI(title="hf_paged", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
@@ -174,11 +191,14 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
         special = body.get("add_special_tokens")
         if "messages" in body:
             messages = await engine.run(parse_messages, body["messages"])
+            add_generation_prompt = body.get("add_generation_prompt", True) is not False
+            extra = template_kwargs(body.get("chat_template_kwargs") if isinstance(body.get("chat_template_kwargs"),
+                                                                                  dict) else None, caps)
             if has_images(messages):
-                ids = prompt_ids(await image_prompt(messages, None))
+                ids = prompt_ids(await image_prompt(messages, None, add_generation_prompt, extra))
             else:
-                ids = await engine.chat_prompt(messages,
-                                               add_generation_prompt=body.get("add_generation_prompt", True))
+                ids = await engine.chat_prompt(messages, add_generation_prompt=add_generation_prompt,
+                                               template_kwargs=extra)
         elif isinstance(body.get("prompt"), str):
             ids = await engine.encode(body["prompt"], add_special_tokens=special is not False)
         else:
@@ -257,7 +277,8 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
     @app.post("/v1/completions")
     async def completions(request: Request):
         record = request.state.record
-        req = await engine.run(lambda raw: parse_completion(parse_json(raw)), await request.body())
+        req = await engine.run(lambda raw: parse_completion(parse_json(raw), caps), await request.body())
+        req.params.model_top_k = model_top_k
         adapter = check_model(req.model)
         prompts = [p if isinstance(p, list) else await engine.encode(p) for p in req.prompts]
         limits = await engine.run(budgets, prompts, req.params.max_tokens)
@@ -278,12 +299,14 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         record = request.state.record
-        req = await engine.run(lambda raw: parse_chat(parse_json(raw)), await request.body())
+        req = await engine.run(lambda raw: parse_chat(parse_json(raw), caps), await request.body())
+        req.params.model_top_k = model_top_k
         adapter = check_model(req.model)
         if has_images(req.messages):
-            prompt = await image_prompt(req.messages, req.tools)
+            prompt = await image_prompt(req.messages, req.tools, req.add_generation_prompt, req.template_kwargs)
         else:
-            prompt = await engine.chat_prompt(req.messages, tools=req.tools)
+            prompt = await engine.chat_prompt(req.messages, req.add_generation_prompt, tools=req.tools,
+                                              template_kwargs=req.template_kwargs)
         limits = await engine.run(budgets, [prompt_ids(prompt)], req.params.max_tokens)
         if req.params.bad_words:
             req.params.bad_words_ids = await engine.run(bad_words_ids, engine.tokenizer, req.params.bad_words)
@@ -297,7 +320,7 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
             return _stream(gen, shape, record, req.n, None, req.params, req.continuous_usage, parser)
         return await _collect(gen, shape, request, record, req.n, None, req.params, parser)
 
-    async def image_prompt(messages, tools):
+    async def image_prompt(messages, tools, add_generation_prompt: bool = True, extra: dict | None = None):
         """Chat messages with image_url parts: one prompt's processor outputs (ids and image tensors)."""
         if not takes_images:
             raise APIError(400, f"'{name}' takes no images (image_url content parts): send text parts only.",
@@ -305,7 +328,7 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
         if tools is not None and tools.choice != "none":
             raise APIError(400, "tools together with images are not supported yet; send one or the other.",
                            param="tools")
-        return await engine.chat_inputs(messages, processor, settings.media)
+        return await engine.chat_inputs(messages, processor, media, add_generation_prompt, extra or {})
 
     def tool_parser(tools, params: SamplingParams):
         """A factory of per-choice tool-call parsers (None: the output is all content)."""
@@ -322,8 +345,10 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
             drop = tokenizer.eos_token
         return lambda: ToolCallParser(mode, tools.name, drop)
 
+    routes = frozenset(getattr(route, "path", None) for route in app.routes)  # any other path counts as "other"
     app.add_middleware(ServeMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
-                       on_done=lambda r: metrics.count_request(r.path, r.status or 499))
+                       on_done=lambda r: metrics.count_request(r.path if r.path in routes else "other",
+                                                               r.status or 499))
     if settings.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
