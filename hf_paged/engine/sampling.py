@@ -100,7 +100,7 @@ REFUSED = {
 NEUTRAL = {"min_new_tokens": 0, "guidance_scale": 1.0, "diversity_penalty": 0.0, "num_beam_groups": 1}
 # Options of the engine's add_request that are not GenerationConfig fields.
 ENGINE_OPTIONS = frozenset({"seed", "logprobs", "stop_token_ids", "ignore_eos", "min_tokens", "prompt_logprobs",
-                            "grammar"})
+                            "grammar", "presence_penalty", "frequency_penalty"})
 # Per-call callables generate() accepts, applied per request (see processors.py and stopping.py for their contract).
 CALLABLES = frozenset({"logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn"})
 

@@ -367,14 +367,15 @@ class Speculation:
         histories = [req.tokens + draft[:i] for i in range(m + 1)]
         generated = [req.num_generated + i for i in range(m + 1)]
         if not p.do_sample:
-            chosen = sampler(logits, [p] * (m + 1), [None] * (m + 1), histories, generated).tokens
+            chosen = sampler(logits, [p] * (m + 1), [None] * (m + 1), histories, generated,
+                             states=[req.sampling_state] * (m + 1)).tokens
             a = 0
             while a < m and chosen[a] == draft[a]:
                 a += 1
             out = draft[:a] + [chosen[a]]
         else:
-            out = accept_sampled(sampler.process(logits, [p] * (m + 1), histories, generated).softmax(-1), draft,
-                                 req.generator)
+            out = accept_sampled(sampler.process(logits, [p] * (m + 1), histories, generated,
+                                                 [req.sampling_state] * (m + 1)).softmax(-1), draft, req.generator)
         accepted = len(out) - 1
         self.stats.proposed += m
         self.stats.accepted += accepted
