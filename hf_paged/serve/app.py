@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -37,6 +39,8 @@ ARGUMENT_FRAGMENT = 24  # characters of a tool call's arguments per streamed del
 log = logging.getLogger("hf_paged.serve")
 
 UNBOUNDED_CONTEXT = 1 << 20  # a model without max_position_embeddings: the pool is the only limit
+NOT_AN_ADAPTER = ("'lora_path' must name an adapter directory (adapter_config.json and weights saved by peft) under "
+                  "the server's LoRA root (--lora-root), relative to it.")
 
 
 @dataclass
@@ -50,6 +54,10 @@ class ServeSettings:
     ``lora_loading``: serve vLLM's ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (off: 404);
     ``lora_paths``: where each adapter loaded at start came from (``/v1/models`` reports it as the adapter's root).
     ``limits``: caps on the list-valued fields of a request (:class:`~hf_paged.serve.protocol.RequestLimits`).
+    Run-time adapter loads (``lora_loading``) read only directories under ``lora_root`` (one error whatever is wrong
+    with a path, so a caller learns nothing of what exists), refuse ranks over ``max_lora_rank``, and never replace,
+    unload or evict the adapters loaded at start (``lora_paths``: pinned); past ``max_loras`` resident adapters the
+    least recently loaded run-time adapter that no request uses is unloaded first.
     Requests choose a loaded adapter by naming it as their ``model`` (vLLM's convention).
     """
 
@@ -63,6 +71,9 @@ class ServeSettings:
     lora_loading: bool = False
     lora_paths: dict[str, str] = dataclasses.field(default_factory=dict)
     limits: RequestLimits = DEFAULT_LIMITS  # caps on list-valued request fields (protocol.py)
+    lora_root: Path | None = None  # run-time loads only from directories under it
+    max_lora_rank: int | None = None  # run-time loads of a higher rank are refused
+    max_loras: int | None = None  # adapters resident at once (the engine's max_loras)
 
 
 def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int | None = None,
@@ -141,33 +152,92 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
         return {"object": "list", "data": [base, *loras]}
 
     # -- vLLM's LoRA adapter endpoints (only with --enable-lora-loading) -----------------------------------------------
+    pinned = frozenset(settings.lora_paths)  # loaded at start: never replaced, unloaded or evicted
+    loaded_at_run_time: list[str] = []  # oldest first: the first to make room
+    lora_lock = asyncio.Lock()  # one load or unload at a time (the room made is the room used)
+
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):
         body = lora_body(await engine.run(parse_json, await request.body()), "lora_path")
-        lora, path = body["lora_name"], body["lora_path"]
+        lora, given = body["lora_name"], body["lora_path"]
         if lora == name:
             raise APIError(400, f"'{lora}' is the base model's name; give the adapter another.", param="lora_name")
-        try:
-            await engine.run(manager.load_adapter, lora, path)
-        except (OSError, ValueError, KeyError) as exc:
-            raise APIError(400, f"could not load adapter '{lora}' from {path}: {exc}", param="lora_path") from None
-        except RuntimeError as exc:
-            raise APIError(409, str(exc), param="lora_name") from None
-        lora_paths[lora] = path
+        if lora in pinned:
+            raise APIError(409, f"adapter '{lora}' was loaded at start (--lora-modules) and is pinned: it is not "
+                                "replaced at run time; load under another name.", param="lora_name")
+        path = await engine.run(adapter_dir, given)
+        async with lora_lock:
+            await make_room(lora)
+            try:
+                await engine.run(manager.load_adapter, lora, str(path))
+            except RuntimeError as exc:  # every slot holds an adapter in use
+                raise APIError(409, str(exc), param="lora_name") from None
+            except Exception:
+                log.warning("run-time load of adapter %r failed", lora, exc_info=True)
+                raise APIError(400, f"could not load adapter '{lora}': {NOT_AN_ADAPTER}", param="lora_path") from None
+            if lora in loaded_at_run_time:
+                loaded_at_run_time.remove(lora)
+            loaded_at_run_time.append(lora)
+        lora_paths[lora] = given
         return Response(f"Success: LoRA adapter '{lora}' added successfully.", media_type="text/plain")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request):
         lora = lora_body(await engine.run(parse_json, await request.body()))["lora_name"]
+        if lora in pinned:
+            raise APIError(409, f"adapter '{lora}' was loaded at start (--lora-modules) and is pinned: it is not "
+                                "unloaded at run time.", param="lora_name")
         if lora not in adapters():
             raise APIError(404, f"no adapter '{lora}' is loaded; loaded: {adapters() or 'none'}.", param="lora_name",
                            code="model_not_found")
-        try:
-            await engine.run(manager.unload_adapter, lora)
-        except RuntimeError as exc:
-            raise APIError(409, str(exc), param="lora_name") from None
+        async with lora_lock:
+            try:
+                await engine.run(manager.unload_adapter, lora)
+            except RuntimeError as exc:
+                raise APIError(409, str(exc), param="lora_name") from None
+            if lora in loaded_at_run_time:
+                loaded_at_run_time.remove(lora)
         lora_paths.pop(lora, None)
         return Response(f"Success: LoRA adapter '{lora}' removed successfully.", media_type="text/plain")
+
+    def adapter_dir(given: str) -> Path:
+        """``lora_path`` as a directory under the LoRA root with an adapter config of an allowed rank; one message
+        for every way it can be wrong (outside the root, missing, not an adapter), so nothing about the server's
+        files leaks; the rank cap is named (it is a property of an adapter the caller chose)."""
+        if settings.lora_root is None:
+            raise APIError(400, "this server loads adapters at run time only from under a LoRA root; start it with "
+                                "--lora-root DIR.", param="lora_path")
+        root = Path(settings.lora_root).resolve()
+        config = None
+        try:
+            path = (root / given).resolve()  # an absolute lora_path replaces root, then must still be under it
+            if path.is_relative_to(root):
+                with open(path / "adapter_config.json") as f:
+                    config = json.load(f)
+        except (OSError, ValueError, RuntimeError):
+            config = None
+        if not isinstance(config, dict):
+            raise APIError(400, f"could not load the adapter: {NOT_AN_ADAPTER}", param="lora_path")
+        rank = max([config.get("r") or 0, *(config.get("rank_pattern") or {}).values()], default=0)
+        if settings.max_lora_rank is not None and rank > settings.max_lora_rank:
+            raise APIError(400, f"the adapter's rank is {rank}; this server loads ranks up to {settings.max_lora_rank} "
+                                "(--max-lora-rank).", param="lora_path")
+        return path
+
+    async def make_room(lora: str) -> None:
+        """Unload the oldest run-time adapter no request uses when the slots are full (never a pinned one)."""
+        if settings.max_loras is None or lora in adapters() or len(adapters()) < settings.max_loras:
+            return
+        for victim in list(loaded_at_run_time):
+            try:
+                await engine.run(manager.unload_adapter, victim)
+            except (RuntimeError, KeyError, ValueError):
+                continue  # in use (or already gone): try the next
+            loaded_at_run_time.remove(victim)
+            lora_paths.pop(victim, None)
+            return
+        raise APIError(409, f"all {settings.max_loras} adapter slots (--max-loras) hold adapters loaded at start or "
+                            "in use; unload one, or start the server with a larger --max-loras.", param="lora_name")
 
     def lora_body(body, *more: str) -> dict:
         if not settings.lora_loading:

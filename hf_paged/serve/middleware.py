@@ -58,6 +58,17 @@ def _header(scope, name: bytes) -> str | None:
     return None
 
 
+def authorized(headers, api_key: bytes) -> bool:
+    """Whether raw ASGI ``headers`` carry ``Authorization: Bearer <api_key>`` (compared in constant time)."""
+    given = _header({"headers": headers}, b"authorization") or ""
+    scheme, _, token = given.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key)
+
+
+UNAUTHORIZED = ("a valid API key is needed: send the header 'Authorization: Bearer <key>' with the key the server "
+                "was started with.")
+
+
 class ServeMiddleware:
     """Wraps the app. For every path but ``OPEN_ROUTES``: a missing or wrong ``Authorization: Bearer`` key is a
     401 (compared in constant time, before any byte of the body is read), a body over ``max_body_bytes`` a 413
@@ -93,9 +104,7 @@ class ServeMiddleware:
         try:
             if self.api_key is not None and not self._authorized(scope):
                 record.outcome = "error"
-                return await self._error(send_with_id, 401, "a valid API key is needed: send the header "
-                                         "'Authorization: Bearer <key>' with the key the server was started with.",
-                                         extra=[(b"www-authenticate", b"Bearer")])
+                return await self._error(send_with_id, 401, UNAUTHORIZED, extra=[(b"www-authenticate", b"Bearer")])
             receive = await self._limited_body(scope, receive, send_with_id, record)
             if receive is None:
                 return
@@ -111,9 +120,7 @@ class ServeMiddleware:
                 self.on_done(record)
 
     def _authorized(self, scope) -> bool:
-        given = _header(scope, b"authorization") or ""
-        scheme, _, token = given.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key)
+        return authorized(scope.get("headers", ()), self.api_key)
 
     async def _error(self, send, status: int, message: str, extra=()):
         body = error_bytes(status, message)
