@@ -273,6 +273,8 @@ def parse_json(raw: bytes) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}.") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests JSON arrays or objects too deeply.") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}.")
     return body
