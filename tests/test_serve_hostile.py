@@ -1,7 +1,7 @@
 """The hostile-input run: ``python -m hf_paged serve --api-key K`` on a tiny vision-language model and on the embedded
 SmolLM2, each sent requests a hostile or careless client sends. Every case is a 4xx naming the field (or the route's
-guard), or is served; ``/health`` answers 200 after each; the server's peak RSS grows by less than 256 MB over any
-one case; and no image fetch reaches a loopback or link-local address (a canary HTTP server on loopback, named by
+guard), or is served; ``/health`` answers 200 after each; after one warm-up request (the first forward's one-time
+allocations), the server's peak RSS grows by less than 256 MB over any one case; and no image fetch reaches a loopback or link-local address (a canary HTTP server on loopback, named by
 ``localhost``, ``127.0.0.1`` and ``[::1]`` in the allowed domains, must see no request; ``169.254.169.254`` is
 allowed by name and must be refused from its address, before any connection).
 
@@ -169,6 +169,9 @@ def _serve(args: list[str]) -> tuple[subprocess.Popen, str]:
 def _run(proc, url: str, cases: list) -> list[str]:
     """Each case once: its status (and named field) as expected, /health 200 after it, peak RSS growth bounded."""
     report, failures = [], []
+    warm = httpx.post(url + "/v1/chat/completions", headers=AUTH, timeout=120,  # the first forward's one-time setup
+                      json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert warm.status_code == 200, warm.text
     for name, method, path, body, headers, expected in cases:
         before = _peak_rss(proc.pid)
         content = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
