@@ -418,3 +418,58 @@ def test_replica_cpus_fit_the_machine_and_flags_that_cannot_combine(monkeypatch)
         replicas.check_resources(args)  # what the user asked is kept, and refused by name
     with pytest.raises(SystemExit, match="--lora-modules"):
         replicas.check_flags(parser().parse_args(["--replicas", "2", "--enable-lora-loading"]))
+
+
+def test_the_ingress_checks_the_key_before_reading_the_body():
+    """The Ray ingress answers 401 to a caller without the key (413 past the body limit) without receiving one byte
+    of the body, so no routing text is parsed or hashed for it; a caller with the key is forwarded."""
+    pytest.importorskip("ray.serve")
+    from starlette.requests import Request
+
+    from hf_paged.serve.replicas import Ingress
+
+    received = []
+
+    def request(headers: dict, body: bytes = b'{"prompt": "hi"}'):
+        async def receive():
+            received.append(True)
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+                 "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}
+        return Request(scope, receive)
+
+    class Stream:
+        def __init__(self):
+            self.items = iter([(200, [(b"content-type", b"application/json")]), b"{}"])
+
+        async def __anext__(self):
+            try:
+                return next(self.items)
+            except StopIteration:
+                raise StopAsyncIteration from None
+
+        def __aiter__(self):
+            return self
+
+        def cancel(self):
+            pass
+
+    class Handle:
+        def options(self, **kwargs):
+            return self
+
+        @property
+        def forward(self):
+            return SimpleNamespace(remote=lambda forwarded: Stream())
+
+    ingress = SimpleNamespace(api_key=KEY.encode(), max_body_bytes=100, engine=Handle(), retries=0, retried=0)
+    r = asyncio.run(Ingress.forward(ingress, "v1/completions", request({})))
+    assert r.status_code == 401 and received == []
+    r = asyncio.run(Ingress.forward(ingress, "v1/completions", request({"Authorization": "Bearer wrong"})))
+    assert r.status_code == 401 and received == []
+    r = asyncio.run(Ingress.forward(ingress, "v1/completions", request({"Authorization": f"Bearer {KEY}",
+                                                                        "Content-Length": "1000"})))
+    assert r.status_code == 413 and received == []
+    r = asyncio.run(Ingress.forward(ingress, "v1/completions", request({"Authorization": f"Bearer {KEY}"})))
+    assert r.status_code == 200 and received

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ httpx = pytest.importorskip("httpx")
 Image = pytest.importorskip("PIL.Image")
 
 from helpers.servers import ThreadedServer  # noqa: E402
+from test_serve_media import loopback_only, servers  # noqa: E402,F401  (fixtures: loopback servers, the socket guard)
 from helpers.vlm import save_tiny_llava  # noqa: E402
 from transformers import AutoModelForImageTextToText, AutoProcessor  # noqa: E402
 
@@ -177,3 +179,36 @@ def test_cli_serves_a_vision_model_directory(model_dir):
     finally:
         proc.terminate()
         proc.communicate(timeout=60)
+
+
+def test_remote_images_are_fetched_off_the_parsing_thread(model_dir, servers, loopback_only):
+    """Through the app: an allowed host's image (a loopback server, its address allowed explicitly) gives the same
+    answer as the same image in a data: URL; while one request's image drips in slowly, /tokenize and a data: URL
+    chat answer at once (the fetch runs on the media pool, not the request-parsing thread), and the slow fetch ends
+    at the time cap with a 400 saying so. No connection leaves loopback (``loopback_only``)."""
+    a, _ = servers
+    server = Served(model_dir, MediaPolicy(allowed_domains=("media.test",), allowed_networks=("127.0.0.1/32",),
+                                           timeout_s=4.0))
+    try:
+        remote = server.client.chat.completions.create(
+            model=MODEL, messages=image_message(f"http://media.test:{a.port}/img.png"), max_tokens=5, temperature=0)
+        local = server.client.chat.completions.create(
+            model=MODEL, messages=image_message(png_url()), max_tokens=5, temperature=0)
+        assert remote.choices[0].message.content == local.choices[0].message.content
+
+        def slow():
+            return status_of(server, image_message(f"http://media.test:{a.port}/slow"))
+
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(slow)
+            time.sleep(0.5)
+            start = time.monotonic()
+            out = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "hello"}, timeout=30)
+            server.client.chat.completions.create(model=MODEL, messages=image_message(png_url()), max_tokens=2)
+            waited = time.monotonic() - start
+            assert out.status_code == 200 and not pending.done()
+            status, message = pending.result(timeout=30)
+        assert waited < 2.5, f"other requests waited {waited:.1f} s behind a slow image fetch"
+        assert status == 400 and "took over 4 s" in message
+    finally:
+        server.close()
