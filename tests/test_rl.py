@@ -98,7 +98,7 @@ def test_model_generate_batch_runs_hf_paged_engine_with_transformers_shape():
         model.generate_batch(batch, penalty_alpha=0.6)
     config.do_sample = False  # refused (identical sequences): one FAILED result per prompt, named
     refused = model.generate_batch(batch[:1], generation_config=config, max_new_tokens=NEW)
-    assert list(refused) == ["req_5"] and "num_return_sequences=2 with greedy" in refused["req_5"].error
+    assert list(refused) == ["req_5"] and "num_return_sequences > 1 is not served" in refused["req_5"].error
     hf_paged.disable_paged_attention(model)
     assert installed(model) is None and "generate_batch" not in model.__dict__
     assert model.generate_batch.__func__ is type(model).generate_batch
