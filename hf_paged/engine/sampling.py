@@ -82,6 +82,19 @@ ENGINE_OPTIONS = frozenset({"seed", "logprobs", "stop_token_ids", "ignore_eos", 
 CALLABLES = frozenset({"logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn"})
 
 
+def _enabled_eos(value):
+    """``eos_token_id`` less transformers' "disabled" marker: its continuous batching writes -1 into a generation
+    config that has none (``init_continuous_batching`` on a config without EOS), and ``generate()`` then never stops
+    on it either; None when nothing is left."""
+    if _is_int(value) and value == -1:
+        return None
+    if isinstance(value, (list, tuple)) and -1 in value:
+        return [v for v in value if not (_is_int(v) and v == -1)] or None
+    if isinstance(value, torch.Tensor) and bool((value == -1).any()):
+        return _enabled_eos(value.reshape(-1).tolist())
+    return value
+
+
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -284,7 +297,8 @@ class SamplingParams:
         if num_beams > 1:
             length_penalty = 1.0 if settings.get("length_penalty") is None else settings["length_penalty"]
             early_stopping = settings.get("early_stopping") or False
-        eos = () if settings.get("ignore_eos") else token_ids(settings.get("eos_token_id"), "eos_token_id")
+        eos = () if settings.get("ignore_eos") else token_ids(_enabled_eos(settings.get("eos_token_id")),
+                                                              "eos_token_id")
         min_tokens = settings.get("min_tokens")
         if min_tokens is None:
             min_tokens = settings.get("min_new_tokens") or 0
