@@ -15,6 +15,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..engine import features as engine_features
 from .engine_client import AsyncEngine, Generation, prompt_ids
 from .errors import APIError, error_body
 from .media import MediaLoader, MediaPolicy, has_images
@@ -396,8 +397,12 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
             raise APIError(400, f"'{name}' takes no images (image_url content parts): send text parts only.",
                            param="messages")
         if tools is not None and tools.choice != "none":
-            raise APIError(400, "tools together with images are not supported yet; send one or the other.",
-                           param="tools")
+            try:
+                engine_features.check({"tools", "images"})
+            except engine_features.FeatureRefused as exc:
+                raise APIError(400, str(exc), param="tools") from None
+            raise APIError(400, "tools together with images are not served by this server yet; send one or the "
+                                "other.", param="tools")
         return await engine.chat_inputs(messages, processor, media, add_generation_prompt, extra or {})
 
     def tool_parser(tools, params: SamplingParams):

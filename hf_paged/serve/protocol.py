@@ -26,6 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..engine import features as engine_features
 from ..engine.structured import GrammarSpec
 from .errors import APIError
 from .tools import NAMED, REQUIRED, ToolRequest, named_schema, parse_tools, required_schema
@@ -407,37 +408,43 @@ def _logit_bias(value: dict[str, float] | None) -> dict[int, float] | None:
 
 
 # With beam search: the settings the engine's beams honour (they score through the sampler's processor stage, and
-# end as any request does) and those that have no meaning for a deterministic search or that the engine's beams
-# cannot apply, each with why (a 400 naming them). The server's one decision on beams x settings.
+# end as any request does). What the engine's beams do not combine with (logprobs, a grammar, stop strings) is read
+# from the engine's one rules table (``engine/features.py``); the sampling settings are the server's own rule: its
+# beam search is vLLM's, deterministic (``do_sample=False``), so a sampling setting would be silently dropped.
 BEAM_HONOURED = ("logit_bias", "bad_words", "no_repeat_ngram_size", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "prompt_logprobs", "echo",
                  "length_penalty", "early_stopping", "max_tokens")
-BEAM_REFUSED = {
+BEAM_SAMPLING = {
     "temperature": "beam search is deterministic (send 0 or leave it out)",
     "top_p": "beam search keeps the best-scoring beams, it does not sample",
     "top_k": "beam search keeps the best-scoring beams, it does not sample",
     "min_p": "beam search keeps the best-scoring beams, it does not sample",
     "seed": "beam search is deterministic",
-    "logprobs": "the engine's beams return sequences, not per-token logprobs",
-    "stop": "stop strings are checked per sampled token, not per beam",
-    "response_format": "structured output constrains one sequence, not a beam set",
 }
+# engine feature -> the request field that asks for it
+BEAM_FEATURE_FIELDS = {"logprobs": "logprobs", "grammar": "response_format", "stop_strings": "stop"}
 
 
-def beam_refusals(params: SamplingParams) -> list[str]:
-    """The settings of ``params`` that beam search would drop (``BEAM_REFUSED``), by field name; empty when every
-    setting asked for is one the engine's beams honour (``BEAM_HONOURED``)."""
-    asked = {
+def beam_refusals(params: SamplingParams) -> list[tuple[str, str]]:
+    """``(field, why)`` for each setting of ``params`` that beam search would drop or cannot combine with; empty
+    when every setting asked for is one the beams honour (``BEAM_HONOURED``)."""
+    sampling = {
         "temperature": params.temperature not in (None, 0),
         "top_p": params.top_p not in (None, 1),
         "top_k": params.top_k not in (None, 0, -1),
         "min_p": params.min_p not in (None, 0),
         "seed": params.seed is not None,
-        "logprobs": params.logprobs is not None,
-        "stop": bool(params.stop),
-        "response_format": params.grammar_spec is not None,
     }
-    return [name for name in BEAM_REFUSED if asked[name]]
+    out = [(name, BEAM_SAMPLING[name]) for name, asked in sampling.items() if asked]
+    present = {"beams"} | {feature for feature, on in (("logprobs", params.logprobs is not None),
+                                                       ("grammar", params.grammar_spec is not None),
+                                                       ("stop_strings", bool(params.stop))) if on}
+    decision = engine_features.decide(present)
+    if decision.outcome == engine_features.REFUSED:
+        for rule in decision.rules:
+            for feature in sorted(rule.features - {"beams"}):
+                out.append((BEAM_FEATURE_FIELDS[feature], rule.reason))
+    return out
 
 
 def _beams(params: SamplingParams, fields: _Common, n: int, width: int | None) -> None:
@@ -451,9 +458,10 @@ def _beams(params: SamplingParams, fields: _Common, n: int, width: int | None) -
         return
     refused = beam_refusals(params)
     if refused:
-        why = "; ".join(f"'{name}': {BEAM_REFUSED[name]}" for name in refused)
-        raise APIError(400, f"use_beam_search does not apply {', '.join(refused)} ({why}); remove "
-                            f"{'it' if len(refused) == 1 else 'them'} or turn beam search off.", param=refused[0])
+        names = [name for name, _ in refused]
+        why = "; ".join(f"'{name}': {reason}" for name, reason in refused)
+        raise APIError(400, f"use_beam_search does not apply {', '.join(names)} ({why}); remove "
+                            f"{'it' if len(names) == 1 else 'them'} or turn beam search off.", param=names[0])
     params.num_beams, params.num_return = max(width or n, n), n
     params.length_penalty, params.early_stopping = fields.length_penalty, fields.early_stopping
 
