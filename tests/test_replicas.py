@@ -141,10 +141,11 @@ def _stream_text(client, messages, max_tokens: int) -> tuple[str, str]:
 
 @pytest.mark.slow
 def test_the_serve_command_with_replicas_answers_and_stops_on_sigterm(tmp_path):
-    """``python -m hf_paged serve --replicas 2`` starts a local Ray, answers the ``openai`` client (a second request
-    with the same long prefix is a prefix hit on the replica that served the first), and on SIGTERM drains (a
-    stream under way runs to its end), stops Ray and exits 0, leaving no process of its session behind. (Runs
-    before the module's own Ray instance starts.)"""
+    """``python -m hf_paged serve --replicas 2 --api-key K`` with no CPU flags starts a local Ray on this 2-CPU
+    machine (each replica gets an equal share of the CPUs), answers the ``openai`` client (a second request with the
+    same long prefix is a prefix hit on the replica that served the first), refuses a caller without the key at the
+    ingress, and on SIGTERM drains (a stream under way runs to its end), stops Ray and exits 0, leaving no process of
+    its session behind. (Runs before the module's own Ray instance starts.)"""
     pytest.importorskip("ray.serve")
     tokenizer = tiny_tokenizer()
     tiny_lm(tokenizer, seed=4).save_pretrained(tmp_path)
@@ -152,7 +153,7 @@ def test_the_serve_command_with_replicas_answers_and_stops_on_sigterm(tmp_path):
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
     proc = subprocess.Popen([sys.executable, "-m", "hf_paged", "serve", "--model", str(tmp_path), "--replicas", "2",
-                             "--replica-cpus", "0.5", "--threads", "1", "--max-memory", "8MiB", "--port", str(port),
+                             "--api-key", KEY, "--threads", "1", "--max-memory", "8MiB", "--port", str(port),
                              "--served-model-name", MODEL, "--log-level", "warning"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []
@@ -164,7 +165,9 @@ def test_the_serve_command_with_replicas_answers_and_stops_on_sigterm(tmp_path):
         while len(_health(url).get("replicas", {})) < 2:
             assert proc.poll() is None and time.monotonic() - started < UP_S, "".join(lines)[-4000:]
             time.sleep(1)
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=30)
+        assert r.status_code == 401
         prompt = SYSTEMS[0] + QUESTIONS[0]
         raws = [client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=4)
                 for _ in range(2)]
@@ -395,3 +398,78 @@ def test_routing_text_and_merged_metrics():
                                                                                                ("r2", 2.0)}
     assert flags({"replicas": "2", "no_prefix_caching": "true", "cors_origin": ["a", "b"], "api_key": None}) == [
         "--replicas", "2", "--no-prefix-caching", "--cors-origin", "a", "--cors-origin", "b"]
+
+
+def test_replica_cpus_fit_the_machine_and_flags_that_cannot_combine(monkeypatch):
+    """Without --replica-cpus, replicas get 1 CPU each where Ray has room beside the ingress, else an equal share
+    (2 replicas on a 2-CPU instance: 0.95 each, which check_resources accepts); --enable-lora-loading is refused."""
+    pytest.importorskip("ray.serve")
+    from hf_paged.serve import replicas
+    from hf_paged.serve.cli import parser
+
+    for cpus, count, expected in ((2, 2, 0.95), (8, 2, 1.0), (2, 3, 0.63), (4, 4, 0.97)):
+        monkeypatch.setattr(replicas.ray, "cluster_resources", lambda cpus=cpus: {"CPU": float(cpus)})
+        args = parser().parse_args(["--replicas", str(count)])
+        replicas.check_resources(args)
+        assert args.replica_cpus == expected, (cpus, count)
+    monkeypatch.setattr(replicas.ray, "cluster_resources", lambda: {"CPU": 2.0})
+    args = parser().parse_args(["--replicas", "2", "--replica-cpus", "1.5"])
+    with pytest.raises(SystemExit, match="--replica-cpus"):
+        replicas.check_resources(args)  # what the user asked is kept, and refused by name
+    with pytest.raises(SystemExit, match="--lora-modules"):
+        replicas.check_flags(parser().parse_args(["--replicas", "2", "--enable-lora-loading"]))
+
+
+def test_the_ingress_checks_the_key_before_reading_the_body():
+    """The Ray ingress answers 401 to a caller without the key (413 past the body limit) without receiving one byte
+    of the body, so no routing text is parsed or hashed for it; a caller with the key is forwarded."""
+    pytest.importorskip("ray.serve")
+    from starlette.requests import Request
+
+    from hf_paged.serve.replicas import Ingress
+
+    received = []
+
+    def request(headers: dict, body: bytes = b'{"prompt": "hi"}'):
+        async def receive():
+            received.append(True)
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+                 "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}
+        return Request(scope, receive)
+
+    class Stream:
+        def __init__(self):
+            self.items = iter([(200, [(b"content-type", b"application/json")]), b"{}"])
+
+        async def __anext__(self):
+            try:
+                return next(self.items)
+            except StopIteration:
+                raise StopAsyncIteration from None
+
+        def __aiter__(self):
+            return self
+
+        def cancel(self):
+            pass
+
+    class Handle:
+        def options(self, **kwargs):
+            return self
+
+        @property
+        def forward(self):
+            return SimpleNamespace(remote=lambda forwarded: Stream())
+
+    ingress = SimpleNamespace(api_key=KEY.encode(), max_body_bytes=100, engine=Handle(), retries=0, retried=0)
+    r = asyncio.run(Ingress.forward(ingress, "v1/completions", request({})))
+    assert r.status_code == 401 and received == []
+    r = asyncio.run(Ingress.forward(ingress, "v1/completions", request({"Authorization": "Bearer wrong"})))
+    assert r.status_code == 401 and received == []
+    r = asyncio.run(Ingress.forward(ingress, "v1/completions", request({"Authorization": f"Bearer {KEY}",
+                                                                        "Content-Length": "1000"})))
+    assert r.status_code == 413 and received == []
+    r = asyncio.run(Ingress.forward(ingress, "v1/completions", request({"Authorization": f"Bearer {KEY}"})))
+    assert r.status_code == 200 and received

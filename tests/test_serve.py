@@ -404,7 +404,7 @@ def test_bad_requests_get_their_4xx_and_the_server_keeps_serving(served, tokeniz
     assert status_of(n=0)[0] == 400
     status, body = status_of(logit_bias={"5": 101.0})
     assert status == 400 and "logit_bias" in body["message"]
-    assert status_of(presence_penalty=0.5)[0] == 400
+    assert status_of(presence_penalty=2.5)[0] == 400  # served in [-2, 2] (tests/test_serve_fields.py)
     status, body = status_of(model="no-such-model")
     assert status == 404 and "no-such-model" in body["message"]
     status, body = status_of(prompt=[5, 999_999])

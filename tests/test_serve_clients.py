@@ -186,7 +186,7 @@ def test_tokenizer_endpoints_models_and_unknown_fields_logged_once(served, token
                                              add_generation_prompt=True)
     assert chat["tokens"] == ids_of(tokenizer, rendered)
     assert served.post("/detokenize", {"tokens": [10**7]}).status_code == 400
-    info = httpx.get(served.url + "/tokenizer_info", timeout=30).json()
+    info = httpx.get(served.url + "/tokenizer_info", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
     assert info["eos_token"] == tokenizer.eos_token and info["model_max_length"] == 512
     model = served.client().models.list().data[0]
     assert model.id == MODEL and model.root == MODEL and model.max_model_len == 512

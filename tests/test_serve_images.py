@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ httpx = pytest.importorskip("httpx")
 Image = pytest.importorskip("PIL.Image")
 
 from helpers.servers import ThreadedServer  # noqa: E402
+from test_serve_media import loopback_only, servers  # noqa: E402,F401  (fixtures: loopback servers, the socket guard)
 from helpers.vlm import save_tiny_llava  # noqa: E402
 from transformers import AutoModelForImageTextToText, AutoProcessor  # noqa: E402
 
@@ -122,14 +124,14 @@ def test_models_say_the_model_takes_images(served):
 
 
 def test_media_policy_and_limits(served):
-    """Remote URLs outside the allowed domains, file: URLs outside the media root, more images or pixels than the
-    limits, and bad data URLs are 400s naming the problem; a file under the root is read."""
+    """Remote URLs outside the allowed domains, file: URLs outside the media root (one message whether the file
+    exists or not), more images or pixels than the limits, and bad data URLs are 400s naming the problem; a file under
+    the root is read. (Remote fetches: tests/test_serve_media.py, against loopback servers only.)"""
     status, message = status_of(served, image_message("https://elsewhere.example/cat.png"))
     assert status == 400 and "--allowed-media-domains" in message and "elsewhere.example" in message
-    status, message = status_of(served, image_message("https://images.example/cat.png"))  # allowed: fetched
-    assert status == 400 and "could not fetch" in message  # (no network here)
     status, message = status_of(served, image_message("file:///etc/passwd"))
-    assert status == 400 and "media root" in message
+    assert status == 400 and "media root" in message and "passwd" not in message
+    assert status_of(served, image_message("file:///no/such/file.png")) == (status, message)  # no existence leak
     out = served.client.chat.completions.create(model=MODEL, messages=image_message(
         (served.root / "blue.png").as_uri()), max_tokens=3)
     assert out.choices[0].finish_reason in ("length", "stop")
@@ -140,7 +142,7 @@ def test_media_policy_and_limits(served):
     status, message = status_of(served, image_message("data:image/png;base64,not-base64!"))
     assert status == 400 and "base64" in message
     status, message = status_of(served, image_message("data:image/png;base64," + base64.b64encode(b"xx").decode()))
-    assert status == 400 and "PNG or JPEG" in message
+    assert status == 400 and "PNG, JPEG, WebP or GIF" in message
 
 
 @pytest.mark.slow
@@ -177,3 +179,36 @@ def test_cli_serves_a_vision_model_directory(model_dir):
     finally:
         proc.terminate()
         proc.communicate(timeout=60)
+
+
+def test_remote_images_are_fetched_off_the_parsing_thread(model_dir, servers, loopback_only):
+    """Through the app: an allowed host's image (a loopback server, its address allowed explicitly) gives the same
+    answer as the same image in a data: URL; while one request's image drips in slowly, /tokenize and a data: URL
+    chat answer at once (the fetch runs on the media pool, not the request-parsing thread), and the slow fetch ends
+    at the time cap with a 400 saying so. No connection leaves loopback (``loopback_only``)."""
+    a, _ = servers
+    server = Served(model_dir, MediaPolicy(allowed_domains=("media.test",), allowed_networks=("127.0.0.1/32",),
+                                           timeout_s=4.0))
+    try:
+        remote = server.client.chat.completions.create(
+            model=MODEL, messages=image_message(f"http://media.test:{a.port}/img.png"), max_tokens=5, temperature=0)
+        local = server.client.chat.completions.create(
+            model=MODEL, messages=image_message(png_url()), max_tokens=5, temperature=0)
+        assert remote.choices[0].message.content == local.choices[0].message.content
+
+        def slow():
+            return status_of(server, image_message(f"http://media.test:{a.port}/slow"))
+
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(slow)
+            time.sleep(0.5)
+            start = time.monotonic()
+            out = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "hello"}, timeout=30)
+            server.client.chat.completions.create(model=MODEL, messages=image_message(png_url()), max_tokens=2)
+            waited = time.monotonic() - start
+            assert out.status_code == 200 and not pending.done()
+            status, message = pending.result(timeout=30)
+        assert waited < 2.5, f"other requests waited {waited:.1f} s behind a slow image fetch"
+        assert status == 400 and "took over 4 s" in message
+    finally:
+        server.close()

@@ -6,6 +6,7 @@ several adapters and the base model each give the text of the PeftModel with tha
 
 from __future__ import annotations
 
+import shutil
 import socket
 from concurrent.futures import ThreadPoolExecutor
 
@@ -59,7 +60,7 @@ def setup(tmp_path_factory):
     paths = save_adapters(make, root / "adapters")
     args = cli.parser().parse_args([
         "--model", str(root / "model"), "--served-model-name", BASE, "--device", "cpu", "--api-key", KEY,
-        "--max-memory", "64MiB", "--enable-lora-loading", "--lora-modules", *(f"{n}={p}" for n, p in paths.items())])
+        "--max-memory", "64MiB", "--enable-lora-loading", "--lora-root", str(root / "adapters"), "--lora-modules", *(f"{n}={p}" for n, p in paths.items())])
     app, _ = cli.build(args)
     server = AppServer(app)
     yield server, tokenizer, make, paths
@@ -122,7 +123,7 @@ def test_load_and_unload_endpoints(setup):
     out = client.completions.create(model="again", prompt=PROMPTS[0], max_tokens=6, temperature=0)
     assert out.choices[0].text == expected_text(tokenizer, make, paths, "b", PROMPTS[0], 6)
     with pytest.raises(openai.BadRequestError, match="could not load"):
-        client.post("/load_lora_adapter", body={"lora_name": "bad", "lora_path": "/no/such/dir"}, cast_to=str)
+        client.post("/load_lora_adapter", body={"lora_name": "bad", "lora_path": "no/such/dir"}, cast_to=str)
     client.post("/unload_lora_adapter", body={"lora_name": "again"}, cast_to=str)
     assert "again" not in {m.id for m in client.models.list().data}
     with pytest.raises(openai.NotFoundError):
@@ -139,3 +140,60 @@ def test_loading_endpoints_off_by_default():
         assert r.status_code == 404 and "--enable-lora-loading" in r.text
     finally:
         server.close()
+
+
+def test_run_time_loads_are_confined_pinned_and_capped(setup, tmp_path):
+    """``--lora-root``: a lora_path outside it (absolute, ``..``, a symlink out), missing, or not an adapter gets one
+    and the same message (nothing about the server's files leaks); ``--max-lora-rank`` refuses a higher rank by
+    name; the ``--lora-modules`` adapters are pinned (not replaced, not unloaded, not evicted when the slots fill:
+    the oldest run-time adapter makes room)."""
+    _, tokenizer, make, paths = setup
+    root = paths["a"].parent
+    model_dir = root.parent / "model"
+    outside = tmp_path / "outside"
+    shutil.copytree(paths["c"], outside)
+    (root / "escape").symlink_to(outside, target_is_directory=True)
+    args = cli.parser().parse_args([
+        "--model", str(model_dir), "--served-model-name", BASE, "--device", "cpu", "--api-key", KEY,
+        "--max-memory", "32MiB", "--enable-lora-loading", "--lora-root", str(root), "--max-loras", "3",
+        "--max-lora-rank", "6", "--lora-modules", f"a={paths['a']}", f"c={paths['c']}"])
+    server = AppServer(cli.build(args)[0])
+    client = server.client()
+
+    def load(lora, path):
+        return client.post("/load_lora_adapter", body={"lora_name": lora, "lora_path": path}, cast_to=str)
+
+    try:
+        messages = set()
+        for path in ("/etc", "/no/such/dir", "../model", "escape", str(model_dir), "missing", str(outside)):
+            with pytest.raises(openai.BadRequestError) as info:
+                load("x", path)
+            messages.add(info.value.body["message"])
+        assert len(messages) == 1 and "--lora-root" in messages.pop()
+        with pytest.raises(openai.BadRequestError, match="rank is 8.*--max-lora-rank"):
+            load("x", "b")
+        for call in (lambda: load("a", "c"), lambda: client.post("/unload_lora_adapter", body={"lora_name": "c"},
+                                                                 cast_to=str)):
+            with pytest.raises(openai.ConflictError, match="pinned"):
+                call()
+        load("x", "c")  # the third slot
+        load("y", str(paths["a"]))  # full: x (run-time, idle) makes room, never a or c
+        assert {m.id for m in client.models.list().data} == {BASE, "a", "c", "y"}
+        out = client.completions.create(model="y", prompt=PROMPTS[1], max_tokens=5, temperature=0)
+        assert out.choices[0].text == expected_text(tokenizer, make, paths, "a", PROMPTS[1], 5)
+    finally:
+        server.close()
+        (root / "escape").unlink()
+
+
+def test_lora_loading_needs_a_root_and_no_replicas():
+    """--enable-lora-loading without --lora-root stops at start naming the flag; with --replicas it is refused (a
+    load would reach one replica of several), naming --lora-modules as the way."""
+    with pytest.raises(SystemExit, match="--lora-root"):
+        cli.build(cli.parser().parse_args(["--enable-lora-loading"]))
+    pytest.importorskip("ray")
+    from hf_paged.serve import replicas
+
+    with pytest.raises(SystemExit, match="--lora-modules"):
+        replicas.check_flags(cli.parser().parse_args(["--replicas", "2", "--enable-lora-loading", "--lora-root",
+                                                      "/tmp"]))

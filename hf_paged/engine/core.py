@@ -343,7 +343,8 @@ class EngineCore:
         rows = search.requests
         params = [r.params for r in rows]
         log_probs = self.sampler.process(torch.log_softmax(logits.float(), dim=-1), params, [r.tokens for r in rows],
-                                         [r.num_generated for r in rows])  # [k, vocab]
+                                         [r.num_generated for r in rows],
+                                         [rows[0].sampling_state] * len(rows))  # [k, vocab]
         started = search.started
         plan = search.step(log_probs)
         if search.done:

@@ -3,7 +3,7 @@ prompt + generated ids (no padding seen, the prompt's length known).
 
 ``ProcessorSettings`` are what a request asked for (read from its generation config by ``SamplingParams``).
 ``Processors`` is the stage the ``Sampler`` runs each step, before the warpers: it takes the rows that have settings,
-in ``generate()``'s order (sequence bias, repetition penalty, n-gram blocking, bad words, min length, prefix-allowed
+in ``generate()``'s order (sequence bias, repetition penalty, OpenAI's presence / frequency penalties, n-gram blocking, bad words, min length, prefix-allowed
 tokens, forced BOS / EOS, inf/nan removal, length decay, suppression, begin-suppression, then the request's own
 ``logits_processor``; after the warpers, a green-list watermark), and leaves the others untouched: a step whose
 requests set none of them pays one attribute check per row. Where rows agree on a setting they are processed
@@ -14,7 +14,10 @@ transformers' own classes, so each row gets exactly what ``generate()`` computes
 
 A request's own state (its n-gram index) is a :class:`RequestState`, made when the request joins the engine
 (``Sampler.join``), copied when it forks (``RequestState.fork``), kept across preemptions, and dropped with the request
-when it leaves.
+when it leaves. The index grows with the request's committed tokens only: rows that share one state in a step are
+either a request's drafted positions (speculative verification: different lengths, the shortest is committed) or a
+beam search's beams (the same length, different tokens: only the prompt is common); the rest of each row's ids is
+scanned without being stored, so a step costs the new or uncommitted tokens, not the whole history.
 
 Contract of a custom ``logits_processor`` (any callable, as ``generate()`` takes): called once per step for each
 request that has it, as ``processor(ids, scores)`` with ``ids`` ``LongTensor [1, n]`` (that request's prompt +
@@ -26,7 +29,7 @@ object, each with its own row, so keep per-request state keyed by what ``ids`` s
 from __future__ import annotations
 
 import numbers
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +101,9 @@ class ProcessorSettings:
     Token ids are tuples; ``sequence_bias`` is ``((ids, bias), ...)``; ``forced_eos_token_id`` a tuple of ids;
     ``exponential_decay_length_penalty`` ``(start, factor)``; ``logits_processor`` a tuple of callables (see the
     module's contract). ``repetition_penalty`` stays in ``SamplingParams`` (the stage reads it there).
+    ``presence_penalty`` / ``frequency_penalty``: OpenAI's, in [-2, 2], on the tokens the request generated (not its
+    prompt, as vLLM counts them): a token's logit less ``frequency_penalty`` times its count, less ``presence_penalty``
+    if it occurred.
 
     Example::
 
@@ -117,12 +123,20 @@ class ProcessorSettings:
     begin_suppress_tokens: tuple[int, ...] = ()
     logits_processor: tuple = ()
     watermarking_config: object = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     @classmethod
     def from_settings(cls, settings: dict) -> "ProcessorSettings | None":
         """The settings ``settings`` (GenerationConfig field names; None / 0 / empty = unset) ask for; None when they
         ask for none. Raises ValueError naming a bad value."""
         out = {}
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = settings.get(name)
+            if value:
+                if not isinstance(value, numbers.Real) or isinstance(value, bool) or not -2 <= value <= 2:
+                    raise ValueError(f"{name} must be a number in [-2, 2] (OpenAI's range), got {value!r}")
+                out[name] = float(value)
         if settings.get("sequence_bias"):
             out["sequence_bias"] = _bias(settings["sequence_bias"])
         n = settings.get("no_repeat_ngram_size")
@@ -201,16 +215,23 @@ class NGramIndex:
         self.seen = 0  # ids indexed so far
         self.next_of: dict[tuple[int, ...], set[int]] = {}
 
-    def banned(self, ids: list[int]) -> set[int]:
+    def banned(self, ids: list[int], upto: int | None = None) -> set[int]:
+        """The tokens that would repeat an n-gram of ``ids``. The index grows to ``ids[:upto]`` (default all of
+        them); n-grams past ``upto`` are scanned without being stored (uncommitted drafts, one beam's own tokens)."""
         n = self.n
-        if len(ids) < self.seen:  # the ids were cut back (tokens withdrawn): index them again
+        upto = len(ids) if upto is None else upto
+        if upto < self.seen:  # the ids were cut back (tokens withdrawn): index them again
             self.seen, self.next_of = 0, {}
-        for start in range(max(self.seen - n + 1, 0), len(ids) - n + 1):
+        for start in range(max(self.seen - n + 1, 0), upto - n + 1):
             self.next_of.setdefault(tuple(ids[start:start + n - 1]), set()).add(ids[start + n - 1])
-        self.seen = len(ids)
+        self.seen = upto
         if len(ids) < n:
             return set()
-        return self.next_of.get(tuple(ids[len(ids) - n + 1:]), set())
+        key = tuple(ids[len(ids) - n + 1:])
+        out = self.next_of.get(key, set())
+        tail = [ids[start + n - 1] for start in range(max(upto - n + 1, 0), len(ids) - n + 1)
+                if tuple(ids[start:start + n - 1]) == key]
+        return out | set(tail) if tail else out
 
     def fork(self) -> "NGramIndex":
         copy = NGramIndex(self.n)
@@ -263,8 +284,10 @@ class Processors:
                                         if params[i].repetition_penalty is not None])
         if not with_settings:
             return step.scores
-        step.mask([(i, t) for i, s in with_settings if s.no_repeat_ngram_size
-                   for t in states[i].ngrams.banned(histories[i])])
+        self._openai_penalties(step, [(i, s) for i, s in with_settings if s.presence_penalty or s.frequency_penalty])
+        ngram_rows = [i for i, s in with_settings if s.no_repeat_ngram_size]
+        upto = _committed(ngram_rows, states, histories, step)
+        step.mask([(i, t) for i in ngram_rows for t in states[i].ngrams.banned(histories[i], upto[i])])
         self._bad_words(step, [(i, s, params[i].eos_token_ids) for i, s in with_settings if s.bad_words_ids])
         step.mask([(i, t) for i, s in with_settings if s.min_length and len(histories[i]) < s.min_length
                    for t in params[i].eos_token_ids])
@@ -341,6 +364,33 @@ class Processors:
             step.windowed(members, processor, max(len(w) for w in words) - 1)
 
     @staticmethod
+    def _openai_penalties(step: "_Step", rows: list) -> None:
+        """OpenAI's presence and frequency penalties (vLLM's arithmetic: ``logits -= frequency * count``, then
+        ``logits -= presence * (count > 0)``, in float32) on each row's generated tokens, one indexed write for all
+        rows."""
+        rows_at, cols, counts, freq, pres = [], [], [], [], []
+        vocab = step.scores.shape[-1]
+        for i, s in rows:
+            generated = step.generated(i)
+            if generated <= 0:
+                continue
+            for token, count in Counter(step.histories[i][len(step.histories[i]) - generated:]).items():
+                if token < vocab:
+                    rows_at.append(i)
+                    cols.append(token)
+                    counts.append(count)
+                    freq.append(s.frequency_penalty)
+                    pres.append(s.presence_penalty)
+        if not rows_at:
+            return
+        device = step.scores.device
+        index = (torch.tensor(rows_at, device=device), torch.tensor(cols, device=device))  # [m], [m]
+        score = step.scores[index]  # [m]
+        score = score - torch.tensor(freq, dtype=torch.float32, device=device) * torch.tensor(
+            counts, dtype=torch.float32, device=device)
+        step.scores[index] = score - torch.tensor(pres, dtype=torch.float32, device=device)
+
+    @staticmethod
     def _repetition_penalty(step: "_Step", rows: list) -> None:
         """``RepetitionPenaltyLogitsProcessor``'s arithmetic (the same float32 operations, the penalty a Python
         float) on just the (row, token) pairs of each row's distinct ids: one gather and one write per penalty value,
@@ -357,6 +407,26 @@ class Processors:
                      torch.tensor([t for _, t in pairs], device=device))  # [m], [m]
             score = step.scores[index]  # [m]
             step.scores[index] = torch.where(score < 0, score * penalty, score / penalty)
+
+
+def _committed(rows: list[int], states: list, histories: list[list[int]], step: "_Step") -> dict[int, int]:
+    """How far each n-gram row's state may index its ids (the module's rule for rows sharing one state): alone, all
+    of them; drafts of one request (several lengths), the shortest; beams (one length), the prompt."""
+    sharing: dict[int, list[int]] = {}
+    for i in rows:
+        sharing.setdefault(id(states[i]), []).append(i)
+    upto = {}
+    for members in sharing.values():
+        lengths = {len(histories[i]) for i in members}
+        if len(members) == 1:
+            limit = len(histories[members[0]])
+        elif len(lengths) > 1:
+            limit = min(lengths)
+        else:
+            limit = len(histories[members[0]]) - max(step.generated(i) for i in members)
+        for i in members:
+            upto[i] = limit
+    return upto
 
 
 def _begin_index(settings: ProcessorSettings, prompt_length: int) -> int:

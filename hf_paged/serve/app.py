@@ -6,19 +6,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..engine import features as engine_features
 from .engine_client import AsyncEngine, Generation, prompt_ids
 from .errors import APIError, error_body
-from .media import MediaPolicy, has_images
+from .media import MediaLoader, MediaPolicy, has_images
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .middleware import DEFAULT_MAX_BODY_BYTES, ServeMiddleware
-from .protocol import SamplingParams, bad_words_ids, parse_chat, parse_messages, parse_completion, parse_json
+from .protocol import (
+    DEFAULT_LIMITS,
+    RequestLimits,
+    SamplingParams,
+    bad_words_ids,
+    parse_chat,
+    parse_completion,
+    parse_json,
+    parse_messages,
+    template_kwargs,
+)
 from .responses import DONE, Shape, echo_logprobs, sse, usage, vllm_prompt_logprobs
 from .tools import MISTRAL, NAMED, REQUIRED, ToolCallParser, template_reads_tools, tool_format
 
@@ -27,6 +40,8 @@ ARGUMENT_FRAGMENT = 24  # characters of a tool call's arguments per streamed del
 log = logging.getLogger("hf_paged.serve")
 
 UNBOUNDED_CONTEXT = 1 << 20  # a model without max_position_embeddings: the pool is the only limit
+NOT_AN_ADAPTER = ("'lora_path' must name an adapter directory (adapter_config.json and weights saved by peft) under "
+                  "the server's LoRA root (--lora-root), relative to it.")
 
 
 @dataclass
@@ -39,6 +54,11 @@ class ServeSettings:
     ``media``: the image policy of chat requests (remote domains, a file root, count and pixel limits).
     ``lora_loading``: serve vLLM's ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (off: 404);
     ``lora_paths``: where each adapter loaded at start came from (``/v1/models`` reports it as the adapter's root).
+    ``limits``: caps on the list-valued fields of a request (:class:`~hf_paged.serve.protocol.RequestLimits`).
+    Run-time adapter loads (``lora_loading``) read only directories under ``lora_root`` (one error whatever is wrong
+    with a path, so a caller learns nothing of what exists), refuse ranks over ``max_lora_rank``, and never replace,
+    unload or evict the adapters loaded at start (``lora_paths``: pinned); past ``max_loras`` resident adapters the
+    least recently loaded run-time adapter that no request uses is unloaded first.
     Requests choose a loaded adapter by naming it as their ``model`` (vLLM's convention).
     """
 
@@ -51,6 +71,10 @@ class ServeSettings:
     media: MediaPolicy = MediaPolicy()  # where chat images may come from, how many and how large (serve/media.py)
     lora_loading: bool = False
     lora_paths: dict[str, str] = dataclasses.field(default_factory=dict)
+    limits: RequestLimits = DEFAULT_LIMITS  # caps on list-valued request fields (protocol.py)
+    lora_root: Path | None = None  # run-time loads only from directories under it
+    max_lora_rank: int | None = None  # run-time loads of a higher rank are refused
+    max_loras: int | None = None  # adapters resident at once (the engine's max_loras)
 
 
 def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int | None = None,
@@ -73,6 +97,10 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
     engine = AsyncEngine(manager, tokenizer, metrics, vocab_size)
     name = settings.model_name
     takes_images = processor is not None and getattr(manager, "takes_images", False)
+    caps = settings.limits
+    media = MediaLoader(settings.media)
+    # a top_k the model's generation config sets is kept for requests without one (vLLM's); otherwise top-k is off
+    model_top_k = getattr(getattr(manager, "generation_config", None), "top_k", None) is not None
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -86,6 +114,7 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
                 # uvicorn has already waited (up to drain_timeout) for open responses; what is left is cancelled.
                 await asyncio.to_thread(manager.stop, block=True, timeout=settings.drain_timeout, drain=False)
             engine.close()
+            media.close()
 
     app = FastAPI(title="hf_paged", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
@@ -124,33 +153,92 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
         return {"object": "list", "data": [base, *loras]}
 
     # -- vLLM's LoRA adapter endpoints (only with --enable-lora-loading) -----------------------------------------------
+    pinned = frozenset(settings.lora_paths)  # loaded at start: never replaced, unloaded or evicted
+    loaded_at_run_time: list[str] = []  # oldest first: the first to make room
+    lora_lock = asyncio.Lock()  # one load or unload at a time (the room made is the room used)
+
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):
         body = lora_body(await engine.run(parse_json, await request.body()), "lora_path")
-        lora, path = body["lora_name"], body["lora_path"]
+        lora, given = body["lora_name"], body["lora_path"]
         if lora == name:
             raise APIError(400, f"'{lora}' is the base model's name; give the adapter another.", param="lora_name")
-        try:
-            await engine.run(manager.load_adapter, lora, path)
-        except (OSError, ValueError, KeyError) as exc:
-            raise APIError(400, f"could not load adapter '{lora}' from {path}: {exc}", param="lora_path") from None
-        except RuntimeError as exc:
-            raise APIError(409, str(exc), param="lora_name") from None
-        lora_paths[lora] = path
+        if lora in pinned:
+            raise APIError(409, f"adapter '{lora}' was loaded at start (--lora-modules) and is pinned: it is not "
+                                "replaced at run time; load under another name.", param="lora_name")
+        path = await engine.run(adapter_dir, given)
+        async with lora_lock:
+            await make_room(lora)
+            try:
+                await engine.run(manager.load_adapter, lora, str(path))
+            except RuntimeError as exc:  # every slot holds an adapter in use
+                raise APIError(409, str(exc), param="lora_name") from None
+            except Exception:
+                log.warning("run-time load of adapter %r failed", lora, exc_info=True)
+                raise APIError(400, f"could not load adapter '{lora}': {NOT_AN_ADAPTER}", param="lora_path") from None
+            if lora in loaded_at_run_time:
+                loaded_at_run_time.remove(lora)
+            loaded_at_run_time.append(lora)
+        lora_paths[lora] = given
         return Response(f"Success: LoRA adapter '{lora}' added successfully.", media_type="text/plain")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request):
         lora = lora_body(await engine.run(parse_json, await request.body()))["lora_name"]
+        if lora in pinned:
+            raise APIError(409, f"adapter '{lora}' was loaded at start (--lora-modules) and is pinned: it is not "
+                                "unloaded at run time.", param="lora_name")
         if lora not in adapters():
             raise APIError(404, f"no adapter '{lora}' is loaded; loaded: {adapters() or 'none'}.", param="lora_name",
                            code="model_not_found")
-        try:
-            await engine.run(manager.unload_adapter, lora)
-        except RuntimeError as exc:
-            raise APIError(409, str(exc), param="lora_name") from None
+        async with lora_lock:
+            try:
+                await engine.run(manager.unload_adapter, lora)
+            except RuntimeError as exc:
+                raise APIError(409, str(exc), param="lora_name") from None
+            if lora in loaded_at_run_time:
+                loaded_at_run_time.remove(lora)
         lora_paths.pop(lora, None)
         return Response(f"Success: LoRA adapter '{lora}' removed successfully.", media_type="text/plain")
+
+    def adapter_dir(given: str) -> Path:
+        """``lora_path`` as a directory under the LoRA root with an adapter config of an allowed rank; one message
+        for every way it can be wrong (outside the root, missing, not an adapter), so nothing about the server's
+        files leaks; the rank cap is named (it is a property of an adapter the caller chose)."""
+        if settings.lora_root is None:
+            raise APIError(400, "this server loads adapters at run time only from under a LoRA root; start it with "
+                                "--lora-root DIR.", param="lora_path")
+        root = Path(settings.lora_root).resolve()
+        config = None
+        try:
+            path = (root / given).resolve()  # an absolute lora_path replaces root, then must still be under it
+            if path.is_relative_to(root):
+                with open(path / "adapter_config.json") as f:
+                    config = json.load(f)
+        except (OSError, ValueError, RuntimeError):
+            config = None
+        if not isinstance(config, dict):
+            raise APIError(400, f"could not load the adapter: {NOT_AN_ADAPTER}", param="lora_path")
+        rank = max([config.get("r") or 0, *(config.get("rank_pattern") or {}).values()], default=0)
+        if settings.max_lora_rank is not None and rank > settings.max_lora_rank:
+            raise APIError(400, f"the adapter's rank is {rank}; this server loads ranks up to {settings.max_lora_rank} "
+                                "(--max-lora-rank).", param="lora_path")
+        return path
+
+    async def make_room(lora: str) -> None:
+        """Unload the oldest run-time adapter no request uses when the slots are full (never a pinned one)."""
+        if settings.max_loras is None or lora in adapters() or len(adapters()) < settings.max_loras:
+            return
+        for victim in list(loaded_at_run_time):
+            try:
+                await engine.run(manager.unload_adapter, victim)
+            except (RuntimeError, KeyError, ValueError):
+                continue  # in use (or already gone): try the next
+            loaded_at_run_time.remove(victim)
+            lora_paths.pop(victim, None)
+            return
+        raise APIError(409, f"all {settings.max_loras} adapter slots (--max-loras) hold adapters loaded at start or "
+                            "in use; unload one, or start the server with a larger --max-loras.", param="lora_name")
 
     def lora_body(body, *more: str) -> dict:
         if not settings.lora_loading:
@@ -174,11 +262,14 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
         special = body.get("add_special_tokens")
         if "messages" in body:
             messages = await engine.run(parse_messages, body["messages"])
+            add_generation_prompt = body.get("add_generation_prompt", True) is not False
+            extra = template_kwargs(body.get("chat_template_kwargs") if isinstance(body.get("chat_template_kwargs"),
+                                                                                  dict) else None, caps)
             if has_images(messages):
-                ids = prompt_ids(await image_prompt(messages, None))
+                ids = prompt_ids(await image_prompt(messages, None, add_generation_prompt, extra))
             else:
-                ids = await engine.chat_prompt(messages,
-                                               add_generation_prompt=body.get("add_generation_prompt", True))
+                ids = await engine.chat_prompt(messages, add_generation_prompt=add_generation_prompt,
+                                               template_kwargs=extra)
         elif isinstance(body.get("prompt"), str):
             ids = await engine.encode(body["prompt"], add_special_tokens=special is not False)
         else:
@@ -257,7 +348,8 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
     @app.post("/v1/completions")
     async def completions(request: Request):
         record = request.state.record
-        req = await engine.run(lambda raw: parse_completion(parse_json(raw)), await request.body())
+        req = await engine.run(lambda raw: parse_completion(parse_json(raw), caps), await request.body())
+        req.params.model_top_k = model_top_k
         adapter = check_model(req.model)
         prompts = [p if isinstance(p, list) else await engine.encode(p) for p in req.prompts]
         limits = await engine.run(budgets, prompts, req.params.max_tokens)
@@ -278,12 +370,14 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         record = request.state.record
-        req = await engine.run(lambda raw: parse_chat(parse_json(raw)), await request.body())
+        req = await engine.run(lambda raw: parse_chat(parse_json(raw), caps), await request.body())
+        req.params.model_top_k = model_top_k
         adapter = check_model(req.model)
         if has_images(req.messages):
-            prompt = await image_prompt(req.messages, req.tools)
+            prompt = await image_prompt(req.messages, req.tools, req.add_generation_prompt, req.template_kwargs)
         else:
-            prompt = await engine.chat_prompt(req.messages, tools=req.tools)
+            prompt = await engine.chat_prompt(req.messages, req.add_generation_prompt, tools=req.tools,
+                                              template_kwargs=req.template_kwargs)
         limits = await engine.run(budgets, [prompt_ids(prompt)], req.params.max_tokens)
         if req.params.bad_words:
             req.params.bad_words_ids = await engine.run(bad_words_ids, engine.tokenizer, req.params.bad_words)
@@ -297,15 +391,19 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
             return _stream(gen, shape, record, req.n, None, req.params, req.continuous_usage, parser)
         return await _collect(gen, shape, request, record, req.n, None, req.params, parser)
 
-    async def image_prompt(messages, tools):
+    async def image_prompt(messages, tools, add_generation_prompt: bool = True, extra: dict | None = None):
         """Chat messages with image_url parts: one prompt's processor outputs (ids and image tensors)."""
         if not takes_images:
             raise APIError(400, f"'{name}' takes no images (image_url content parts): send text parts only.",
                            param="messages")
         if tools is not None and tools.choice != "none":
-            raise APIError(400, "tools together with images are not supported yet; send one or the other.",
-                           param="tools")
-        return await engine.chat_inputs(messages, processor, settings.media)
+            try:
+                engine_features.check({"tools", "images"})
+            except engine_features.FeatureRefused as exc:
+                raise APIError(400, str(exc), param="tools") from None
+            raise APIError(400, "tools together with images are not served by this server yet; send one or the "
+                                "other.", param="tools")
+        return await engine.chat_inputs(messages, processor, media, add_generation_prompt, extra or {})
 
     def tool_parser(tools, params: SamplingParams):
         """A factory of per-choice tool-call parsers (None: the output is all content)."""
@@ -322,8 +420,10 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
             drop = tokenizer.eos_token
         return lambda: ToolCallParser(mode, tools.name, drop)
 
+    routes = frozenset(getattr(route, "path", None) for route in app.routes)  # any other path counts as "other"
     app.add_middleware(ServeMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
-                       on_done=lambda r: metrics.count_request(r.path, r.status or 499))
+                       on_done=lambda r: metrics.count_request(r.path if r.path in routes else "other",
+                                                               r.status or 499))
     if settings.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 

@@ -19,8 +19,16 @@ from .. import BlockPool, attach_paged_attention, embedded, init_continuous_batc
 from ..engine.lora import DEFAULT_MAX_LORAS
 from .app import ServeSettings, create_app
 from .distributed import serve as serve_distributed
-from .media import DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, MediaPolicy, load_vision_model
+from .media import (
+    DEFAULT_MAX_IMAGES,
+    DEFAULT_MAX_PIXELS,
+    FETCH_TIMEOUT_S,
+    MAX_FETCH_BYTES,
+    MediaPolicy,
+    load_vision_model,
+)
 from .middleware import DEFAULT_MAX_BODY_BYTES
+from .protocol import RequestLimits
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -79,7 +87,22 @@ def parser() -> argparse.ArgumentParser:
                    help="adapters loaded at once (default 8, or the number of --lora-modules if more); past it the "
                         "least recently used idle one is unloaded")
     p.add_argument("--enable-lora-loading", action="store_true",
-                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's shapes)")
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's shapes); needs "
+                        "--lora-root (the --lora-modules adapters stay pinned: never replaced, unloaded or evicted)")
+    p.add_argument("--lora-root", default=None,
+                   help="the directory run-time adapter loads read from (lora_path is relative to it; nothing "
+                        "outside it is read)")
+    p.add_argument("--max-lora-rank", type=int, default=None,
+                   help="run-time adapter loads of a higher rank are refused (default: any)")
+    p.add_argument("--limit", action="append", default=[], metavar="NAME=N",
+                   help="raise or lower a cap on a list-valued request field (repeatable), e.g. --limit "
+                        "logit_bias=1000; names and defaults: docs/guide/serving-clients.md")
+    p.add_argument("--allowed-media-networks", nargs="*", default=[],
+                   help="CIDRs a remote image's address may be in although not public (default: none; loopback, "
+                        "private and link-local addresses are refused)")
+    p.add_argument("--max-image-bytes", type=int, default=MAX_FETCH_BYTES, help="bytes of one fetched image at most")
+    p.add_argument("--media-fetch-timeout", type=float, default=FETCH_TIMEOUT_S,
+                   help="seconds one remote image fetch may take in all (redirects included)")
     p.add_argument("--tp-plan", default=None, choices=["auto"],
                    help="tensor parallelism under torchrun: torchrun --nproc-per-node N -m hf_paged serve --tp-plan "
                         "auto ... (rank 0 serves HTTP, the other ranks follow its steps)")
@@ -109,6 +132,13 @@ def lora_modules(specs: list[str]) -> dict[str, str]:
 def build(args, load=None):
     """``(app, description)`` for parsed ``args``: loads the model, sizes the pool, starts nothing yet. ``load(path,
     dtype) -> (model, tokenizer)`` replaces the loader (tensor parallelism: ``serve/distributed.py``)."""
+    if getattr(args, "enable_lora_loading", False) and not getattr(args, "lora_root", None):
+        raise SystemExit("--enable-lora-loading needs --lora-root DIR: run-time loads read adapters only from under "
+                         "it (lora_path is relative to it).")
+    try:
+        limits = RequestLimits.parse(getattr(args, "limit", []))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     if args.threads:
         torch.set_num_threads(args.threads)
     device = _device(args.device)
@@ -155,8 +185,14 @@ def build(args, load=None):
                              media=MediaPolicy(tuple(getattr(args, "allowed_media_domains", ())),
                                                Path(args.media_root) if getattr(args, "media_root", None) else None,
                                                getattr(args, "max_images", DEFAULT_MAX_IMAGES),
-                                               getattr(args, "max_image_pixels", DEFAULT_MAX_PIXELS)),
-                             lora_loading=getattr(args, "enable_lora_loading", False), lora_paths=loras)
+                                               getattr(args, "max_image_pixels", DEFAULT_MAX_PIXELS),
+                                               tuple(getattr(args, "allowed_media_networks", ())),
+                                               getattr(args, "max_image_bytes", MAX_FETCH_BYTES),
+                                               getattr(args, "media_fetch_timeout", FETCH_TIMEOUT_S)),
+                             lora_loading=getattr(args, "enable_lora_loading", False), lora_paths=loras,
+                             limits=limits,
+                             lora_root=Path(args.lora_root) if getattr(args, "lora_root", None) else None,
+                             max_lora_rank=getattr(args, "max_lora_rank", None), max_loras=max_loras)
     vocab = model.config.get_text_config(decoder=True).vocab_size
     app = create_app(manager, tokenizer, settings, vocab_size=vocab, processor=processor)
     return app, f"{name} on {device} ({dtype}, KV {args.kv_dtype}, block {args.block_size})"
@@ -189,7 +225,9 @@ def _replica_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve N replicas (each its own model and engine) behind one endpoint, on Ray Serve")
     g.add_argument("--ray-address", default=None,
                    help="join this Ray cluster (auto, or the head's address); default: start a local one")
-    g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica (default 1)")
+    g.add_argument("--replica-cpus", type=float, default=None,
+                   help="CPUs Ray reserves per replica (default 1, or an equal share of a local Ray instance's CPUs "
+                        "when replicas x 1 does not fit beside the ingress)")
     g.add_argument("--replica-gpus", type=float, default=None,
                    help="GPUs per replica (default: 1 where the cluster has GPUs, else 0)")
     g.add_argument("--ingress-cpus", type=float, default=0.1, help="CPUs Ray reserves for the HTTP ingress")

@@ -22,7 +22,7 @@ from ..engine.outputs import QueueFullError
 from ..engine.structured import GrammarCompiler, GrammarSpec
 from .detokenizer import IncrementalDetokenizer
 from .errors import APIError
-from .media import load_images, processor_inputs
+from .media import MediaLoader, processor_inputs
 from .protocol import SamplingParams
 from .stops import StopChecker
 from .tools import ToolRequest, template_messages, template_reads_tools
@@ -183,14 +183,18 @@ class AsyncEngine:
         return await self._offload(lambda: self.tokenizer.decode(ids, skip_special_tokens=True))
 
     async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-                          tools: ToolRequest | None = None) -> list[int]:
-        """The prompt's ids: ``messages`` through the chat template, with ``tools`` (see ``tools.py``)."""
+                          tools: ToolRequest | None = None, template_kwargs: dict | None = None) -> list[int]:
+        """The prompt's ids: ``messages`` through the chat template, with ``tools`` (see ``tools.py``) and the
+        request's ``chat_template_kwargs`` (``template_kwargs``: extra template variables, checked by
+        ``protocol.template_kwargs``)."""
         template = getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions with a prompt.")
         reads_tools = template_reads_tools(template if isinstance(template, str) else str(template))
         messages = template_messages(messages, tools, reads_tools)
-        extra = {"tools": tools.tools} if tools is not None and tools.choice != "none" and reads_tools else {}
+        extra = {**(template_kwargs or {})}
+        if tools is not None and tools.choice != "none" and reads_tools:
+            extra["tools"] = tools.tools
 
         def render():
             text = self.tokenizer.apply_chat_template(messages, tokenize=False,
@@ -199,11 +203,14 @@ class AsyncEngine:
 
         return await self._offload(render)
 
-    async def chat_inputs(self, messages: list[dict], processor, policy):
+    async def chat_inputs(self, messages: list[dict], processor, media: MediaLoader,
+                          add_generation_prompt: bool = True, template_kwargs: dict | None = None):
         """One prompt's processor outputs (``input_ids`` and image tensors, batch 1) for ``messages`` holding images
-        (``{"type": "image", "url"}`` parts), read under ``policy`` (``media.py``) and run through ``processor``'s
-        chat template, on the tokenizer threads."""
-        return await self._offload(lambda: processor_inputs(processor, load_images(messages, policy)))
+        (``{"type": "image", "url"}`` parts): fetched and decoded by ``media`` (its own threads, ``media.py``), then
+        run through ``processor``'s chat template on the tokenizer threads."""
+        loaded = await media.load(messages)
+        return await self._offload(lambda: processor_inputs(processor, loaded, add_generation_prompt,
+                                                            template_kwargs))
 
     def stop_token_ids(self) -> list[int]:
         """The ids that end a request by default (the generation config's EOS and the tokenizer's)."""

@@ -1,6 +1,9 @@
 """The ASGI layer in front of the routes: request id, API key, body size limit, and one log line per request.
 
-Pure ASGI (no ``BaseHTTPMiddleware``), so streamed responses and client disconnects pass through untouched.
+The one guard of the server: every route that costs work (generation, tokenization, image fetches, adapter loads,
+``/v1/models``, anything not named below) needs the API key and gets the body limit; only ``OPEN_ROUTES`` (cheap,
+read-only, what a load balancer and a metrics scraper call) stay open. Pure ASGI (no ``BaseHTTPMiddleware``), so
+streamed responses and client disconnects pass through untouched.
 """
 
 from __future__ import annotations
@@ -16,6 +19,13 @@ from .errors import error_bytes
 log = logging.getLogger("hf_paged.serve")
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+# The routes reachable without the API key: the liveness probe and the Prometheus scrape (as vLLM leaves them open).
+OPEN_ROUTES = frozenset({"/health", "/metrics"})
+
+
+def is_open(path: str) -> bool:
+    """Whether ``path`` is served without the API key (``OPEN_ROUTES``)."""
+    return path in OPEN_ROUTES
 
 
 @dataclass
@@ -48,12 +58,24 @@ def _header(scope, name: bytes) -> str | None:
     return None
 
 
-class ServeMiddleware:
-    """Wraps the app. For ``/v1/...``: a missing or wrong ``Authorization: Bearer`` key is a 401 (compared in
-    constant time), a body over ``max_body_bytes`` a 413 (before the route sees it), and each request gets one log
-    line when its response ends. Every response carries ``X-Request-Id`` (the client's, or a new one).
+def authorized(headers, api_key: bytes) -> bool:
+    """Whether raw ASGI ``headers`` carry ``Authorization: Bearer <api_key>`` (compared in constant time)."""
+    given = _header({"headers": headers}, b"authorization") or ""
+    scheme, _, token = given.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key)
 
-    ``on_done(record)`` is called once per ``/v1`` request (metrics).
+
+UNAUTHORIZED = ("a valid API key is needed: send the header 'Authorization: Bearer <key>' with the key the server "
+                "was started with.")
+
+
+class ServeMiddleware:
+    """Wraps the app. For every path but ``OPEN_ROUTES``: a missing or wrong ``Authorization: Bearer`` key is a
+    401 (compared in constant time, before any byte of the body is read), a body over ``max_body_bytes`` a 413
+    (before the route sees it), and each request gets one log line when its response ends. Every response carries
+    ``X-Request-Id`` (the client's, or a new one).
+
+    ``on_done(record)`` is called once per guarded request (metrics).
     """
 
     def __init__(self, app, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -77,14 +99,12 @@ class ServeMiddleware:
                 message = {**message, "headers": [*message.get("headers", []), id_header]}
             await send(message)
 
-        if not scope["path"].startswith("/v1/"):
+        if is_open(scope["path"]):
             return await self.app(scope, receive, send_with_id)
         try:
             if self.api_key is not None and not self._authorized(scope):
                 record.outcome = "error"
-                return await self._error(send_with_id, 401, "a valid API key is needed: send the header "
-                                         "'Authorization: Bearer <key>' with the key the server was started with.",
-                                         extra=[(b"www-authenticate", b"Bearer")])
+                return await self._error(send_with_id, 401, UNAUTHORIZED, extra=[(b"www-authenticate", b"Bearer")])
             receive = await self._limited_body(scope, receive, send_with_id, record)
             if receive is None:
                 return
@@ -100,9 +120,7 @@ class ServeMiddleware:
                 self.on_done(record)
 
     def _authorized(self, scope) -> bool:
-        given = _header(scope, b"authorization") or ""
-        scheme, _, token = given.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key)
+        return authorized(scope.get("headers", ()), self.api_key)
 
     async def _error(self, send, status: int, message: str, extra=()):
         body = error_bytes(status, message)

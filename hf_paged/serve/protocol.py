@@ -1,15 +1,19 @@
 """Request parsing for ``/v1/completions`` and ``/v1/chat/completions``: OpenAI's fields and the vLLM extensions that
 benchmark and evaluation tools send, checked.
 
-Honoured beyond OpenAI's own: ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
+Honoured beyond OpenAI's own: ``presence_penalty`` and ``frequency_penalty`` (OpenAI's formula on the tokens generated
+so far, as vLLM counts them), ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``skip_special_tokens``, ``stream_options.continuous_usage_stats``, ``prompt_logprobs``, ``top_k``, ``min_p``,
 ``repetition_penalty``, ``bad_words`` (vLLM's: each word's token sequences, with and without a leading space, never
 generated), ``no_repeat_ngram_size`` (transformers'); OpenAI's ``logit_bias`` ({token id: bias in [-100, 100]},
-added to the logits); completions' ``echo`` with ``logprobs`` (prompt logprobs) and ``max_tokens: 0`` with ``echo``.
+added to the logits); completions' ``echo`` with ``logprobs`` (prompt logprobs) and ``max_tokens: 0`` with ``echo``;
+chat's ``add_generation_prompt`` and ``chat_template_kwargs`` (passed to the chat template, as vLLM does). Sampling
+without ``top_k`` keeps the whole vocabulary (OpenAI's and vLLM's semantics, not ``generate()``'s default top-k 50).
 A field this server does not know is ignored and logged once per name (``UNKNOWN_LOGGED``); a known field of the
-wrong type or out of range is a 400 naming it; a feature the engine does not have (``REFUSED_FIELDS``: presence /
-frequency penalties, ``suffix``, beam search, allowed token ids, ...) is a 400 naming it rather than silently
-dropped.
+wrong type or out of range is a 400 naming it; a feature the engine does not have (``REFUSED_FIELDS``: ``suffix``,
+allowed token ids, ...) is a 400 naming it rather than silently dropped; ``NO_EFFECT_FIELDS`` change nothing this
+server computes and are accepted. Every list-valued field has a cap (:class:`RequestLimits`, overridable with
+``--limit NAME=N``), so no request costs more than its caps allow whatever the body limit.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..engine import features as engine_features
 from ..engine.structured import GrammarSpec
 from .errors import APIError
 from .tools import NAMED, REQUIRED, ToolRequest, named_schema, parse_tools, required_schema
@@ -31,6 +36,50 @@ log = logging.getLogger("hf_paged.serve")
 MAX_N = 16
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Caps on the list-valued fields of a request (the CLI's ``--limit NAME=N`` overrides each); a request over one
+    is a 400 naming the field and the cap.
+
+    ``stop``: stop strings; ``logit_bias``: biased tokens; ``stop_token_ids``; ``bad_words`` (and
+    ``bad_word_chars``: characters per word); ``prompts``: prompts in one completions request; ``messages``: chat
+    messages; ``tools``: tool definitions; ``chat_template_kwargs``: keys; ``choice``: a structured choice's options.
+    """
+
+    stop: int = MAX_STOP
+    logit_bias: int = 300
+    stop_token_ids: int = 64
+    bad_words: int = 64
+    bad_word_chars: int = 256
+    prompts: int = 64
+    messages: int = 1024
+    tools: int = 128
+    chat_template_kwargs: int = 16
+    choice: int = 256
+
+    @classmethod
+    def parse(cls, specs: list[str]) -> "RequestLimits":
+        """``["logit_bias=1000", ...]`` (the CLI's ``--limit`` entries) over the defaults; ``ValueError`` naming a
+        bad entry."""
+        out = {}
+        for spec in specs:
+            key, sep, value = spec.partition("=")
+            if not sep or key not in cls.__dataclass_fields__ or not value.isdigit() or int(value) < 1:
+                raise ValueError(f"--limit takes NAME=N with N >= 1 and NAME one of "
+                                 f"{', '.join(cls.__dataclass_fields__)}; got {spec!r}")
+            out[key] = int(value)
+        return cls(**out)
+
+
+DEFAULT_LIMITS = RequestLimits()
+
+
+def _cap(name: str, values, limit: int, what: str = "entries") -> None:
+    if values is not None and len(values) > limit:
+        raise APIError(400, f"'{name}' holds {len(values):,} {what}; this server takes at most {limit:,} "
+                            f"(--limit {name.split('.')[0]}=N raises it).", param=name.split(".")[0])
 
 
 class _Strict(BaseModel):
@@ -56,7 +105,7 @@ class _Common(_Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # Extensions other servers (vLLM, SGLang) accept too.
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=-1)  # -1 / 0: off (vLLM's and SGLang's "all tokens")
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool | None = False
@@ -85,6 +134,8 @@ class ChatFields(_Common):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: dict | None = None
+    add_generation_prompt: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 @dataclass
@@ -93,6 +144,8 @@ class SamplingParams:
 
     max_tokens: int | None = None
     temperature: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
@@ -118,6 +171,7 @@ class SamplingParams:
     num_return: int = 1  # beam search: the choices per prompt (n)
     length_penalty: float | None = None
     early_stopping: bool | str | None = None
+    model_top_k: bool = False  # the model's generation config sets top_k: a request without one keeps it (vLLM's)
 
     @property
     def engine_prompt_logprobs(self) -> int | None:
@@ -126,17 +180,35 @@ class SamplingParams:
 
     def engine_kwargs(self, index: int) -> dict:
         kwargs: dict[str, Any] = {}
-        if self.num_beams > 1:  # deterministic beam search (vLLM's): no sampling settings
+        if self.num_beams > 1:  # deterministic beam search (vLLM's); beams score through the same processors
             kwargs.update(num_beams=self.num_beams, num_return_sequences=self.num_return, do_sample=False)
-            for name in ("length_penalty", "early_stopping", "repetition_penalty"):
+            for name in ("length_penalty", "early_stopping"):
                 if getattr(self, name) is not None:
                     kwargs[name] = getattr(self, name)
-            for name, value in (("ignore_eos", self.ignore_eos or None), ("min_tokens", self.min_tokens or None),
-                                ("stop_token_ids", self.stop_token_ids or None),
-                                ("prompt_logprobs", self.engine_prompt_logprobs)):
-                if value is not None:
-                    kwargs[name] = value
+            kwargs.update(self._processor_kwargs())
             return kwargs
+        kwargs.update(self._processor_kwargs())
+        if self.grammar is not None:
+            kwargs["grammar"] = self.grammar
+        if self.temperature is not None:
+            kwargs["do_sample"] = self.temperature > 0
+            if self.temperature > 0:
+                kwargs["temperature"] = self.temperature
+        for name in ("top_p", "min_p", "logprobs"):
+            if getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
+        if self.top_k is not None:
+            kwargs["top_k"] = max(self.top_k, 0)  # -1 / 0: off
+        elif not self.model_top_k:
+            kwargs["top_k"] = 0  # off, as OpenAI and vLLM sample (not generate()'s default 50)
+        if self.seed is not None:
+            kwargs["seed"] = self.seed + index
+        return kwargs
+
+    def _processor_kwargs(self) -> dict:
+        """The settings sampled and beam requests share: what the engine's processor stage applies to every row
+        (beams included), and the ends of a request."""
+        kwargs: dict[str, Any] = {}
         if self.ignore_eos:
             kwargs["ignore_eos"] = True
         if self.min_tokens:
@@ -145,17 +217,9 @@ class SamplingParams:
             kwargs["stop_token_ids"] = list(self.stop_token_ids)
         if self.engine_prompt_logprobs is not None:
             kwargs["prompt_logprobs"] = self.engine_prompt_logprobs
-        if self.grammar is not None:
-            kwargs["grammar"] = self.grammar
-        if self.temperature is not None:
-            kwargs["do_sample"] = self.temperature > 0
-            if self.temperature > 0:
-                kwargs["temperature"] = self.temperature
-        for name in ("top_p", "top_k", "min_p", "repetition_penalty", "logprobs"):
-            if getattr(self, name) is not None:
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
                 kwargs[name] = getattr(self, name)
-        if self.seed is not None:
-            kwargs["seed"] = self.seed + index
         if self.logit_bias:
             kwargs["sequence_bias"] = [[[token], bias] for token, bias in self.logit_bias.items()]
         if self.bad_words_ids:
@@ -200,6 +264,8 @@ class ChatRequest:
     include_usage: bool
     continuous_usage: bool = False
     tools: ToolRequest | None = None
+    add_generation_prompt: bool = True
+    template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs: extra variables of the chat template
 
 
 def parse_json(raw: bytes) -> dict:
@@ -208,6 +274,8 @@ def parse_json(raw: bytes) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}.") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests JSON arrays or objects too deeply.") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}.")
     return body
@@ -237,12 +305,20 @@ REFUSED_FIELDS = {
     "logits_processors": "custom logits processors", "truncate_prompt_tokens": "prompt truncation",
     "functions": "function calling", "audio": "audio output", "prediction": "predicted outputs",
     "modalities": "output modalities", "web_search_options": "web search", "continue_final_message":
-    "continuing the final message",
+    "continuing the final message", "documents": "documents for the chat template (RAG)",
 }
-# Known fields that change nothing this server computes (accepted silently).
-NO_EFFECT_FIELDS = {"user", "metadata", "store", "service_tier", "request_id", "priority",
-                    "add_generation_prompt", "add_special_tokens", "documents", "chat_template_kwargs",
+# Known fields that change nothing this server computes, accepted and ignored: who sent the request and how it is
+# stored or billed (``user``, ``metadata``, ``store``, ``service_tier``, ``request_id``, ``priority``), a reasoning
+# model's effort (``reasoning_effort``: no served model reads it; send ``chat_template_kwargs`` for a template that
+# does), and detokenization details the server already fixes (``spaces_between_special_tokens``,
+# ``return_tokens_as_token_ids``, ``add_special_tokens`` on chat: the template places the special tokens).
+NO_EFFECT_FIELDS = {"user", "metadata", "store", "service_tier", "request_id", "priority", "add_special_tokens",
                     "spaces_between_special_tokens", "return_tokens_as_token_ids", "reasoning_effort"}
+# Names chat_template_kwargs may not set: apply_chat_template's own arguments and the variables the server passes.
+TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                               "add_generation_prompt", "continue_final_message", "padding", "truncation",
+                               "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                               "tokenizer_kwargs", "processor_kwargs"})
 UNKNOWN_LOGGED: set[str] = set()
 _unknown_lock = threading.Lock()
 
@@ -261,9 +337,6 @@ def _log_unknown(body: dict, model_cls, kind: str) -> None:
 
 def _unsupported(body: dict, fields: _Common) -> None:
     named = []
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(fields, name):
-            named.append(name)
     for name in REFUSED_FIELDS:
         if body.get(name):
             named.append(name)
@@ -274,20 +347,27 @@ def _unsupported(body: dict, fields: _Common) -> None:
                             f"{'it' if len(named) == 1 else 'them'} from the request.", param=named[0])
 
 
-def _stop(value) -> list[str]:
+def _stop(value, limit: int = MAX_STOP) -> list[str]:
     if value is None:
         return []
     if isinstance(value, str):
         return [value]
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        if len(value) > MAX_STOP:
-            raise APIError(400, f"'stop' holds {len(value)} strings; at most {MAX_STOP} are accepted.", param="stop")
+        _cap("stop", value, limit, "strings")
         return value
     raise APIError(400, f"'stop' must be a string or a list of strings, got {type(value).__name__}.", param="stop")
 
 
-def _common(body: dict, fields: _Common, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _common(body: dict, fields: _Common, max_tokens: int | None, logprobs: int | None,
+            limits: RequestLimits = DEFAULT_LIMITS) -> SamplingParams:
     _unsupported(body, fields)
+    _cap("logit_bias", fields.logit_bias, limits.logit_bias)
+    _cap("stop_token_ids", fields.stop_token_ids, limits.stop_token_ids)
+    _cap("bad_words", fields.bad_words, limits.bad_words, "words")
+    if fields.bad_words and max(len(w) for w in fields.bad_words) > limits.bad_word_chars:
+        raise APIError(400, f"'bad_words' holds a word of {max(len(w) for w in fields.bad_words):,} characters; "
+                            f"this server takes at most {limits.bad_word_chars:,} (--limit bad_word_chars=N).",
+                       param="bad_words")
     if fields.stream_options is not None and not fields.stream:
         raise APIError(400, "'stream_options' is only allowed with 'stream': true.", param="stream_options")
     if fields.min_tokens and max_tokens is not None and fields.min_tokens > max_tokens:
@@ -299,7 +379,7 @@ def _common(body: dict, fields: _Common, max_tokens: int | None, logprobs: int |
         raise APIError(400, "'bad_words' must hold non-empty words.", param="bad_words")
     params = SamplingParams(max_tokens=max_tokens, temperature=fields.temperature, top_p=fields.top_p,
                           top_k=fields.top_k, min_p=fields.min_p, repetition_penalty=fields.repetition_penalty,
-                          seed=fields.seed, stop=_stop(body.get("stop")), logprobs=logprobs,
+                          seed=fields.seed, stop=_stop(body.get("stop"), limits.stop), logprobs=logprobs,
                           ignore_eos=bool(fields.ignore_eos), min_tokens=fields.min_tokens,
                           stop_token_ids=fields.stop_token_ids, include_stop=bool(fields.include_stop_str_in_output),
                           skip_special_tokens=fields.skip_special_tokens is not False,
@@ -307,6 +387,8 @@ def _common(body: dict, fields: _Common, max_tokens: int | None, logprobs: int |
     params.logit_bias = _logit_bias(fields.logit_bias)
     params.bad_words = list(fields.bad_words or [])
     params.no_repeat_ngram_size = fields.no_repeat_ngram_size or None
+    params.presence_penalty = fields.presence_penalty or None
+    params.frequency_penalty = fields.frequency_penalty or None
     return params
 
 
@@ -325,18 +407,61 @@ def _logit_bias(value: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
+# With beam search: the settings the engine's beams honour (they score through the sampler's processor stage, and
+# end as any request does). What the engine's beams do not combine with (logprobs, a grammar, stop strings) is read
+# from the engine's one rules table (``engine/features.py``); the sampling settings are the server's own rule: its
+# beam search is vLLM's, deterministic (``do_sample=False``), so a sampling setting would be silently dropped.
+BEAM_HONOURED = ("logit_bias", "bad_words", "no_repeat_ngram_size", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "prompt_logprobs", "echo",
+                 "length_penalty", "early_stopping", "max_tokens")
+BEAM_SAMPLING = {
+    "temperature": "beam search is deterministic (send 0 or leave it out)",
+    "top_p": "beam search keeps the best-scoring beams, it does not sample",
+    "top_k": "beam search keeps the best-scoring beams, it does not sample",
+    "min_p": "beam search keeps the best-scoring beams, it does not sample",
+    "seed": "beam search is deterministic",
+}
+# engine feature -> the request field that asks for it
+BEAM_FEATURE_FIELDS = {"logprobs": "logprobs", "grammar": "response_format", "stop_strings": "stop"}
+
+
+def beam_refusals(params: SamplingParams) -> list[tuple[str, str]]:
+    """``(field, why)`` for each setting of ``params`` that beam search would drop or cannot combine with; empty
+    when every setting asked for is one the beams honour (``BEAM_HONOURED``)."""
+    sampling = {
+        "temperature": params.temperature not in (None, 0),
+        "top_p": params.top_p not in (None, 1),
+        "top_k": params.top_k not in (None, 0, -1),
+        "min_p": params.min_p not in (None, 0),
+        "seed": params.seed is not None,
+    }
+    out = [(name, BEAM_SAMPLING[name]) for name, asked in sampling.items() if asked]
+    present = {"beams"} | {feature for feature, on in (("logprobs", params.logprobs is not None),
+                                                       ("grammar", params.grammar_spec is not None),
+                                                       ("stop_strings", bool(params.stop))) if on}
+    decision = engine_features.decide(present)
+    if decision.outcome == engine_features.REFUSED:
+        for rule in decision.rules:
+            for feature in sorted(rule.features - {"beams"}):
+                out.append((BEAM_FEATURE_FIELDS[feature], rule.reason))
+    return out
+
+
 def _beams(params: SamplingParams, fields: _Common, n: int, width: int | None) -> None:
     """``use_beam_search``: one beam search of ``width`` (default ``n``) beams per prompt, its ``n`` best the
-    choices."""
+    choices; a setting it would drop is a 400 naming it and why."""
     if not fields.use_beam_search:
         for name in ("length_penalty", "early_stopping"):
             if getattr(fields, name) is not None:
                 raise APIError(400, f"'{name}' applies to beam search only; send 'use_beam_search': true.",
                                param=name)
         return
-    if params.logprobs is not None or params.grammar_spec is not None or params.stop:
-        raise APIError(400, "beam search does not combine with logprobs, response_format or stop strings here.",
-                       param="use_beam_search")
+    refused = beam_refusals(params)
+    if refused:
+        names = [name for name, _ in refused]
+        why = "; ".join(f"'{name}': {reason}" for name, reason in refused)
+        raise APIError(400, f"use_beam_search does not apply {', '.join(names)} ({why}); remove "
+                            f"{'it' if len(names) == 1 else 'them'} or turn beam search off.", param=names[0])
     params.num_beams, params.num_return = max(width or n, n), n
     params.length_penalty, params.early_stopping = fields.length_penalty, fields.early_stopping
 
@@ -353,7 +478,7 @@ def _schema_text(value, where: str) -> str:
     return json.dumps(value)  # property order kept: the model writes them in this order
 
 
-def grammar_spec(body: dict) -> GrammarSpec | None:
+def grammar_spec(body: dict, limits: RequestLimits = DEFAULT_LIMITS) -> GrammarSpec | None:
     """The structured output a request asks for: OpenAI's ``response_format`` (``json_object``, ``json_schema``),
     vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) or its older
     ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``; None for none. At most one."""
@@ -391,6 +516,7 @@ def grammar_spec(body: dict) -> GrammarSpec | None:
             elif key in ("regex", "grammar") and isinstance(value, str):
                 asked.append((where, GrammarSpec(key, value)))
             elif key == "choice" and isinstance(value, list) and value and all(isinstance(c, str) for c in value):
+                _cap(f"{where}.choice", value, limits.choice, "options")
                 asked.append((where, GrammarSpec("choice", json.dumps(value))))
             elif key in ("regex", "grammar", "choice"):
                 raise APIError(400, f"'{where}.{key}' must be "
@@ -431,7 +557,7 @@ def _prompts(value) -> list[str | list[int]]:
                    param="prompt")
 
 
-def parse_completion(body: dict) -> CompletionRequest:
+def parse_completion(body: dict, limits: RequestLimits = DEFAULT_LIMITS) -> CompletionRequest:
     fields = _validate(CompletionFields, body)
     _log_unknown(body, CompletionFields, "completion")
     if body.get("tools") or body.get("tool_choice") not in (None, "none"):
@@ -448,14 +574,16 @@ def parse_completion(body: dict) -> CompletionRequest:
     if fields.max_tokens == 0 and not fields.echo:
         raise APIError(400, "'max_tokens': 0 generates nothing; it is accepted only with 'echo': true (to score the "
                             "prompt with 'logprobs').", param="max_tokens")
-    params = _common(body, fields, fields.max_tokens, fields.logprobs)
+    params = _common(body, fields, fields.max_tokens, fields.logprobs, limits)
     if fields.echo and fields.logprobs is not None:
         params.echo_logprobs = fields.logprobs
     if fields.max_tokens == 0:
         params.max_tokens, params.generate = 1, False
-    params.grammar_spec = grammar_spec(body)
+    params.grammar_spec = grammar_spec(body, limits)
     _beams(params, fields, n, fields.best_of)
-    return CompletionRequest(fields.model, _prompts(body.get("prompt")), params, n, bool(fields.stream),
+    prompts = _prompts(body.get("prompt"))
+    _cap("prompt", prompts, limits.prompts, "prompts")
+    return CompletionRequest(fields.model, prompts, params, n, bool(fields.stream),
                              _include_usage(fields), bool(fields.echo), _continuous_usage(fields))
 
 
@@ -531,15 +659,33 @@ def parse_messages(value) -> list[dict]:
     return out
 
 
-def parse_chat(body: dict) -> ChatRequest:
+def template_kwargs(value: dict | None, limits: RequestLimits = DEFAULT_LIMITS) -> dict:
+    """``chat_template_kwargs`` checked: at most ``limits.chat_template_kwargs`` keys, none of the names the server
+    passes itself (``TEMPLATE_RESERVED``: a request may not swap the template or its messages this way)."""
+    if not value:
+        return {}
+    _cap("chat_template_kwargs", value, limits.chat_template_kwargs, "keys")
+    reserved = sorted(set(value) & TEMPLATE_RESERVED)
+    if reserved:
+        raise APIError(400, f"'chat_template_kwargs' may not set {', '.join(reserved)} (the server passes "
+                            f"{'it' if len(reserved) == 1 else 'them'} itself); send template variables only, e.g. "
+                            "{\"enable_thinking\": false}.", param="chat_template_kwargs")
+    return dict(value)
+
+
+def parse_chat(body: dict, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
     fields = _validate(ChatFields, body)
     _log_unknown(body, ChatFields, "chat")
     if fields.top_logprobs is not None and not fields.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
     logprobs = (fields.top_logprobs or 0) if fields.logprobs else None
     max_tokens = fields.max_completion_tokens if fields.max_completion_tokens is not None else fields.max_tokens
-    params = _common(body, fields, max_tokens, logprobs)
-    params.grammar_spec = grammar_spec(body)
+    params = _common(body, fields, max_tokens, logprobs, limits)
+    params.grammar_spec = grammar_spec(body, limits)
+    if isinstance(body.get("tools"), list):
+        _cap("tools", body["tools"], limits.tools, "tools")
+    if isinstance(body.get("messages"), list):
+        _cap("messages", body["messages"], limits.messages, "messages")
     tools = parse_tools(body)
     if tools is not None and tools.choice in (REQUIRED, NAMED):
         if params.grammar_spec is not None:
@@ -549,4 +695,6 @@ def parse_chat(body: dict) -> ChatRequest:
         params.grammar_spec = GrammarSpec("json_schema", json.dumps(schema))
     _beams(params, fields, fields.n or 1, None)
     return ChatRequest(fields.model, parse_messages(body.get("messages")), params, fields.n or 1, bool(fields.stream),
-                       _include_usage(fields), _continuous_usage(fields), tools)
+                       _include_usage(fields), _continuous_usage(fields), tools,
+                       add_generation_prompt=fields.add_generation_prompt is not False,
+                       template_kwargs=template_kwargs(fields.chat_template_kwargs, limits))

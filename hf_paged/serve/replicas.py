@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import multiprocessing
 import os
 import signal
@@ -52,6 +53,7 @@ from .distributed import init_process_group, tp_loader
 from .distributed import serve as serve_distributed
 from .errors import error_body
 from .metrics import CONTENT_TYPE, PREFIX
+from .middleware import DEFAULT_MAX_BODY_BYTES, UNAUTHORIZED, authorized, is_open
 from .prefix_router import PrefixAffinityRouter
 
 log = logging.getLogger("hf_paged.serve")
@@ -268,6 +270,20 @@ def _respond(status: int, headers: list, first: bytes | None, stream) -> Streami
     return StreamingResponse(body(), status_code=status, headers=out, media_type=media)
 
 
+async def _limited_body(request: Request, limit: int) -> bytes | None:
+    """The request's body, or None once it is over ``limit`` bytes (declared or read)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 # serve.ingress copies the class when it decorates it: what its methods use is defined above it.
 ingress_app = FastAPI(title="hf_paged replicas", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -278,10 +294,13 @@ class Ingress:
     chosen by the engine deployment's request router, and is retried on another when its replica dies before
     answering (``retries`` times)."""
 
-    def __init__(self, engine: DeploymentHandle, retries: int = RETRIES):
+    def __init__(self, engine: DeploymentHandle, retries: int = RETRIES, api_key: str | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.engine = engine
         self.retries = retries
         self.retried = 0  # requests sent again after their replica died
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
 
     @ingress_app.get("/health")
     async def health(self):
@@ -311,8 +330,17 @@ class Ingress:
 
     @ingress_app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(self, path: str, request: Request):
-        body = await request.body()
         path = "/" + path
+        # the replica's middleware checks again; here nothing of the body is read (or parsed, or hashed for routing)
+        # for a caller without the key, nor past the body limit
+        if self.api_key is not None and not is_open(path) and not authorized(request.headers.raw, self.api_key):
+            return JSONResponse(error_body(401, UNAUTHORIZED), status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+        body = await _limited_body(request, self.max_body_bytes)
+        if body is None:
+            return JSONResponse(error_body(413, f"the request body is over this server's limit of "
+                                                f"{self.max_body_bytes:,} bytes; send a shorter prompt or start the "
+                                                "server with a larger --max-body-bytes."), status_code=413)
         forwarded = Forwarded(request.method, path, request.url.query.encode(), list(request.headers.raw), body,
                               routing_text(path, body))
         lost = []
@@ -346,6 +374,7 @@ def application(args: argparse.Namespace, build) -> serve.Application:
         args = cli.parser().parse_args(["--model", "/models/m", "--replicas", "2", "--replica-gpus", "1"])
         serve.run(application(args, cli.build), name="hf_paged", route_prefix="/")
     """
+    check_flags(args)
     gpus = replica_gpus(args)
     if args.max_replicas and args.max_replicas > args.replicas:
         scaling = {"autoscaling_config": AutoscalingConfig(
@@ -359,13 +388,35 @@ def application(args: argparse.Namespace, build) -> serve.Application:
         else RequestRouterConfig()
     engine = serve.deployment(EngineReplica).options(
         name="EngineReplica", **scaling, max_ongoing_requests=MAX_ONGOING,
-        ray_actor_options={"num_cpus": args.replica_cpus, "num_gpus": gpus},
+        ray_actor_options={"num_cpus": args.replica_cpus if args.replica_cpus is not None else 1.0,
+                           "num_gpus": gpus},
         request_router_config=router,
         graceful_shutdown_timeout_s=args.drain_timeout, graceful_shutdown_wait_loop_s=0.5,
         health_check_period_s=5.0, health_check_timeout_s=30.0)
     ingress = serve.deployment(Ingress).options(name="Ingress", max_ongoing_requests=4 * MAX_ONGOING,
                                                 ray_actor_options={"num_cpus": args.ingress_cpus})
-    return ingress.bind(engine.bind(args, build))
+    return ingress.bind(engine.bind(args, build), RETRIES, args.api_key,
+                        args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse (naming why and what to do) flags that do not combine with replicas."""
+    if getattr(args, "enable_lora_loading", False):
+        raise SystemExit("--enable-lora-loading with --replicas: a run-time load would reach only the replica that "
+                         "answers it, so replicas would serve different adapters under one name; load the adapters "
+                         "at start on every replica with --lora-modules NAME=PATH.")
+
+
+def fit_cpus(args: argparse.Namespace) -> None:
+    """``--replica-cpus`` when not given: 1 per replica where the Ray instance has that many (beside the
+    ingress's), else an equal share of what it has, so ``--replicas 2`` starts on a 2-CPU machine (Ray's CPUs are a
+    reservation for placement, not a thread count: ``--threads`` sets a replica's torch threads)."""
+    if args.replica_cpus is not None:
+        return
+    have = ray.cluster_resources().get("CPU", 0)
+    replicas = args.min_replicas if args.max_replicas and args.min_replicas is not None else args.replicas
+    share = (have - args.ingress_cpus) / max(replicas, 1)
+    args.replica_cpus = 1.0 if share >= 1.0 else max(0.01, math.floor(share * 100 + 1e-6) / 100)
 
 
 def replica_gpus(args: argparse.Namespace) -> float:
@@ -380,6 +431,7 @@ def check_resources(args: argparse.Namespace) -> None:
     """Refuse (naming the fix) replicas this Ray instance cannot place: Ray Serve would wait for them forever."""
     have = ray.cluster_resources()
     replicas = args.min_replicas if args.max_replicas and args.min_replicas is not None else args.replicas
+    fit_cpus(args)
     cpus = replicas * args.replica_cpus + args.ingress_cpus
     if cpus > have.get("CPU", 0) + 1e-9:
         fit = max(0.01, (have.get("CPU", 0) - args.ingress_cpus) / max(replicas, 1))
@@ -410,6 +462,7 @@ def serve_replicas(args: argparse.Namespace, build) -> int:
     if args.tp_plan and not args.replica_tp:
         raise SystemExit("--tp-plan with --replicas: say how many devices each replica spans with --replica-tp N "
                          "(torchrun is not used: each replica starts its own ranks).")
+    check_flags(args)
     start_ray(args.ray_address)
     stop = threading.Event()  # set by SIGTERM / Ctrl-C (installed after ray.init, whose own handler would abort)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -417,6 +470,8 @@ def serve_replicas(args: argparse.Namespace, build) -> int:
     try:
         if not args.ray_address:  # a cluster may grow (Ray's autoscaler); a local instance will not
             check_resources(args)
+        elif args.replica_cpus is None:
+            args.replica_cpus = 1.0
         serve.start(http_options={"host": args.host, "port": args.port})
         started = time.perf_counter()
         serve.run(application(args, build), name=APP_NAME, route_prefix="/", blocking=False)
