@@ -99,13 +99,17 @@ def as_inputs(p):
     return p if not isinstance(p, list) else {"input_ids": torch.tensor([p])}
 
 
-def run(model, items, **options):
+def run(model, items, always_draft: bool = False, **options):
     manager = hf_paged.init_continuous_batching(model, **options)
+    if always_draft:  # the policy drafts at every step (the drafts' positions are checked, not speed)
+        manager._core.speculation.policy.choose = lambda choices: len(choices) - 1
     rids = [manager.add_request(p, request_id=str(i), max_new_tokens=NEW, **kw) for i, (p, kw) in enumerate(items)]
     with manager:
         outs = [manager.get_result(rid, timeout=300) for rid in rids]
     assert all(o is not None and o.error is None for o in outs), [o and o.error for o in outs]
-    return [o.generated_tokens for o in outs], manager.stats()
+    stats = manager.stats()
+    stats.drafted = manager._core.speculation.stats.proposed
+    return [o.generated_tokens for o in outs], stats
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -119,6 +123,8 @@ def test_image_anywhere_any_grid_equals_generate_alone(family):
     items = [(p, {}) for p in ps]
     assert run(model, items, max_batch_tokens=512)[0] == refs
     assert run(model, items, max_batch_tokens=8)[0] == refs
+    drafted, stats = run(model, items, always_draft=True, speculative="ngram")
+    assert drafted == refs and stats.drafted > 0
     small, stats = run(model, items, pool=BlockPool(block_size=4, num_blocks=24, prefix_caching=True), max_batch_tokens=16)
     assert small == refs and stats.preemptions > 0
     pool = BlockPool(block_size=4, num_blocks=256, prefix_caching=True)
