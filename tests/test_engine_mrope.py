@@ -143,3 +143,15 @@ def test_beams_on_image_requests_equal_generate_alone(family):
     tokens, _ = run(model, [(p, dict(num_beams=3)) for p in ps] + [(ps[0], {})])
     assert tokens[:-1] == refs
     assert tokens[-1] == reference(model, ps[0])
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llava"])
+def test_beams_on_image_requests_of_other_families(family):
+    """The same on a family with bidirectional image spans (Gemma 3) and a plain one (LLaVA)."""
+    from helpers.vlm import tiny_vlm, vlm_prompt
+
+    model = tiny_vlm(family)
+    ps = [vlm_prompt(family, [[2, 5, 6, 7], [8, 9, 10]], [1]), vlm_prompt(family, [[2, 5], [8, 9, 10, 11]], [2])]
+    refs = [reference(model, p, num_beams=3) for p in ps]
+    tokens, _ = run(model, [(p, dict(num_beams=3)) for p in ps])
+    assert tokens == refs
