@@ -274,7 +274,8 @@ class MultimodalInputs:
         computes them for these inputs: the model's own ``_prepare_position_ids_for_generation`` (its
         ``get_rope_index`` when the inputs hold what it needs, e.g. ``mm_token_type_ids``, else plain positions) and
         the ``rope_deltas`` it leaves, which the decode steps of ``generate()`` add (the model's cached value is put
-        back). A model without that method: its ``get_rope_index`` directly."""
+        back; a ``generate()`` on the same model in another thread at that instant could read the request's). A
+        model without that method: its ``get_rope_index`` directly."""
         prepare = getattr(type(self.model), "_prepare_position_ids_for_generation", None)
         holder = self.model.base_model
         if prepare is not None and "rope_deltas" in vars(holder):
