@@ -13,6 +13,11 @@ Public API (small on purpose, stable for the tester)::
     served(features) -> bool      # decide(features).outcome != "refused"
     check(features) -> Decision   # FeatureRefused (a ValueError naming the combination and why) if refused
     request_features(params, ...) # the features of one request (a SamplingParams) in an engine
+    REQUEST_FEATURES              # the names a request itself has (the rest: engine conditions, the server's tools)
+    RULES, table()                # the rules, and as (features, outcome, reason) rows
+    SETTINGS, describe(names)     # the user-facing setting behind each name ("num_beams > 1")
+    UNSERVED_SETTINGS             # GenerationConfig fields refused alone (setting_refused(key, value) is the error)
+    UNSERVED_ENGINE_SETTINGS      # ContinuousBatchingConfig fields refused alone
 
 ``outcome``: "served" (every feature applies, and a greedy request gets the tokens of ``generate()`` alone),
 "plain" (served, but the features in ``dropped`` are not applied: speculation, which never changes what a greedy
