@@ -592,16 +592,19 @@ def load_cache(cls, path, config, pool=None, device=None, trusted: bool = False,
             kwargs["release_finished"] = cf.release_finished
         cache = cls(config, pool=pool, **kwargs) if pool is not None else cls(config, **kwargs)
         check_fits(cf, cache, device)
+        root = cf.weights
         if model is not None:
-            check_weights(cf, cache.pool.weights_root(model))
+            root = cache.pool.weights_root(model)
+            check_weights(cf, root)
         cf.verify()
-        _build(cache, cf, device, trusted)
+        _build(cache, cf, device, trusted, root)
     return cache
 
 
 # ------------------------------------------------------------------------------------------- (b) build the cache
-def _build(cache, cf: CacheFile, device, trusted: bool) -> None:
-    """Write ``cf``'s rows into ``cache``'s pool; blocks are keyed for prefix caching only when ``trusted``."""
+def _build(cache, cf: CacheFile, device, trusted: bool, root: bytes = b"") -> None:
+    """Write ``cf``'s rows into ``cache``'s pool; blocks are keyed for prefix caching only when ``trusted``, under
+    ``root`` (the fingerprint of the weights that computed them: a file without one is findable only by ``b""``)."""
     pool, groups = cache.pool, cache.groups
     for layer, spec in cf.layers.items():
         known = pool.layer_shapes.get(layer)
@@ -618,7 +621,7 @@ def _build(cache, cf: CacheFile, device, trusted: bool) -> None:
             tokens[r] = row_tokens[i]
     released = set(cf.released)
     rows = Rows(pool, groups, bool(cache.state_layers))
-    rows.root = cf.weights  # keys (trusted) and names the weights that made them
+    rows.root = root  # keys (trusted) and names the weights that made them
     # Untrusted: the rows record their tokens but key no block, so no later prompt can start from them.
     rows.import_rows(lengths, tokens, [r in released for r in range(cf.rows)], publish=trusted)
     try:
