@@ -12,7 +12,8 @@ How a value change is seen, per check (:meth:`WeightsFingerprint.root`):
   one element of every row and every column of the tensor viewed ``[shape[0], rest]`` (1-D tensors as rows of 1,024)
   — one stride ``d`` (``d <= min(rows, columns)``, coprime with the row length) walks the rows one by one and the
   columns through all residues. About ``max(rows, columns)`` elements a matrix: ~650,000 for a Llama-3.2-1B shape,
-  gathered in one ``torch.cat`` per device and dtype and folded on the device into one position-weighted 64-bit sum.
+  gathered in one copy per device and dtype (numpy on the host, then blake2b of the bytes; ``torch.cat`` on an
+  accelerator, folded there into one position-weighted 64-bit sum).
   A write that changes a whole row or column — an optimizer step, ``p.data.copy_`` of new weights, a LoRA merge
   (``B @ A`` touches every element), embedding rows — changes a sampled element.
 * **Full checksum** (the coarser cadence): every element's bits summed per row (32-bit wrapping sums), rows weighted
@@ -27,8 +28,9 @@ How a value change is seen, per check (:meth:`WeightsFingerprint.root`):
   weight syncs in RL code) move no counter of ``p``: the sample sees them. Fused optimizer steps (``AdamW(fused=True)``)
   are made to bump the counters by a post-step hook (registered once, by the first fingerprint).
 
-Not distinguished (collisions): two value sets with equal sums (about ``2**-64`` for the sample, ``2**-32`` per row
-for the full checksum, for unrelated writes), and values permuted within one row that move no sampled element.
+Not distinguished (collisions): two value sets with equal digests (blake2b for a host sample; about ``2**-64`` for a
+device sample's sum and ``2**-32`` per row for the full checksum, for unrelated writes), and values permuted within
+one row that move no sampled element.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import itertools
 import math
 import struct
 
+import numpy
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -133,8 +136,9 @@ def _positions(n: int, device) -> torch.Tensor:
 
 
 class _Plan:
-    """The sample of one walk's tensors: their strided views, grouped by device and integer dtype, and the position
-    weights of each group."""
+    """The sample of one walk's tensors: their strided views, grouped by device and integer dtype. Host groups are
+    read through numpy (one single-threaded gather, then blake2b of the bytes); device groups are gathered by one
+    ``torch.cat`` and folded on the device into a position-weighted 64-bit sum (one copy to the host per device)."""
 
     def __init__(self, tensors: list[torch.Tensor]):
         groups: dict[tuple, list[torch.Tensor]] = {}
@@ -151,22 +155,26 @@ class _Plan:
             n = (u.numel() - 1) // d + 1
             view = u.as_strided((n,), (d,), u.storage_offset())  # [n]
             groups.setdefault((u.device, u.dtype), []).append(view)
-        self.groups = list(groups.values())
-        self.weights = [_positions(sum(v.numel() for v in views), views[0].device) for views in self.groups]
-        self.elements = sum(w.numel() for w in self.weights)
+        self.host = [[v.numpy() for v in views] for (device, _), views in groups.items() if device.type == "cpu"]
+        self.device = [views for (device, _), views in groups.items() if device.type != "cpu"]
+        self.weights = [_positions(sum(v.numel() for v in views), views[0].device) for views in self.device]
+        self.elements = sum(v.numel() for views in groups.values() for v in views)
 
-    def digest(self) -> list[int]:
-        """The position-weighted 64-bit sum of each group's sampled bits, and the full checksum of the odd tensors."""
-        sums = [(torch.cat(views).to(torch.int64) * w).sum() for views, w in zip(self.groups, self.weights)]
+    def digest(self) -> bytes:
+        """A digest of every sampled element's bits (and the full checksum of the odd tensors)."""
+        h = hashlib.blake2b(digest_size=16)
+        for views in self.host:
+            h.update(numpy.concatenate(views).view(numpy.uint8))
+        sums = [(torch.cat(views).to(torch.int64) * w).sum() for views, w in zip(self.device, self.weights)]
         by_device: dict = {}
-        for i, s in enumerate(sums):  # one copy to the host per device
-            by_device.setdefault(s.device, []).append(i)
-        out = [0] * len(sums)
-        for indices in by_device.values():
-            for i, value in zip(indices, torch.stack([sums[i] for i in indices]).tolist()):
-                out[i] = value
-        out.extend(full_checksum(t) for t in self.odd)
-        return out
+        for s in sums:  # one copy to the host per device
+            by_device.setdefault(s.device, []).append(s)
+        for group in by_device.values():
+            values = torch.stack(group).tolist()
+            h.update(struct.pack(f"<{len(values)}Q", *(v & 0xFFFFFFFFFFFFFFFF for v in values)))
+        odd = [full_checksum(t) & 0xFFFFFFFFFFFFFFFF for t in self.odd]
+        h.update(struct.pack(f"<{len(odd)}Q", *odd))
+        return h.digest()
 
 
 def full_checksum(t: torch.Tensor) -> int:
@@ -237,7 +245,7 @@ class WeightsFingerprint:
         self._layout, self._versions = layout, versions
         h = hashlib.blake2b(self._structure, digest_size=16)
         h.update(self._full)
-        h.update(struct.pack(f"<{len(sample)}Q", *(s & 0xFFFFFFFFFFFFFFFF for s in sample)))
+        h.update(sample)
         h.update(repr(sorted({_switches(m) for m in self._peft_layers})).encode())
         self.last_root = h.digest()
         return self.last_root
