@@ -20,7 +20,8 @@ evicted only when a block is needed and the free list is empty. :meth:`BlockAllo
 (or live) blocks that start a token sequence, and :meth:`BlockAllocator.new_sequence` can start from them.
 
 A sequence's chain starts from its *root* key (``b""`` by default): what else besides the token ids made its K/V —
-an adapter, a weights version — so that blocks written under one root are never found under another. The tokens a
+the weights' fingerprint, an adapter's digest (``chain_root``) — so that blocks written under one root are never
+found under another. The tokens a
 caller keys may themselves stand for more than ids (a request's image content, see the engine's inputs).
 """
 
@@ -54,6 +55,18 @@ def root_key(*parts) -> bytes:
     if not parts:
         return _ROOT_KEY
     return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=16).digest()
+
+
+def chain_root(*parts: bytes) -> bytes:
+    """A chain's root key from several roots (a weights fingerprint, an adapter's digest, ...): ``b""`` parts are
+    skipped, one part is itself, ``b""`` for none."""
+    parts = [p for p in parts if p]
+    if len(parts) <= 1:
+        return parts[0] if parts else _ROOT_KEY
+    h = hashlib.blake2b(digest_size=16)
+    for p in parts:
+        h.update(len(p).to_bytes(2, "little") + p)
+    return h.digest()
 
 
 def block_key(parent: bytes, tokens) -> bytes:
@@ -386,6 +399,13 @@ class BlockAllocator:
             for seq in self._seq_keys:
                 self._seq_keys[seq], self._seq_tail[seq], self._published[seq] = None, [], 0
             self.prefix_epoch += 1
+
+    def stop_keying(self, seq: int) -> None:
+        """``seq`` keys no block it fills from now on (what made its K/V changed while it ran: its later blocks are
+        not what its root names); the blocks it already published stay findable."""
+        with self.lock:
+            self._check_seq(seq)
+            self._seq_keys[seq], self._seq_tail[seq] = None, []
 
     # ------------------------------------------------------------- internals
     def _append_one(self, seq: int, n: int, copies: list[tuple[int, int]]) -> None:

@@ -306,7 +306,8 @@ def _wrap_generate(model, generate, state: PagedModel):
                                       max_new_tokens=_generate_flag(model, kwargs, "max_new_tokens")))
         token = _GENERATE_CACHE.set(cache)
         try:
-            cache.pool.check_weights(model)  # a prefix cached before the weights changed is never reused
+            if cache.wants_weights_root():  # blocks keyed by the weights that made them: no stale K/V is reused
+                cache.key_by_weights(cache.pool.weights_root(model))
             cache.start_from_prefix(input_ids, mask)
             if cache.is_compileable:
                 cache.pool.preallocate()  # the compiled steps read the pool at fixed addresses

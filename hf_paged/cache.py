@@ -521,18 +521,45 @@ class PagedCache(Cache):
         compat.init_cache_base(child)
         return child
 
+    # --------------------------------------------------------------- weights
+    def wants_weights_root(self) -> bool:
+        """Whether a ``generate()`` on this cache needs the model's weights fingerprint: its pool caches prefixes
+        (blocks are keyed under it), or its rows were made under a known one (a loaded file, an earlier call)."""
+        return self.pool.prefix_caching or any(row.root for row in self.rows.live)
+
+    def key_by_weights(self, root: bytes) -> None:
+        """Before a ``generate()`` call: rows made from now on key their blocks under ``root`` (the model's weights
+        fingerprint, ``BlockPool.weights_root``). ``ValueError`` when rows this cache holds were computed with other
+        weights (the model's changed since, or the cache was loaded from a file another model's weights wrote):
+        their K/V is not what this model would compute."""
+        made = {row.root for row in self.rows.live if row.root}
+        if made and made != {root}:
+            raise ValueError(f"this cache's K/V was computed with other weights (fingerprint {_hex(made)}) than the "
+                             f"model's now ({root.hex()[:16]}): continuing it would attend to K/V this model did not "
+                             "compute. Start over with cache.reset() (or a new PagedCache), or continue with the "
+                             "weights that made it.")
+        self.rows.root = root
+
     # ----------------------------------------------------------- persistence
-    def save(self, path) -> None:
+    def save(self, path, model=None) -> None:
         """Write this cache's rows (tokens and the K/V of every layer) to one safetensors file.
 
         :meth:`load` restores them on any pool serving a model of the same shape and dtype, in another process or
         on another machine; continuing from the loaded cache gives the same tokens as continuing from this one.
+        The file names the weights that computed the K/V (their fingerprint) when the cache knows them (a
+        ``generate()`` on a prefix-caching pool) or ``model`` is given (``ValueError`` if that model's weights are
+        not the ones the rows were computed with); loading it against other weights is then refused.
         """
         self.forward_ran()
+        if model is not None:
+            self.key_by_weights(self.pool.weights_root(model))
+            for row in self.rows.live:
+                row.root = self.rows.root
         save_cache(self, path)
 
     @classmethod
-    def load(cls, path, config, pool: BlockPool | None = None, trusted: bool = False, **kwargs) -> "PagedCache":
+    def load(cls, path, config, pool: BlockPool | None = None, trusted: bool = False, model=None,
+             **kwargs) -> "PagedCache":
         """A cache holding the rows saved by :meth:`save`.
 
         The file is untrusted input: every field is checked against the file itself, the model and the pool before
@@ -540,8 +567,13 @@ class PagedCache(Cache):
         the file and the field. Its blocks serve the loaded rows only. ``trusted=True`` also publishes them to a
         prefix-caching pool (later prompts that start with the same tokens reuse them): use it only for files you
         wrote. (An fp8 file's scales belong to its own tokens, so they never change anyone else's blocks.)
+
+        A file saved after a ``generate()`` on a prefix-caching pool names the weights that computed its K/V (their
+        fingerprint, ``BlockPool.weights_root``): ``model=`` refuses it at load (``CacheFileError`` on field
+        ``weights``) when the model's weights differ; without ``model``, the first ``generate()`` on the loaded cache
+        refuses it (``ValueError``).
         """
-        return load_cache(cls, path, config, pool, trusted=trusted, **kwargs)
+        return load_cache(cls, path, config, pool, trusted=trusted, model=model, **kwargs)
 
     @property
     def columns(self) -> int:
@@ -776,6 +808,10 @@ class PagedCache(Cache):
 
 
 _WARNED: set[str] = set()
+
+
+def _hex(roots) -> str:
+    return ", ".join(sorted(r.hex()[:16] for r in roots))
 
 
 def _warn_once(message: str) -> None:

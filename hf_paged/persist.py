@@ -8,7 +8,10 @@ from format 2 on, a digest of all of it. Formats 1 and 2 held one float32 scale 
 (``[num_kv_heads]``); they still load, that scale (rounded to bfloat16) going to every token's slot. Format 4 (caches
 of hybrid models) adds each live row's states (``state.{kind}.{layer}.{state_idx}`` ``[num_live, *shape]``, ``kind``
 conv or recurrent, in the dtype the model wrote), their shapes (metadata ``states``) and the states the rows hold
-(``states_written``).
+(``states_written``). Any format may carry ``weights``: the fingerprint (``hf_paged.weights``, 32 hex digits) of the
+weights that computed the K/V; loading against a model whose fingerprint differs is refused by name (with
+``model=``, at load; else at the first ``generate()`` on the loaded cache), and a trusted file's blocks are published
+under it, so only the same weights find them.
 
 A cache file is untrusted input: loading runs in two parts.
 
@@ -63,6 +66,7 @@ FINGERPRINT_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_siz
                     "num_key_value_heads", "head_dim")
 METADATA_KEYS = {"format", "model", "layers", "kv_dtype", "columns", "rows", "release_finished"}
 STATE_KEYS = {"states", "states_written"}  # format 4's further metadata
+OPTIONAL_KEYS = {"weights"}  # any format: the weights fingerprint of the rows' K/V
 STATE_DTYPES = {**LAYER_DTYPES}
 MAX_STATE_DIMS = 6
 _INT = re.compile(r"0|[1-9][0-9]{0,17}")
@@ -148,6 +152,9 @@ def save_cache(cache, path) -> None:
     if cache.state_layers:
         metadata["states"] = json.dumps(states)
         metadata["states_written"] = json.dumps(sorted(list(k) for k in cache.states_written))
+    roots = {cache.rows[r].root for r, _ in live} - {b""}
+    if len(roots) == 1:
+        metadata["weights"] = roots.pop().hex()
     metadata["digest"] = _digest(metadata, sorted(tensors.items()))
     tmp = f"{os.fspath(path)}.tmp"
     save_file(tensors, tmp, metadata=metadata)
@@ -187,6 +194,11 @@ class CacheFile:
     _metadata: dict = dataclasses.field(repr=False)
     states: dict = dataclasses.field(default_factory=dict)  # (kind, layer, state_idx) -> (shape, dtype)
     states_written: set = dataclasses.field(default_factory=set)  # (layer, state_idx)
+
+    @property
+    def weights(self) -> bytes:
+        """The fingerprint of the weights that computed the K/V (``b""``: not recorded)."""
+        return bytes.fromhex(self._metadata.get("weights", ""))
 
     def state(self, key) -> torch.Tensor:
         """The live rows' state ``key`` = ``(kind, layer, state_idx)``: ``[num_live, *shape]``."""
@@ -262,8 +274,11 @@ def read_cache_file(path, opened) -> CacheFile:
         raise CacheFileError(path, "format", f"{fmt!r} is not one of {FORMATS}; write the file with cache.save(path)")
     expected = METADATA_KEYS | ({"digest"} if fmt != _NO_DIGEST else set()) | (STATE_KEYS if fmt == STATE_FORMAT
                                                                                else set())
-    if set(metadata) != expected:
+    if set(metadata) - OPTIONAL_KEYS != expected:
         raise CacheFileError(path, "metadata", f"fields {sorted(metadata)}, expected {sorted(expected)}")
+    weights = metadata.get("weights")
+    if weights is not None and not re.fullmatch(r"[0-9a-f]{32}", weights):
+        raise CacheFileError(path, "weights", f"{weights[:80]!r} is not a 32-digit hex fingerprint")
     if fmt != _NO_DIGEST and not re.fullmatch(r"[0-9a-f]{64}", metadata["digest"]):
         raise CacheFileError(path, "digest", f"{metadata['digest'][:80]!r} is not a 64-digit hex digest")
 
@@ -494,6 +509,16 @@ def check_fits(cf: CacheFile, cache, device) -> None:
     _check_room(cf, cache)
 
 
+def check_weights(cf: CacheFile, root: bytes) -> None:
+    """``CacheFileError`` when ``cf`` names the weights that computed its K/V and they are not the ones whose
+    fingerprint is ``root``."""
+    if cf.weights and cf.weights != root:
+        raise CacheFileError(cf.path, "weights", f"K/V computed with other weights (fingerprint {cf.weights.hex()}) "
+                             f"than the model's (fingerprint {root.hex()})",
+                             "Load it with the weights that saved it (the same checkpoint, adapters merged or not "
+                             "alike), or compute the prompt again with these weights and save that.")
+
+
 def _check_states(cf: CacheFile, cache) -> None:
     """The file's states against the model's state layers and the states its pool's store already holds."""
     path, state_layers = cf.path, cache.state_layers
@@ -555,9 +580,10 @@ def _check_room(cf: CacheFile, cache) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------- load
-def load_cache(cls, path, config, pool=None, device=None, trusted: bool = False, **kwargs):
+def load_cache(cls, path, config, pool=None, device=None, trusted: bool = False, model=None, **kwargs):
     """See :meth:`PagedCache.load`. Checks the whole file before the pool is touched; ``trusted=False`` (default)
-    keeps the loaded blocks out of the pool's prefix cache."""
+    keeps the loaded blocks out of the pool's prefix cache; ``model``: refuse a file whose K/V other weights
+    computed (:func:`check_weights`)."""
     if not isinstance(trusted, bool):
         raise TypeError(f"trusted must be True or False, got {trusted!r}.")
     with open_cache_file(path) as opened:
@@ -566,14 +592,19 @@ def load_cache(cls, path, config, pool=None, device=None, trusted: bool = False,
             kwargs["release_finished"] = cf.release_finished
         cache = cls(config, pool=pool, **kwargs) if pool is not None else cls(config, **kwargs)
         check_fits(cf, cache, device)
+        root = cf.weights
+        if model is not None:
+            root = cache.pool.weights_root(model)
+            check_weights(cf, root)
         cf.verify()
-        _build(cache, cf, device, trusted)
+        _build(cache, cf, device, trusted, root)
     return cache
 
 
 # ------------------------------------------------------------------------------------------- (b) build the cache
-def _build(cache, cf: CacheFile, device, trusted: bool) -> None:
-    """Write ``cf``'s rows into ``cache``'s pool; blocks are keyed for prefix caching only when ``trusted``."""
+def _build(cache, cf: CacheFile, device, trusted: bool, root: bytes = b"") -> None:
+    """Write ``cf``'s rows into ``cache``'s pool; blocks are keyed for prefix caching only when ``trusted``, under
+    ``root`` (the fingerprint of the weights that computed them: a file without one is findable only by ``b""``)."""
     pool, groups = cache.pool, cache.groups
     for layer, spec in cf.layers.items():
         known = pool.layer_shapes.get(layer)
@@ -590,6 +621,7 @@ def _build(cache, cf: CacheFile, device, trusted: bool) -> None:
             tokens[r] = row_tokens[i]
     released = set(cf.released)
     rows = Rows(pool, groups, bool(cache.state_layers))
+    rows.root = root  # keys (trusted) and names the weights that made them
     # Untrusted: the rows record their tokens but key no block, so no later prompt can start from them.
     rows.import_rows(lengths, tokens, [r in released for r in range(cf.rows)], publish=trusted)
     try:

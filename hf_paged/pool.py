@@ -30,7 +30,7 @@ from .ops.reference import FP8_SCALE_DTYPE
 from .states import StateStore
 from .stats import MemoryStats
 from .step import StepBuffers
-from .weights import WeightsWatch
+from .weights import WeightsFingerprint
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -154,7 +154,8 @@ class BlockPool:
         self.states = StateStore()
         if self.max_memory is not None:
             self.states.limit_bytes = self._state_budget
-        self._weights = WeightsWatch()  # the weights the cached prefixes were computed with (prefix caching)
+        # each model's weights fingerprint, the root of its blocks' keys (prefix caching)
+        self._fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def lend_step_buffers(self, cache) -> StepBuffers:
         """Step buffers for ``cache``, given back to this pool when the cache is collected. A later cache on the same
@@ -472,15 +473,16 @@ class BlockPool:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix: no K/V written before this call is reused by a later prompt (rows still
         running keep theirs but no longer offer their blocks). Cached blocks return to the free list. Call it after
-        changing the weights of the model this pool serves; :meth:`check_weights` does it by itself where the engine
-        and ``generate()`` look up prefixes.
+        changing the weights of the model this pool serves, to free the blocks at once (not needed for correctness:
+        blocks are keyed under the weights fingerprint, :meth:`weights_root`, so the old weights' K/V is never found
+        again and is evicted as the pool needs room).
 
         Example::
 
             pool = BlockPool(num_blocks=256, prefix_caching=True)
             out = model.generate(**inputs, cache=PagedCache(model.config, pool=pool), max_new_tokens=8)
             optimizer.step()
-            pool.reset_prefix_cache()   # optional: the next generate() on this pool notices the new weights itself
+            pool.reset_prefix_cache()   # optional: the next generate() keys its blocks under the new weights
         """
         with self.lock:
             self.allocator.reset_prefix_cache()
@@ -491,19 +493,28 @@ class BlockPool:
         changes: the engine's state checkpoints)."""
         return self.allocator.prefix_epoch
 
+    def weights_root(self, model, rewalk: bool = True) -> bytes:
+        """The key-chain root of K/V ``model`` computes now: its weights fingerprint (``hf_paged.weights``), which
+        changes when any of its parameters' or buffers' values change, however they were written. Blocks are keyed
+        under it, so K/V made with other weights (another model on this pool, or this one before an update) is never
+        found, while K/V of the same weights is shared (and a saved prompt cache names the weights that made it).
+        Costs a strided sample of every tensor (one gather per device and dtype); ``rewalk=True`` (each
+        ``generate()`` call, each engine session) also walks the modules and reads every value once."""
+        with self.lock:
+            fingerprint = self._fingerprints.get(model)
+            if fingerprint is None:
+                fingerprint = self._fingerprints[model] = WeightsFingerprint()
+            return fingerprint.root(model, rewalk)
+
     def check_weights(self, model, rewalk: bool = True) -> bool:
-        """Before a prefix lookup: reset the prefix cache if ``model``'s parameters or buffers changed (in place,
-        e.g. ``optimizer.step()`` or ``load_state_dict``, or replaced) since the last call, or another model asks.
-        Returns whether it reset. A pool without prefix caching keeps nothing across rows: no check, False. Costs a
-        walk of the model's modules and a pass over its tensors' version counters; ``rewalk=False`` skips the walk
-        (the tensors the last walk found; see ``hf_paged.weights``)."""
+        """Whether ``model``'s weights fingerprint changed since the last look at it on this pool (False the first
+        time, and on a pool without prefix caching). Nothing needs resetting: blocks are keyed under the fingerprint
+        (:meth:`weights_root`), so K/V of the old weights is simply never found again."""
         if not self.prefix_caching:
             return False
         with self.lock:
-            if not self._weights.changed(model, rewalk):
-                return False
-            self.allocator.reset_prefix_cache()
-            return True
+            before = self._fingerprints[model].last_root if model in self._fingerprints else None
+            return before is not None and self.weights_root(model, rewalk) != before
 
     def release_tensors(self) -> int:
         """Free the K/V tensors (and fp8 scale caches) while no row holds a block, e.g. between RL rollouts while the

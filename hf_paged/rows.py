@@ -52,6 +52,7 @@ class Rows:
         self.groups = groups
         self.stateful = stateful  # the model has state layers: every live row holds a state cell
         self.rows: list[Row] = []
+        self.root = b""  # the key-chain root of rows made without one (PagedCache: its weights fingerprint)
 
     # ----------------------------------------------------------------- queries
     def __len__(self) -> int:
@@ -87,12 +88,15 @@ class Rows:
 
     # -------------------------------------------------------------- creation
     def new(self, prefix_blocks: list[int] = (), prefix_tokens: list[int] = (), state: int | None = None,
-            root: bytes = b"") -> Row:
+            root: bytes | None = None) -> Row:
         """A new row (appended to ``rows``), starting from ``prefix_blocks`` — full cached blocks holding
         ``prefix_tokens`` (from :meth:`match_prefix`; single-group models only; on stateful models the caller restores
         the states at the prefix's end). ``state``: a state cell taken for it by the caller (:meth:`extend` takes a
         batch's cells at once), else one is taken here on stateful models. ``root``: its blocks' key-chain root (what
-        made its K/V besides the tokens: an adapter, a weights version; see ``allocator.root_key``)."""
+        made its K/V besides the tokens: an adapter, a weights fingerprint; see ``allocator.chain_root``; None:
+        :attr:`root`)."""
+        if root is None:
+            root = self.root
         if prefix_blocks and self.groups.num_groups != 1:
             raise ValueError("a row can start from cached prefix blocks only on models with one layer group.")
         a = self.pool.allocator
@@ -120,11 +124,13 @@ class Rows:
         """Each row's state cell, in batch order (None: released)."""
         return [row.state for row in self.rows]
 
-    def match_prefix(self, tokens: list[int], max_tokens: int | None = None, root: bytes = b"") -> list[int]:
-        """The cached (or live) full blocks that start ``tokens`` under ``root`` (prefix-caching pools with one layer
-        group)."""
+    def match_prefix(self, tokens: list[int], max_tokens: int | None = None, root: bytes | None = None) -> list[int]:
+        """The cached (or live) full blocks that start ``tokens`` under ``root`` (None: :attr:`root`; prefix-caching
+        pools with one layer group)."""
         if not self.prefix_caching:
             return []
+        if root is None:
+            root = self.root
         with self.pool.lock:
             return self.pool.allocator.match_prefix(tokens, max_tokens, root)
 
@@ -188,6 +194,7 @@ class Rows:
         """New rows (same pool) that are copies of ``indices`` (rows may repeat), sharing blocks copy-on-write and
         each holding its own copy of the states."""
         out = Rows(self.pool, self.groups, self.stateful)
+        out.root = self.root
         out.rows = self._forks(indices)
         return out
 
@@ -298,8 +305,8 @@ class Rows:
         a = self.pool.allocator
         keyed = [self.pool.prefix_caching and publish and not self.groups.limited(g) for g in range(self.groups.num_groups)]
         with self.pool.lock:
-            rows = [Row([a.new_sequence(group=g) for g in range(self.groups.num_groups)],
-                        None if t is None else list(t), False) for t in tokens]
+            rows = [Row([a.new_sequence(group=g, root=self.root) for g in range(self.groups.num_groups)],
+                        None if t is None else list(t), False, root=self.root) for t in tokens]
             live = [(row, n) for row, n, gone in zip(rows, lengths, released) if not gone]
             if self.stateful:  # the caller writes their states into these cells
                 for (row, _), cell in zip(live, self._take_state_cells(len(live))):

@@ -1,30 +1,54 @@
-"""Which weights a model holds now, cheaply: for noticing that K/V kept in a pool was computed with other weights.
+"""Which weights a model holds now: a fingerprint of their values, for keying K/V by the weights that made it.
 
-A model's *weights version* is, per parameter and buffer, its storage address and torch's version counter (bumped
-by every in-place change: ``optimizer.step()``, ``load_state_dict``, ``p.data.copy_``, loading an adapter's weights
-into its layers). A tensor replaced by another (``load_state_dict(assign=True)``, ``model.to(dtype)``) changes the
-address. Reading it costs a pass over the tensors (no data is read): about 0.1-0.2 µs per tensor on the host.
+A prefix cache's promise is that a hit returns the K/V the request would have computed, so every block key's chain
+root names the weights (and adapters) that made it (``allocator.chain_root``). The *weights fingerprint* of a model
+is a 16-byte digest of its parameters' and buffers' **values** (with their shapes and dtypes, the model's class and
+PEFT's adapter switches): two models holding the same values share K/V on one pool, in one process or, through a
+saved prompt cache, in the next; a value written any way gives another fingerprint.
 
-Fused optimizer steps (``AdamW(fused=True)``, the default of transformers' ``Trainer`` and so of TRL) write the
-parameters without bumping their counters; a post-step hook on every optimizer (registered once, by the first
-:class:`WeightsWatch`) bumps them after a fused step, so those steps are seen too.
+How a value change is seen, per check (:meth:`WeightsFingerprint.root`):
 
-Not seen: switching which of several loaded adapters is active (no tensor changes; give each adapter its own
-key-chain root, or call the pool's ``reset_prefix_cache()``), writes that bypass the counters (collectives received
-into the parameters, custom kernels: call ``reset_prefix_cache()`` / ``manager.weights_updated()``), and tensors made
-under ``torch.inference_mode()`` (they keep no version counter: a changed one is noticed only if its address
-changes).
+* **Sample** (every check): each tensor's bits, read as integers, at a strided set of elements that holds at least
+  one element of every row and every column of the tensor viewed ``[shape[0], rest]`` (1-D tensors as rows of 1,024)
+  — one stride ``d`` (``d <= min(rows, columns)``, coprime with the row length) walks the rows one by one and the
+  columns through all residues. About ``max(rows, columns)`` elements a matrix: ~650,000 for a Llama-3.2-1B shape,
+  gathered in one copy per device and dtype (numpy on the host, then blake2b of the bytes; ``torch.cat`` on an
+  accelerator, folded there into one position-weighted 64-bit sum).
+  A write that changes a whole row or column — an optimizer step, ``p.data.copy_`` of new weights, a LoRA merge
+  (``B @ A`` touches every element), embedding rows — changes a sampled element.
+* **Full checksum** (the coarser cadence): every element's bits summed per row (32-bit wrapping sums), rows weighted
+  by position, at each *walk* of the modules (each ``generate()`` call on a prefix-caching pool, each engine session
+  start) and whenever a version counter or a storage address moved since the last check. So a write that moves a
+  version counter (``p.add_`` under no_grad, ``load_state_dict``, optimizer steps, ``p[i, j] = x``) is seen exactly
+  at the next check, and any write at all is seen at the next walk; only a write that bumps no counter, changes no
+  sampled element and happens inside one engine session (``p.data[i, j] = x`` mid-session) waits for the next walk.
+* **Fast path**: torch's version counters and storage addresses (about 0.1-0.2 µs per tensor, no data read) decide
+  whether the full checksum is recomputed; the digest decides the key. ``p.data`` is a separate tensor with its own
+  version counter, so ``p.data.copy_`` / ``p.data += d`` (PEFT's ``merge_adapter``, bitsandbytes' 8-bit optimizers,
+  weight syncs in RL code) move no counter of ``p``: the sample sees them. Fused optimizer steps (``AdamW(fused=True)``)
+  are made to bump the counters by a post-step hook (registered once, by the first fingerprint).
+
+Not distinguished (collisions): two value sets with equal digests (blake2b for a host sample; about ``2**-64`` for a
+device sample's sum and ``2**-32`` per row for the full checksum, for unrelated writes), and values permuted within
+one row that move no sampled element.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import math
+import struct
 
+import numpy
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 _fused_hook = None  # the handle of the hook below, once registered
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_ROW = 1024  # a 1-D tensor is sampled as rows of this many elements
+_MIX = 0x5851F42D4C957F2D  # weights of positions: a multiplicative hash of the index, made odd (a changed value shows)
 
 
 def model_tensors(model: nn.Module) -> list:
@@ -57,31 +81,210 @@ def watch_fused_steps() -> None:
         _fused_hook = register_optimizer_step_post_hook(_bump_after_fused_step)
 
 
+def peft_switches(model: nn.Module) -> tuple:
+    """What PEFT's layers of ``model`` apply besides their weights: each distinct (active adapters, disabled, merged
+    adapters) of its tuner layers (``set_adapter``, ``disable_adapter()``, ``merge_adapter``); ``()`` for a model
+    without PEFT layers."""
+    return tuple(sorted({_switches(m) for m in model.modules() if _is_peft_layer(m)}))
+
+
+def _is_peft_layer(module) -> bool:
+    return hasattr(module, "active_adapters") and hasattr(module, "disable_adapters") and hasattr(module,
+                                                                                                 "merged_adapters")
+
+
+def _switches(layer) -> tuple:
+    active = layer.active_adapters
+    return (tuple(active) if isinstance(active, (list, tuple)) else (str(active),), bool(layer.disable_adapters),
+            tuple(layer.merged_adapters))
+
+
+def _rows_columns(t: torch.Tensor) -> tuple[int, int]:
+    """The ``[rows, columns]`` a tensor is sampled as."""
+    n = t.numel()
+    if t.dim() >= 2 and t.shape[0] > 1:
+        return t.shape[0], n // t.shape[0]
+    return math.ceil(n / _ROW), min(n, _ROW)
+
+
+def sample_stride(rows: int, columns: int) -> int:
+    """The stride over a ``[rows, columns]`` tensor's flat elements whose walk from 0 holds an element of every row
+    (``d <= columns``: the row index never skips) and of every column (``d`` coprime with ``columns`` and at most
+    ``rows``: at least ``columns`` steps, through every residue)."""
+    d = max(1, min(rows, columns))
+    if columns > 1 and d == columns:
+        d -= 1
+    while d > 1 and math.gcd(d, columns) != 1:
+        d -= 1
+    return d
+
+
+def _int_view(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s bits as a same-width integer tensor (a view; None for element sizes without one)."""
+    t = t.detach()
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    kind = _INT_OF_SIZE.get(t.element_size())
+    if kind is None or t.is_complex():
+        return None
+    return t if t.dtype == kind else t.view(kind)
+
+
+def _positions(n: int, device) -> torch.Tensor:
+    """``[n]`` int64 odd weights of positions ``0..n-1`` (a multiplicative hash, wrapping)."""
+    return (torch.arange(n, dtype=torch.int64, device=device) * _MIX) | 1
+
+
+class _Plan:
+    """The sample of one walk's tensors: their strided views, grouped by device and integer dtype. Host groups are
+    read through numpy (one single-threaded gather, then blake2b of the bytes); device groups are gathered by one
+    ``torch.cat`` and folded on the device into a position-weighted 64-bit sum (one copy to the host per device)."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        self.odd: list[torch.Tensor] = []  # tensors with no integer view or no plain layout: checked whole each time
+        for t in tensors:
+            if t.numel() == 0 or t.device.type == "meta":
+                continue
+            u = _int_view(t)
+            if u is None or not t.is_contiguous():
+                self.odd.append(t)
+                continue
+            rows, columns = _rows_columns(u)
+            d = sample_stride(rows, columns)
+            n = (u.numel() - 1) // d + 1
+            view = u.as_strided((n,), (d,), u.storage_offset())  # [n]
+            groups.setdefault((u.device, u.dtype), []).append(view)
+        self.host = [[v.numpy() for v in views] for (device, _), views in groups.items() if device.type == "cpu"]
+        self.device = [views for (device, _), views in groups.items() if device.type != "cpu"]
+        self.weights = [_positions(sum(v.numel() for v in views), views[0].device) for views in self.device]
+        self.elements = sum(v.numel() for views in groups.values() for v in views)
+
+    def digest(self) -> bytes:
+        """A digest of every sampled element's bits (and the full checksum of the odd tensors)."""
+        h = hashlib.blake2b(digest_size=16)
+        for views in self.host:
+            h.update(numpy.concatenate(views).view(numpy.uint8))
+        sums = [(torch.cat(views).to(torch.int64) * w).sum() for views, w in zip(self.device, self.weights)]
+        by_device: dict = {}
+        for s in sums:  # one copy to the host per device
+            by_device.setdefault(s.device, []).append(s)
+        for group in by_device.values():
+            values = torch.stack(group).tolist()
+            h.update(struct.pack(f"<{len(values)}Q", *(v & 0xFFFFFFFFFFFFFFFF for v in values)))
+        odd = [full_checksum(t) & 0xFFFFFFFFFFFFFFFF for t in self.odd]
+        h.update(struct.pack(f"<{len(odd)}Q", *odd))
+        return h.digest()
+
+
+def full_checksum(t: torch.Tensor) -> int:
+    """Every element's bits of ``t``: 32-bit wrapping sums per row, rows weighted by position (an int)."""
+    if t.numel() == 0 or t.device.type == "meta":
+        return 0
+    u = _int_view(t)
+    if u is None:  # complex or odd-sized elements: their bytes
+        u = t.detach().contiguous().view(-1).view(torch.uint8)
+    u = u.contiguous()
+    rows, columns = _rows_columns(u)
+    flat = u.reshape(-1)
+    if flat.numel() != rows * columns:  # a ragged last row (1-D tensors): pad it with zeros
+        flat = torch.nn.functional.pad(flat, (0, rows * columns - flat.numel()))
+    if u.element_size() < 4 and (columns * u.element_size()) % 4 == 0:  # whole 32-bit words: read as int32
+        flat = flat.view(torch.int32)
+        columns = columns * u.element_size() // 4
+    row_sums = flat.view(rows, columns).sum(1, dtype=torch.int32 if flat.dtype == torch.int32 else torch.int64)
+    return int((row_sums.to(torch.int64) * _positions(rows, row_sums.device)).sum())
+
+
+class WeightsFingerprint:
+    """The weights fingerprint of one model, kept up to date cheaply (see the module docstring).
+
+    Example::
+
+        fp = WeightsFingerprint()
+        before = fp.root(model)
+        with torch.no_grad():
+            model.lm_head.weight.data.mul_(2)   # bumps no version counter of the parameter
+        fp.root(model, rewalk=False) != before  # True: the sample saw it
+    """
+
+    def __init__(self):
+        watch_fused_steps()
+        self._tensors: list = []
+        self._peft_layers: list = []
+        self._layout: tuple | None = None  # (storage address, shape, dtype) of each tensor at the last check
+        self._versions: tuple | None = None
+        self._plan: _Plan | None = None
+        self._full: bytes = b""  # the digest of the last full checksum
+        self._structure: bytes = b""
+        self.last_root: bytes | None = None
+        self.full_checks = 0  # full checksums computed so far (for tests and the bench)
+
+    def root(self, model: nn.Module, rewalk: bool = True) -> bytes:
+        """The fingerprint of ``model``'s weights now (16 bytes). ``rewalk=True`` walks the modules again (finding
+        replaced tensors) and recomputes the full checksum; ``rewalk=False`` reads the tensors the last walk found
+        (replaced tensors are seen at the next walk) and recomputes the full checksum only when a version counter or
+        storage address moved."""
+        walked = rewalk or self._plan is None
+        if walked:
+            self._tensors = model_tensors(model)
+            self._peft_layers = [m for m in model.modules() if _is_peft_layer(m)]
+        tensors = self._tensors
+        layout = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors)
+        versions = weights_version(tensors)
+        with torch.no_grad():
+            if layout != self._layout or self._plan is None:
+                self._plan = _Plan(tensors)
+                h = hashlib.blake2b(type(model).__name__.encode(), digest_size=16)
+                for _, shape, dtype in layout:
+                    h.update(f"{shape}{dtype};".encode())
+                self._structure = h.digest()
+            if walked or layout != self._layout or versions != self._versions:
+                self._full = self._full_digest(tensors)
+            sample = self._plan.digest()
+        self._layout, self._versions = layout, versions
+        h = hashlib.blake2b(self._structure, digest_size=16)
+        h.update(self._full)
+        h.update(sample)
+        h.update(repr(sorted({_switches(m) for m in self._peft_layers})).encode())
+        self.last_root = h.digest()
+        return self.last_root
+
+    def _full_digest(self, tensors) -> bytes:
+        self.full_checks += 1
+        sums = [full_checksum(t) & 0xFFFFFFFFFFFFFFFF for t in tensors]
+        return hashlib.blake2b(struct.pack(f"<{len(sums)}Q", *sums), digest_size=16).digest()
+
+    @property
+    def sampled_elements(self) -> int:
+        """Elements the per-check sample reads (after a first :meth:`root`)."""
+        return self._plan.elements if self._plan is not None else 0
+
+
 class WeightsWatch:
-    """Remembers the weights version of the model it last saw.
+    """Remembers the weights fingerprint of the model it last saw.
 
     Example::
 
         watch = WeightsWatch()
         watch.changed(model)     # False: first sight
         optimizer.step()
-        watch.changed(model)     # True: parameters changed in place since
+        watch.changed(model)     # True: parameters changed since
     """
 
     def __init__(self):
-        watch_fused_steps()
+        self._fingerprint = WeightsFingerprint()
         self._model_id: int | None = None
-        self._tensors: list = []
-        self._version: tuple | None = None
+        self._root: bytes | None = None
 
     def changed(self, model: nn.Module, rewalk: bool = True) -> bool:
         """Whether ``model`` (or another model) holds other weights than at the last call; the first call is False.
-        ``rewalk=False`` reads the tensors found by the last walk of the same model (about 10x cheaper; misses a
-        parameter replaced by another object, e.g. ``load_state_dict(assign=True)``, until the next walk)."""
+        ``rewalk=False`` reads the tensors found by the last walk of the same model (misses a parameter replaced by
+        another object, e.g. ``load_state_dict(assign=True)``, until the next walk)."""
         same_model = id(model) == self._model_id
-        if rewalk or not same_model:
-            self._tensors = model_tensors(model)
-        version = weights_version(self._tensors)
-        changed = self._version is not None and (not same_model or version != self._version)
-        self._model_id, self._version = id(model), version
+        if not same_model:
+            self._fingerprint = WeightsFingerprint()
+        root = self._fingerprint.root(model, rewalk or not same_model)
+        changed = self._root is not None and root != self._root
+        self._model_id, self._root = id(model), root
         return changed

@@ -130,7 +130,7 @@ class Saved:
         cache = PagedCache(model.config, block_size=BS, kv_dtype=kv_dtype)
         out = generate(model, inputs, cache, max_new_tokens=4)  # [3, 17]
         self.path = directory / f"saved_{kv_dtype is not None}.safetensors"
-        cache.save(self.path)
+        cache.save(self.path, model=model)  # names the weights that computed it
         self.more = {"input_ids": torch.cat([out, torch.full((3, 2), 7)], 1),
                      "attention_mask": torch.cat([inputs["attention_mask"], torch.ones(3, 6, dtype=torch.long)], 1)}
         self.expected = generate(model, self.more, copy.deepcopy(cache), max_new_tokens=3)
@@ -261,10 +261,16 @@ def test_load_into_a_model_with_other_kv_heads_is_refused(saved):
 
 
 def test_loaded_cache_refuses_a_model_of_another_dtype(saved):
-    """A bf16 model whose config names no dtype: the loaded fp32 cache refuses its keys with a clear error."""
+    """A bf16 model whose config names no dtype: the loaded fp32 cache refuses its keys with a clear error (a file
+    that names no weights: the dtype check; one that does: the weights check, first)."""
     model = tiny_model("llama").to(torch.bfloat16)
     enable_paged_attention(model, backend="torch")
     cache = PagedCache.load(saved.path, model.config)
+    with pytest.raises(ValueError, match="computed with other weights"):
+        generate(model, saved.more, cache, max_new_tokens=2)
+    cache = PagedCache.load(saved.path, model.config)
+    for row in cache.rows:
+        row.root = b""  # as a file without the weights' fingerprint loads
     with pytest.raises(ValueError, match="float32"):
         generate(model, saved.more, cache, max_new_tokens=2)
 
@@ -399,7 +405,7 @@ def forged_prompt_file(model, path, prompt) -> Path:
     """The issue's attack: a prompt's cache saved, its K/V replaced by random values, the digest recomputed."""
     cache = PagedCache(model.config, block_size=BS)
     generate(model, ones_mask(prompt), cache, max_new_tokens=1)  # the prompt's K/V only
-    cache.save(path)
+    cache.save(path, model=model)  # names the weights: a trusted load publishes its blocks under them
     metadata, tensors = read_parts(path)
     g = torch.Generator().manual_seed(7)
     for name in [n for n in tensors if n[:2] in ("k.", "v.")]:

@@ -93,14 +93,15 @@ def _left_padded(rows: list[list[int]]) -> dict:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def _starts_from_cached_prefix(pool: BlockPool, inputs: dict) -> bool:
+def _starts_from_cached_prefix(pool: BlockPool, inputs: dict, model) -> bool:
     """Whether every row finds cached whole blocks within the columns all rows hold real tokens in, short of the last
-    (what lets a new PagedCache on the pool skip them)."""
+    (what lets a new PagedCache on the pool skip them), under the model's weights fingerprint (their keys' root)."""
     limit = inputs["input_ids"].shape[1] - 1
     padded = inputs["attention_mask"][:, :limit] == 0
     if bool(padded.any()):
         limit = int(padded.any(0).nonzero()[0])
-    return all(pool.allocator.match_prefix(row[:limit]) for row in inputs["input_ids"].tolist())
+    root = pool.weights_root(model)
+    return all(pool.allocator.match_prefix(row[:limit], root=root) for row in inputs["input_ids"].tolist())
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +128,7 @@ def test_generate_on_a_shared_prefix_caching_pool_matches_dynamic(model, assista
     inputs = _left_padded(case["rows"])
     kw = dict(case["kw"], **({"assistant_model": assistant} if "assisted" in case["id"] else {}))
     expanded = kw.get("num_beams", 1) > 1 or kw.get("num_return_sequences", 1) > 1
-    cached = _starts_from_cached_prefix(pool, inputs)
+    cached = _starts_from_cached_prefix(pool, inputs, model)
     if expanded and cached:
         run["expanded_hits"] += 1
     torch.manual_seed(case["seed"])

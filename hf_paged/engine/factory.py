@@ -152,6 +152,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
                          media=media, measured_padding=not sharded)
     adapters = AdapterSet(model, max_loras, runner.backend) if max_loras and not sharded else None
     runner.lora = adapters
+    kv.adapters = adapters  # its PEFT bypass is part of every block key's root
     if sync is not None:
         runner = AgreeingRunner(runner, sync)
     limit, reason = context_limit(config)

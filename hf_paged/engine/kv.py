@@ -8,7 +8,7 @@ are never made.
 
 from __future__ import annotations
 
-from ..allocator import _ROOT_KEY, block_key, cdiv
+from ..allocator import _ROOT_KEY, block_key, cdiv, chain_root
 from ..groups import LayerGroups
 from ..rows import Row, Rows
 from ..states import OutOfStateMemoryError
@@ -26,9 +26,9 @@ class RequestKV:
         pool: a :class:`~hf_paged.BlockPool`.
         groups: the model's layer groups.
         max_batch_tokens: the per-step token budget (sizes a sliding group's worst case).
-        model: the model whose K/V the rows hold: before each prefix lookup the pool checks that its weights did not
-            change since the cached prefixes were computed (``BlockPool.check_weights``), so no K/V made with older
-            weights is reused. None: no check.
+        model: the model whose K/V the rows hold: every block key's chain starts from its weights fingerprint
+            (``BlockPool.weights_root``), looked at once per admitting step, so no K/V made with other weights is
+            reused. None: no weights in the keys.
     """
 
     def __init__(self, pool, groups: LayerGroups, max_batch_tokens: int, state_layers=(), model=None):
@@ -48,6 +48,8 @@ class RequestKV:
         self.model = model
         self._epoch = pool.prefix_epoch  # the pool's prefix cache resets seen (checkpoints are dropped with it)
         self._weights_checked = False  # since the last forward (one check per step, at its first lookup)
+        self.weights_root = _ROOT_KEY  # the model's weights fingerprint at the last check
+        self.adapters = None  # the engine's AdapterSet (engine/lora.py), whose PEFT bypass is part of every key
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -94,36 +96,52 @@ class RequestKV:
         return lo
 
     # ----------------------------------------------------------------- prefix
+    def key_root(self, root: bytes = _ROOT_KEY) -> bytes:
+        """The chain root of a request's blocks: the model's weights fingerprint, whether the engine bypasses PEFT's
+        own layers, and the request's own root (``root``: its adapter's digest, ``b""`` for the base model)."""
+        bypass = b"peft-bypassed" if self.adapters is not None and self.adapters.peft_bypassed else b""
+        return chain_root(self.weights_root, bypass, root)
+
     def prefix_keys(self, tokens: list[int], num_blocks: int, root: bytes = _ROOT_KEY) -> list[bytes]:
-        """Keys of the first ``num_blocks`` full blocks of ``tokens`` under ``root`` (as the allocator keys them)."""
-        bs, keys, key = self.block_size, [], root
+        """Keys of the first ``num_blocks`` full blocks of ``tokens`` of a request with root ``root`` (as the
+        allocator keys them, under :meth:`key_root`)."""
+        return self._chain(tokens, num_blocks, self.key_root(root))
+
+    def _chain(self, tokens: list[int], num_blocks: int, key: bytes) -> list[bytes]:
+        bs, keys = self.block_size, []
         for i in range(num_blocks):
             key = block_key(key, tokens[i * bs: (i + 1) * bs])
             keys.append(key)
         return keys
 
     def match(self, tokens: list[int], max_tokens: int, root: bytes = _ROOT_KEY) -> list[int]:
-        """Cached blocks (written by a finished forward) that start ``tokens`` under ``root``, at most ``max_tokens``
-        tokens; on hybrid models only as many as end where a state checkpoint was kept. Nothing computed before the
-        model's weights last changed is found."""
+        """Cached blocks (written by a finished forward) that start ``tokens`` of a request with root ``root``, at
+        most ``max_tokens`` tokens; on hybrid models only as many as end where a state checkpoint was kept. Nothing
+        computed with other weights (or adapter, or PEFT switches) than the model's now is found."""
         self.check_weights()
-        blocks = self.rows.match_prefix(tokens, max_tokens, root)
+        full = self.key_root(root)
+        blocks = self.rows.match_prefix(tokens, max_tokens, full)
         if self.checkpoints is None or not blocks:
             return blocks
-        keys = self.prefix_keys(tokens, len(blocks), root)
+        keys = self._chain(tokens, len(blocks), full)
         usable = next((i for i in range(len(blocks), 0, -1) if keys[i - 1] in self.checkpoints), 0)
         self._matched = {id(tokens): len(blocks)}  # the latest lookup only: open() follows it
         return blocks[:usable]
 
     def check_weights(self, rewalk: bool = False) -> None:
-        """Drop what was cached before the model's weights changed (the pool's prefixes, this engine's state
-        checkpoints), whoever noticed the change: this engine, another user of the pool, or an explicit reset.
-        Looks at the model's version counters once per step (the tensors found by the last walk of its modules);
-        ``rewalk=True`` (each session's start) walks the modules again, finding replaced tensors too."""
+        """Look at the model's weights fingerprint (once per step, at its first lookup; ``rewalk=True``, each
+        session's start, walks the modules again and reads every value) and at the pool's resets. Rows still running
+        when the weights changed key no further block (their K/V mixes old and new weights)."""
         if not self.prefix_caching:
             return
         if self.model is not None and (rewalk or not self._weights_checked):
-            self.pool.check_weights(self.model, rewalk)
+            root = self.pool.weights_root(self.model, rewalk)
+            if root != self.weights_root:
+                with self.pool.lock:
+                    for row in self.rows.live:
+                        for seq in row.seqs:
+                            self.allocator.stop_keying(seq)
+                self.weights_root = root
             self._weights_checked = True
         if self.pool.prefix_epoch != self._epoch:
             self._epoch = self.pool.prefix_epoch
@@ -144,6 +162,7 @@ class RequestKV:
     def open(self, prefix_blocks: list[int] = (), tokens: list[int] = (), root: bytes = _ROOT_KEY) -> Row | None:
         """A new row starting from ``prefix_blocks`` (from :meth:`match` under ``root``), which hold the first tokens
         of ``tokens``; None when a capped pool has no room for its state cell (hybrid models)."""
+        root = self.key_root(root)
         while True:
             try:
                 row = self.rows.new(list(prefix_blocks), list(tokens[: len(prefix_blocks) * self.block_size]),
@@ -153,13 +172,13 @@ class RequestKV:
                 if not self.checkpoints:  # a request's state cell before a checkpoint's
                     return None
                 try:
-                    self.checkpoints.evict(keep=self.prefix_keys(tokens, len(prefix_blocks), root)[-1] if prefix_blocks
+                    self.checkpoints.evict(keep=self._chain(tokens, len(prefix_blocks), root)[-1] if prefix_blocks
                                            else None)
                 except OutOfStateMemoryError:
                     return None
         matched = self._matched.pop(id(tokens), 0)
         if self.checkpoints is not None and prefix_blocks:
-            self.checkpoints.restore(self.prefix_keys(tokens, len(prefix_blocks), root)[-1], row.state)
+            self.checkpoints.restore(self._chain(tokens, len(prefix_blocks), root)[-1], row.state)
         if self.checkpoints is not None and matched > len(prefix_blocks):
             # K/V cached further than any checkpoint: stop the prefill there once, so the next request with this
             # prefix finds its states
@@ -204,7 +223,7 @@ class RequestKV:
                 length = self.length(row)
                 if row.state is not None and row.tokens is not None and length and length % self.block_size == 0 \
                         and len(row.tokens) >= length:
-                    self.checkpoints.save(self.prefix_keys(row.tokens, length // self.block_size, row.root)[-1],
+                    self.checkpoints.save(self._chain(row.tokens, length // self.block_size, row.root)[-1],
                                           row.state)
 
     def length(self, row: Row) -> int:

@@ -5,9 +5,11 @@ Contract (the engine's adapter stage):
 * :class:`AdapterSet` owns the loaded adapters: ``load(name, source)`` (a directory PEFT saved, a ``PeftModel``'s
   adapter, or a peft config + state dict), ``unload(name)``, an LRU cap of ``max_loras`` (idle adapters are unloaded
   to make room), their bytes. Each adapter has an index in every targeted linear layer's stacked weights
-  (``hf_paged.ops.lora``'s layout) and a load generation; a request of adapter ``a`` gets
-  ``cache_root = root_key("adapter", a, generation)``, so KV computed under one adapter is never reused by another,
-  by a reload of it, or by the base model (prefix caching keys every block by its chain root).
+  (``hf_paged.ops.lora``'s layout) and a content digest (of its tensors and scales, not its name); a request of
+  adapter ``a`` gets ``cache_root = adapter_root(digest)``, so KV computed under one adapter is never reused by
+  another, by a changed reload of it (in this engine or another on the same pool), or by the base model (prefix
+  caching keys every block by its chain root, which also holds the weights fingerprint: ``engine/kv.py``). The same
+  adapter content loaded under two names, or in two engines, shares its KV.
 * The manager asks ``hold(name)`` when a request names an adapter (``AdapterNotLoadedError`` naming the loaded ones
   when it is not loaded), then ``attach`` marks the request as a user (a used adapter is never evicted or unloaded).
 * The runner lays a step's chunks out adapter by adapter (``grouped``), asks ``token_map(chunks)`` for the
@@ -19,7 +21,9 @@ Contract (the engine's adapter stage):
 The base weights are never changed. Scaling is PEFT's: ``lora_alpha / r`` (``alpha_pattern`` / ``rank_pattern`` per
 module), ``lora_alpha / sqrt(r)`` with ``use_rslora``; no dropout at inference. On a ``PeftModel`` (or a model PEFT
 injected layers into) the engine's requests run the base weights unless they name an adapter: PEFT's own layers are
-bypassed inside ``applied``.
+bypassed inside ``applied`` once an adapter is loaded (before that, PEFT's active adapters run); whether they are is
+part of every key's root (:attr:`AdapterSet.peft_bypassed`), and PEFT's switches (active set, disabled, merged) are
+part of the weights fingerprint, so KV made with PEFT's adapter on is never served to a request running without.
 
 Example::
 
@@ -33,6 +37,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -46,7 +51,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ..allocator import root_key
 from ..ops.lora import LoraGroup, add_lora_kernel, add_lora_torch, lora_groups
 from ..patches import state_mixers
 
@@ -85,6 +89,7 @@ class LoadedAdapter:
     name: str
     index: int
     generation: int
+    digest: bytes  # of its content (adapter_digest): its KV's key root
     modules: list[str]
     ranks: dict[str, int]
     nbytes: int  # its own weights (A and B of every targeted layer, unpadded)
@@ -95,7 +100,7 @@ class LoadedAdapter:
 
     @property
     def cache_root(self) -> bytes:
-        return root_key("adapter", self.name, self.generation)
+        return self.digest
 
     def busy(self) -> bool:
         self.prune()
@@ -166,6 +171,21 @@ def read_adapter(source, adapter_name: str | None = None) -> tuple[dict, dict[st
         return (config.to_dict() if hasattr(config, "to_dict") else dict(config)), dict(state)
     raise TypeError(f"an adapter source is a directory saved by peft, a PeftModel or (LoraConfig, state_dict); got "
                     f"{type(source).__name__}.")
+
+
+def adapter_digest(weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]]) -> bytes:
+    """A 16-byte digest of a parsed adapter's content (from :func:`parse_adapter`: each targeted module's name, A, B
+    and scale, their dtypes, shapes and bytes), not of its name or where it was read from."""
+    h = hashlib.blake2b(b"lora-adapter", digest_size=16)
+    for module_name in sorted(weights):
+        a, b, scale = weights[module_name]
+        h.update(json.dumps([module_name, float(scale)]).encode())
+        for t in (a, b):
+            t = t.detach().to("cpu").contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            if t.numel():
+                h.update(t.view(-1).view(torch.uint8).numpy())
+    return h.digest()
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -255,6 +275,7 @@ class AdapterSet:
         mixers = {id(m) for m in state_mixers(_base_module(model)).values()}
         self._in_mixers = tuple(f"{n}." for n, m in self._modules.items() if id(m) in mixers)
         self._peft_wrapped = False
+        self.peft_bypassed = False  # the engine's forwards run PEFT layers' base layers only (a key root part)
 
     # ------------------------------------------------------------ adapters
     @property
@@ -268,6 +289,7 @@ class AdapterSet:
         if not isinstance(name, str) or not name:
             raise ValueError(f"an adapter name is a non-empty string, got {name!r}.")
         weights = parse_adapter(*read_adapter(source, adapter_name))
+        digest = adapter_digest(weights)
         targets = {}
         for module_name, (a, b, _) in weights.items():
             module = self._modules.get(module_name)
@@ -310,7 +332,7 @@ class AdapterSet:
                 layer.scales_tensor[index] = scale
                 ranks[module_name] = r
                 nbytes += (a.numel() + b.numel()) * layer.lora_a.element_size()
-            adapter = LoadedAdapter(name, index, self._generation, sorted(weights), ranks, nbytes,
+            adapter = LoadedAdapter(name, index, self._generation, digest, sorted(weights), ranks, nbytes,
                                     last_used=self._clock)
             self.adapters[name] = adapter
             self._wrap_peft_layers()
@@ -385,6 +407,7 @@ class AdapterSet:
         for module_name, module in self._modules.items():
             if hasattr(module, "lora_A") and hasattr(module, "base_layer"):
                 self._wrap(module_name, module, module.base_layer)
+                self.peft_bypassed = True
 
     # ------------------------------------------------------------ requests
     def hold(self, name: str) -> LoadedAdapter:

@@ -145,10 +145,10 @@ class ContinuousBatchingManager:
 
     # ------------------------------------------------------- weights, memory
     def weights_updated(self) -> None:
-        """Forget every cached prefix now: no K/V computed before this call is reused. Optional: before each prefix
-        lookup the engine checks the model's parameter version counters and does this by itself when they changed
-        (``optimizer.step()``, ``load_state_dict``, copied-in weights); call it for changes those counters do not
-        show (e.g. switching which loaded adapter is active)."""
+        """Forget every cached prefix now (their blocks return to the free list). Not needed for correctness: every
+        block key's root holds the model's weights fingerprint (``hf_paged.weights``: their values, however written),
+        the adapter's content digest and PEFT's switches, so K/V of other weights is never found; call it to free the
+        old weights' blocks at once."""
         self._core.kv.reset_prefix_cache()
 
     def sleep(self) -> int:
