@@ -72,7 +72,7 @@ class Timers:
             h.remove()
 
 
-def profile(model, tokenizer, rows: int, prompt_tokens: int, steps: int) -> tuple[dict, list[int]]:
+def profile(model, tokenizer, rows: int, prompt_tokens: int, steps: int, ops: int = 0) -> tuple[dict, list[int]]:
     """Median seconds per part over the decode-only steps of ``rows`` requests; and the first request's tokens."""
     base = tokenizer("The history of the paged cache: " * 64).input_ids[:prompt_tokens]
     prompts = [[(t + i) % 30000 + 100 if j == 0 else t for j, t in enumerate(base)] for i in range(rows)]
@@ -90,6 +90,11 @@ def profile(model, tokenizer, rows: int, prompt_tokens: int, steps: int) -> tupl
         parts = timers.take()
         after = {p: getattr(core.times, p) for p in before}
         if core.last_batch_tokens == rows and len(core.scheduler.running) == rows:
+            if ops and len(samples) == 2:  # one decode step under torch's profiler: its top ops by self time
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    step()
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=ops), flush=True)
+                timers.take()
             forward = after["forward"] - before["forward"]
             inner = {k: parts.get(k, 0.0) for k in ("linears", "attention", "norms")}
             row = {**inner, "other": forward - sum(inner.values()), "forward": forward}
@@ -123,6 +128,7 @@ def main(argv=None) -> int:
     p.add_argument("--linears", default="eager,packed", help="comma-separated: eager, packed, int8")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--steps", type=int, default=12, help="decode steps per configuration")
+    p.add_argument("--ops", type=int, default=0, help="also print one decode step's top N ops (torch profiler)")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     print(f"machine: {cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads, {dtype}; "
@@ -133,7 +139,7 @@ def main(argv=None) -> int:
     for rows in [int(r) for r in args.rows.split(",")]:
         for linears in args.linears.split(","):
             prepare_cpu_linears(model, linears)
-            med, toks = profile(model, tokenizer, rows, args.prompt_tokens, args.steps)
+            med, toks = profile(model, tokenizer, rows, args.prompt_tokens, args.steps, args.ops)
             tokens[(rows, linears)] = toks
             fwd = med["forward"]
             step = fwd + med["plan"] + med["schedule"] + med["sample"]
