@@ -160,8 +160,9 @@ def prepare_cpu_linears(model: nn.Module, mode: str = "auto") -> int:
             continue
         if type(module) not in (nn.Linear, PackedLinear, Int8Linear):
             continue  # a subclass of someone else's (a quantized or parallel linear): its forward is its own
-        if target is not nn.Linear and module.weight.device.type != "cpu":
-            continue
+        if target is not nn.Linear and (module.weight.device.type != "cpu"
+                                        or type(module.weight.data) is not torch.Tensor):
+            continue  # another device, or a sharded (DTensor) weight: its own matmul
         if target is PackedLinear and not _packable(module.weight):
             continue
         module.__class__ = target
