@@ -79,7 +79,7 @@ class PackedLinear(nn.Linear):
         packed = None
         try:
             candidate = torch.ops.mkldnn._reorder_linear_weight(weight, max(1, rows))
-            probe = torch.randn(3, self.in_features, dtype=weight.dtype)
+            probe = torch.randn(3, self.in_features, generator=torch.Generator().manual_seed(0)).to(weight.dtype)
             bias = None if self.bias is None else self.bias.detach()
             if torch.equal(torch.ops.mkldnn._linear_pointwise(probe, candidate, bias, "none", [], ""),
                            F.linear(probe, weight, bias)):
