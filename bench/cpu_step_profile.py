@@ -105,12 +105,16 @@ def profile(model, tokenizer, rows: int, prompt_tokens: int, steps: int, ops: in
     core.step = timed_step
     try:
         manager.start()
-        ids = manager.add_requests(prompts, max_new_tokens=steps + 4, do_sample=False, ignore_eos=True)
+        # the first rows decode while the last prefill (512-token steps): long enough to decode all together after
+        ids = manager.add_requests(prompts, max_new_tokens=steps + 4 + rows * prompt_tokens // 512, do_sample=False,
+                                   ignore_eos=True)
         results = [manager.get_result(rid) for rid in ids]
     finally:
         manager.stop()
         timers.remove()
-    med = {k: statistics.median(s[k] for s in samples) for k in samples[0]} if samples else {}
+    if not samples:
+        raise RuntimeError(f"no decode-only step of {rows} rows was seen: raise --steps.")
+    med = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
     detok = IncrementalDetokenizer(tokenizer)
     tokens = list(results[0].generated_tokens)
     start = time.perf_counter()
