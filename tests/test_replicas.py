@@ -103,7 +103,7 @@ def replicas(tmp_path_factory):
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         args = parser().parse_args(["--model", str(model_dir), "--replicas", "2", "--replica-cpus", "0.5",
-                                    "--ingress-cpus", "0.1", "--threads", "1", "--max-memory", "8MiB",
+                                    "--ingress-cpus", "0.1", "--threads", "1", "--max-memory", "8MiB", "--dtype", "float32",
                                     "--api-key", KEY, "--drain-timeout", "10", "--log-level", "warning"])
         started = time.monotonic()
         serve.run(application(args, build), name=APP, route_prefix="/", blocking=False)

@@ -59,7 +59,7 @@ def setup(tmp_path_factory):
     tokenizer.save_pretrained(root / "model")
     paths = save_adapters(make, root / "adapters")
     args = cli.parser().parse_args([
-        "--model", str(root / "model"), "--served-model-name", BASE, "--device", "cpu", "--api-key", KEY,
+        "--model", str(root / "model"), "--served-model-name", BASE, "--device", "cpu", "--dtype", "float32", "--api-key", KEY,
         "--max-memory", "64MiB", "--enable-lora-loading", "--lora-root", str(root / "adapters"), "--lora-modules", *(f"{n}={p}" for n, p in paths.items())])
     app, _ = cli.build(args)
     server = AppServer(app)

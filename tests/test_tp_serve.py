@@ -74,7 +74,8 @@ def _wait_healthy(url: str, procs: list[subprocess.Popen], out: list[Output]) ->
 
 def _serve_args(model_dir, port: int) -> list[str]:
     return ["-m", "hf_paged", "serve", "--model", str(model_dir), "--port", str(port), "--tp-plan", "auto",
-            "--tp-timeout", str(TP_TIMEOUT_S), "--max-memory", "8MiB", "--drain-timeout", "30", "--threads", "1"]
+            "--tp-timeout", str(TP_TIMEOUT_S), "--max-memory", "8MiB", "--drain-timeout", "30", "--threads", "1",
+            "--dtype", "float32"]
 
 
 def _env() -> dict:

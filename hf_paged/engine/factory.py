@@ -16,6 +16,7 @@ from ..groups import LayerGroups
 from ..patches import check_engine_supported, check_model, kv_geometry
 from . import features, graphs
 from .core import EngineCore
+from .cpu_linears import prepare_cpu_linears
 from .distributed import AgreeingRunner, agree_on_pool, make_sync
 from .kv import RequestKV
 from .lora import DEFAULT_MAX_LORAS, AdapterSet
@@ -40,7 +41,8 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
                              encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES, speculative=None,
                              num_speculative_tokens: int = DEFAULT_NUM_TOKENS,
                              speculative_max_tokens: int | None = None,
-                             tokenizer=None, max_loras: int = DEFAULT_MAX_LORAS) -> ContinuousBatchingManager:
+                             tokenizer=None, max_loras: int = DEFAULT_MAX_LORAS,
+                             cpu_linears: str = "auto") -> ContinuousBatchingManager:
     """A continuous-batching manager serving ``model`` from a shared block pool (start it, or use ``with``).
 
     Args:
@@ -90,6 +92,11 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
         max_loras: LoRA adapters loaded at once (``manager.load_adapter``; requests name one with ``adapter=``);
             past it the least recently used idle one is unloaded. 0: no adapter support. Nothing is allocated until
             an adapter is loaded (see ``hf_paged/engine/lora.py``).
+        cpu_linears: a CPU model's linear layers (``hf_paged/engine/cpu_linears.py``): ``"auto"`` (default:
+            oneDNN-prepacked weights for bf16 / fp16, bit-identical to ``F.linear`` and faster at decode's few rows;
+            fp32 as it is), ``"packed"``, ``"int8"`` (int8 weight-only, one scale per output channel: half of bf16's
+            weight bytes, not the same function) or ``"eager"``. The layers change class in place (still
+            ``nn.Linear``, same weights).
 
     Requires transformers >= 5.24 (the attention plumbing the packed forward needs); ``generate()`` with a
     ``PagedCache`` works from 4.56.
@@ -116,6 +123,8 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
         options["watermark"] = watermark
     check_model(model)
     check_engine_supported(model)
+    if model.device.type == "cpu":
+        prepare_cpu_linears(model, cpu_linears)
     if not is_paged(model) or backend != "auto":  # a model paged before keeps its backend unless one is asked
         attach_attention(model, backend=backend)
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config

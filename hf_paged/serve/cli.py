@@ -16,6 +16,7 @@ import torch
 import uvicorn
 
 from .. import BlockPool, attach_paged_attention, embedded, init_continuous_batching
+from ..engine.cpu_linears import native_dtype
 from ..engine.lora import DEFAULT_MAX_LORAS
 from .app import ServeSettings, create_app
 from .distributed import serve as serve_distributed
@@ -31,7 +32,7 @@ from .middleware import DEFAULT_MAX_BODY_BYTES
 from .protocol import RequestLimits
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -48,7 +49,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", default="model", choices=["model", "fp8"],
                    help="KV block dtype: the model's, or fp8 (e4m3, twice the tokens of bf16)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="weights' dtype (auto: bfloat16 on a GPU, float32 on the CPU)")
+                   help="weights' dtype (auto: bfloat16 on a GPU and on a CPU that computes it natively, avx512_bf16 "
+                        "or AMX; float32 on other CPUs). int8: int8 weight-only linears on the CPU (one scale per "
+                        "output channel, bfloat16 activations; not the same function as bfloat16)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
@@ -142,8 +145,11 @@ def build(args, load=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     device = _device(args.device)
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
-             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    dtype = {"auto": native_dtype(device), "float32": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "int8": torch.bfloat16}[args.dtype]
+    if args.dtype == "int8" and device.type != "cpu":
+        raise SystemExit(f"--dtype int8 runs int8 weight-only linears on the CPU; this server runs on {device}. "
+                         "Pass --device cpu, or another --dtype.")
     name = args.served_model_name or (Path(args.model).resolve().name if args.model else EMBEDDED_NAME)
     print(f"loading {args.model or 'the embedded ' + EMBEDDED_NAME} ({dtype}, {device}) ...", flush=True)
     vision = load_vision_model(args.model, dtype) if args.model and load is None else None
@@ -176,7 +182,8 @@ def build(args, load=None):
                                        max_queue_size=args.max_queue,
                                        cuda_graphs=False if args.no_cuda_graphs else None,
                                        tp_timeout_s=getattr(args, "tp_timeout", 60.0), tokenizer=tokenizer,
-                                       max_loras=max_loras)
+                                       max_loras=max_loras,
+                                       cpu_linears="int8" if args.dtype == "int8" else "auto")
     for lora, path in loras.items():
         manager.load_adapter(lora, path)
     settings = ServeSettings(model_name=name, api_key=args.api_key,
@@ -195,7 +202,8 @@ def build(args, load=None):
                              max_lora_rank=getattr(args, "max_lora_rank", None), max_loras=max_loras)
     vocab = model.config.get_text_config(decoder=True).vocab_size
     app = create_app(manager, tokenizer, settings, vocab_size=vocab, processor=processor)
-    return app, f"{name} on {device} ({dtype}, KV {args.kv_dtype}, block {args.block_size})"
+    weights = "int8 weights, bfloat16" if args.dtype == "int8" else dtype
+    return app, f"{name} on {device} ({weights}, KV {args.kv_dtype}, block {args.block_size})"
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,178 @@
+"""CPU linear layers that stream their weights at the memory's speed: prepacked oneDNN weights, or int8 weight-only.
+
+A CPU decode step is a weight-streaming problem: a step of a few rows multiplies each weight once, and ``F.linear``
+on an unpacked bf16 weight reorders it for oneDNN on every call (SmolLM2-135M, 8 rows: 72% of the step in
+``aten::mm``, ~7 GB/s). Inductor's freezing pass fixes this by reordering each weight once
+(``mkldnn._reorder_linear_weight``) and calling ``mkldnn._linear_pointwise`` on the packed copy; this module does the
+same in eager mode, so every step shape (decode, mixed, prefill, padded or not) gets it without a compile, and the
+outputs are bit-identical to ``F.linear``'s (each shape is checked against ``F.linear`` when its layer is packed; one
+that differs, or a CPU whose oneDNN cannot run the dtype, stays unpacked).
+
+``prepare_cpu_linears(model, "packed" | "int8" | "eager" | "auto")`` swaps the class of the model's ``nn.Linear``
+layers in place (they stay ``nn.Linear``: their ``weight`` parameter, tied embeddings, LoRA and state dicts are
+untouched):
+
+- :class:`PackedLinear` (bf16 / fp16 weights): the oneDNN-packed copy is made at the first call and remade when
+  the weight changes in place (a weight sync bumps its version) or is replaced; a call that needs gradients runs
+  ``F.linear``. Costs a second copy of each weight in memory.
+- :class:`Int8Linear`: symmetric per-output-channel int8 weights (``torch._weight_int8pack_mm``), the activations in
+  the model's dtype: half the bytes of bf16 per step, but not the same function (greedy tokens can differ).
+
+``"auto"``: ``"packed"`` for a CPU model with bf16 / fp16 weights, nothing otherwise (fp32 runs MKL's own GEMM, which
+packing does not speed up bit-identically).
+
+:func:`native_dtype` is the dtype a CPU computes natively: bf16 where it has ``avx512_bf16`` or AMX (oneDNN's bf16
+GEMM there streams half of fp32's bytes at about twice its speed), fp32 elsewhere (bf16 would be emulated).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MODES = ("auto", "packed", "int8", "eager", "keep")  # keep: the layers as they are
+PACKED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def cpu_flags() -> frozenset:
+    """The CPU's feature flags (Linux's ``/proc/cpuinfo``; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def native_dtype(device: torch.device | str = "cpu") -> torch.dtype:
+    """bf16 on a GPU, and on a CPU with native bf16 arithmetic (``avx512_bf16`` or ``amx_bf16``, with ATen's AVX-512
+    kernels not held back by ``ATEN_CPU_CAPABILITY``); fp32 on any other CPU."""
+    if torch.device(device).type != "cpu":
+        return torch.bfloat16
+    capability = torch.backends.cpu.get_cpu_capability()
+    native = {"avx512_bf16", "amx_bf16"} & cpu_flags()
+    return torch.bfloat16 if native and capability.startswith(("AVX512", "AMX")) else torch.float32
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
+            and torch.backends.mkldnn.enabled)
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // max(1, x.shape[-1])
+
+
+class PackedLinear(nn.Linear):
+    """An ``nn.Linear`` computing with a oneDNN-packed copy of its weight (see the module docstring)."""
+
+    _packed: torch.Tensor | None
+    _packed_key: tuple | None
+
+    def _pack(self, rows: int) -> torch.Tensor | None:
+        """The packed weight for the current weight (None: this layer stays on ``F.linear``), checked once against
+        ``F.linear`` on a few rows."""
+        weight = self.weight.detach()
+        packed = None
+        try:
+            candidate = torch.ops.mkldnn._reorder_linear_weight(weight, max(1, rows))
+            probe = torch.randn(3, self.in_features, generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+            bias = None if self.bias is None else self.bias.detach()
+            if torch.equal(torch.ops.mkldnn._linear_pointwise(probe, candidate, bias, "none", [], ""),
+                           F.linear(probe, weight, bias)):
+                packed = candidate
+        except RuntimeError:  # oneDNN has no primitive for this dtype on this CPU (e.g. bf16 held to AVX2)
+            packed = None
+        self._packed = packed
+        self._packed_key = (self.weight.data_ptr(), self.weight._version, self.weight.dtype)
+        return packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) or x.dtype != weight.dtype \
+                or x.device.type != "cpu":
+            return F.linear(x, weight, self.bias)
+        packed = self._packed
+        if self._packed_key != (weight.data_ptr(), weight._version, weight.dtype):
+            packed = self._pack(_rows(x))
+        if packed is None:
+            return F.linear(x, weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+
+
+class Int8Linear(nn.Linear):
+    """An ``nn.Linear`` computing with int8 weights, one scale per output channel (see the module docstring)."""
+
+    _qweight: torch.Tensor  # [out, in] int8
+    _scales: torch.Tensor  # [out] in the activations' dtype
+    _quant_key: tuple | None
+
+    def _quantize(self) -> None:
+        weight = self.weight.detach().float()  # [out, in]
+        scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
+        self._qweight = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        self._scales = scales
+        self._quant_key = (self.weight.data_ptr(), self.weight._version)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return F.linear(x, self.weight, self.bias)
+        if self._quant_key != (self.weight.data_ptr(), self.weight._version):
+            self._quantize()
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).contiguous()  # [rows, in]
+        out = torch._weight_int8pack_mm(x2, self._qweight, self._scales.to(x.dtype))  # [rows, out]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], self.out_features)
+
+
+def resolve_mode(model: nn.Module, mode: str) -> str:
+    """``mode`` with ``"auto"`` decided for ``model`` (see the module docstring)."""
+    if mode not in MODES:
+        raise ValueError(f"cpu_linears must be one of {MODES}, got {mode!r}.")
+    if mode != "auto":
+        return mode
+    param = next(model.parameters(), None)
+    return "packed" if param is not None and _packable(param) else "eager"
+
+
+def prepare_cpu_linears(model: nn.Module, mode: str = "auto") -> int:
+    """Swap ``model``'s CPU ``nn.Linear`` layers to :class:`PackedLinear` (``"packed"``) or :class:`Int8Linear`
+    (``"int8"``) in place; ``"eager"`` puts back plain ``nn.Linear``. Returns how many layers changed class.
+    Layers on another device (or, for packing, in fp32) are left as they are.
+
+    Example::
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        prepare_cpu_linears(model, "packed")  # every later forward: bit-identical logits, prepacked weights
+    """
+    if mode == "keep" or (mode == "auto" and resolve_mode(model, mode) == "eager"):
+        return 0  # nothing packable: the layers stay as they are (a model int8-quantized before keeps it)
+    mode = resolve_mode(model, mode)
+    target = {"packed": PackedLinear, "int8": Int8Linear, "eager": nn.Linear}[mode]
+    changed = 0
+    for module in model.modules():
+        if not isinstance(module, nn.Linear) or type(module) is target:
+            continue
+        if type(module) not in (nn.Linear, PackedLinear, Int8Linear):
+            continue  # a subclass of someone else's (a quantized or parallel linear): its forward is its own
+        if target is not nn.Linear and (module.weight.device.type != "cpu"
+                                        or type(module.weight.data) is not torch.Tensor):
+            continue  # another device, or a sharded (DTensor) weight: its own matmul
+        if target is PackedLinear and not _packable(module.weight):
+            continue
+        module.__class__ = target
+        module._packed = module._packed_key = module._quant_key = None
+        changed += 1
+    return changed
+
+
+def linears_mode(model: nn.Module) -> str:
+    """Which kind of linears ``model`` runs: ``"packed"``, ``"int8"``, ``"eager"`` or ``"mixed"``."""
+    kinds = {type(m) for m in model.modules() if type(m) in (nn.Linear, PackedLinear, Int8Linear)}
+    names = {PackedLinear: "packed", Int8Linear: "int8", nn.Linear: "eager"}
+    return names[kinds.pop()] if len(kinds) == 1 else ("eager" if not kinds else "mixed")
