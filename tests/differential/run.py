@@ -279,6 +279,8 @@ def shrink(runner: Runner, case: dict, finding: Finding, budget: int = 60, log=N
         for what, candidate, (p, i) in _candidates(case, finding):
             if runs >= budget:
                 break
+            if candidate == case:
+                continue
             runs += 1
             try:
                 found = runner.run(candidate)
