@@ -186,7 +186,8 @@ def draw_case(seed: int, hot_tokens, families: list[str] | None = None, max_requ
                        "requests": requests})
     # the pool: roomy, or just above the largest request's worst case (preemptions)
     bs = engine["block_size"]
-    worst = max(-(-(prompt_length(family, r) + r["kwargs"]["max_new_tokens"] + 8) // bs)
+    groups = 2  # sliding and full layers take blocks each (mixed-window families); over-counted for the others
+    worst = max(groups * (-(-(prompt_length(family, r) + r["kwargs"]["max_new_tokens"] + 8) // bs) + 1)
                 * r["kwargs"].get("num_beams", 1) + 2 for ph in phases for r in ph["requests"])
     engine["num_blocks"] = rng.choice([max(1024, worst), worst + rng.randint(0, 6)])
     return {"family": family, "model_seed": model_seed, "engine": engine, "phases": phases}
