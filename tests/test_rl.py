@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from transformers import ContinuousBatchingConfig
+from transformers import ContinuousBatchingConfig, DynamicCache, GenerationConfig
 
 from helpers import VOCAB, decoder_token_counter, tiny_model
 from helpers.engine_oracle import TieCount, check_tokens, reference
@@ -98,7 +98,7 @@ def test_model_generate_batch_runs_hf_paged_engine_with_transformers_shape():
         model.generate_batch(batch, penalty_alpha=0.6)
     config.do_sample = False  # refused (identical sequences): one FAILED result per prompt, named
     refused = model.generate_batch(batch[:1], generation_config=config, max_new_tokens=NEW)
-    assert list(refused) == ["req_5"] and "num_return_sequences=2 with greedy" in refused["req_5"].error
+    assert list(refused) == ["req_5"] and "num_return_sequences > 1 is not served" in refused["req_5"].error
     hf_paged.disable_paged_attention(model)
     assert installed(model) is None and "generate_batch" not in model.__dict__
     assert model.generate_batch.__func__ is type(model).generate_batch
@@ -288,4 +288,39 @@ def test_sampled_token_logprobs_through_model_generate_batch():
         logp = torch.log_softmax(logits, dim=-1)  # [len, vocab]
         for i, (token, lp) in enumerate(zip(out.generated_tokens, out.logprobs)):
             assert abs(lp - logp[len(prompt) - 1 + i, token].item()) < 1e-4
+    hf_paged.disable_paged_attention(model)
+
+
+def test_generate_batch_after_transformers_own_in_every_call_shape():
+    """transformers' own ``generate_batch`` ran on the model first (it writes eos_token_id=-1, "disabled", into a
+    generation config without EOS); then, paged, every call shape transformers' accepts (a GenerationConfig with
+    max_new_tokens, keywords, both) gives the same tokens as transformers' own and generate() per prompt, never an
+    empty completion."""
+    model = tiny_model(seed=5)
+    batch = prompts(4, seed=3, length=17)
+
+    def config(**extra):
+        return GenerationConfig(**{"max_new_tokens": 8, "do_sample": False, "eos_token_id": None, "pad_token_id": 0,
+                                   **extra})
+
+    gc = config()
+    theirs = tokens_of(model.generate_batch(
+        batch, generation_config=gc, continuous_batching_config=ContinuousBatchingConfig(auto_switch_to_flash=False,
+                                                                                         **CB)))
+    assert gc.eos_token_id == -1  # what transformers' manager leaves on the config it was given
+    with torch.no_grad():
+        alone = [model.generate(torch.tensor([p]), generation_config=config(), past_key_values=DynamicCache())[
+            0, len(p):].tolist() for p in batch]
+    assert theirs == alone and all(len(t) == 8 for t in alone)
+    hf_paged.enable_paged_attention(model, backend="torch")
+    shapes = {
+        "config": dict(generation_config=gc),
+        "fresh config": dict(generation_config=config()),
+        "config and keywords": dict(generation_config=config(max_new_tokens=3), max_new_tokens=8),
+        "keywords": dict(max_new_tokens=8, do_sample=False, eos_token_id=-1),
+    }
+    for name, kwargs in shapes.items():
+        outs = model.generate_batch(batch, **kwargs)
+        assert [o.error for o in outs.values()] == [None] * 4, name
+        assert tokens_of(outs) == alone, name
     hf_paged.disable_paged_attention(model)

@@ -43,6 +43,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import features
+
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_HEARTBEAT_S = 1.0
@@ -117,10 +119,7 @@ class TensorParallelSync:
 def check_broadcastable(params) -> None:
     """``ValueError`` now (in the caller's thread) for settings the other ranks could not receive: structured output
     (its compiled grammar lives on rank 0, beside the tokenizer), or anything else that does not pickle."""
-    if getattr(params, "grammar", None) is not None:
-        raise ValueError("structured output (a grammar, response_format or tool_choice) is not supported under "
-                         "tensor parallelism: the other ranks have no tokenizer to compile it with. Serve it from a "
-                         "single-process engine.")
+    features.check(features.request_features(params, tensor_parallel=True))
     try:
         pickle.dumps(params)
     except Exception as err:

@@ -14,7 +14,7 @@ from .. import compat
 from ..attention import attach_attention, is_paged, paged_backend
 from ..groups import LayerGroups
 from ..patches import check_engine_supported, check_model, kv_geometry
-from . import graphs
+from . import features, graphs
 from .core import EngineCore
 from .distributed import AgreeingRunner, agree_on_pool, make_sync
 from .kv import RequestKV
@@ -144,9 +144,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     if cuda_graphs is not None:
         options["cuda_graphs"] = cuda_graphs
     wanted_graphs = options.pop("cuda_graphs", None)
-    if state_layers and wanted_graphs:
-        raise ValueError("cuda_graphs=True is not supported for models with state layers (their mixers run per group "
-                         "of requests, outside a graph). Leave cuda_graphs unset.")
+    features.check(features.request_features(None, state_layers=bool(state_layers), cuda_graphs=bool(wanted_graphs)))
     media = MultimodalInputs(model, encoder_cache_bytes) if takes_images(model) and sync is None else None
     sharded = (getattr(model, "tp_size", None) or 1) > 1  # tensor-parallel weights (with or without a driver)
     runner = ModelRunner(model, kv, paged_backend(model), num_layers,
@@ -157,9 +155,8 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     if sync is not None:
         runner = AgreeingRunner(runner, sync)
     limit, reason = context_limit(config)
-    if speculative is not None and (state_layers or sync is not None):
-        raise ValueError("speculative decoding needs rows that can be cut back after a rejection: not served for "
-                         "models with state layers or under tensor parallelism. Leave speculative unset.")
+    features.check(features.request_features(None, speculative=speculative is not None,
+                                             state_layers=bool(state_layers), tensor_parallel=sync is not None))
     windows = [w for w in (*groups.windows, *groups.chunks) if w is not None]
     # a row is cut back after a rejection: not possible through a state, and not past a sliding window's edge
     max_draft = 0 if state_layers or sync is not None else (min(windows) - 1 if windows else None)

@@ -19,6 +19,7 @@ import torch
 
 from .. import compat
 from ..distributed import sum_over_ranks
+from . import features
 from .core import EngineCore
 from .distributed import check_broadcastable
 from .handoff import Handoff, call_back
@@ -417,8 +418,7 @@ class ContinuousBatchingManager:
 
     def _adapter_set(self) -> AdapterSet:
         if self._sync is not None:
-            raise ValueError("LoRA adapters per request are not supported under tensor parallelism; merge the "
-                             "adapter into the weights (peft's merge_and_unload) and serve that model.")
+            features.check({"adapter", "tensor_parallel"})
         if self._adapters is None:
             raise ValueError("this manager was built without adapter support (max_loras=0); build it with "
                              "init_continuous_batching(model, max_loras=N).")

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..patches import bidirectional_image_families, refused_image_families
+from . import features
 
 # Processor outputs that are not image tensors (the prompt and its masks).
 PROMPT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
@@ -234,7 +235,7 @@ class MultimodalInputs:
                              "without padding.")
         videos = sorted(VIDEO_KEYS & set(inputs))
         if videos:
-            raise ValueError(f"videos are not supported by the engine yet (got {videos}); send images.")
+            features.check({"videos"})
         tensors = {k: torch.as_tensor(v) for k, v in inputs.items() if k not in PROMPT_KEYS and v is not None}
         tokens = ids.tolist()
         positions = [i for i, t in enumerate(tokens) if t == self.placeholder]

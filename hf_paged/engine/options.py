@@ -9,6 +9,7 @@ import os
 import torch
 
 from ..pool import BlockPool
+from . import features
 
 CPU_BATCH_TOKENS = 512
 CUDA_BATCH_TOKENS = 2048
@@ -32,19 +33,7 @@ CB_IRRELEVANT = {
     "drop_unsupported_processors", "max_blocks_per_request", "use_default_compile_configs", "max_cached_graphs",
     "cpu_offload_space_safety_threshold",
 }
-_CB_REFUSED_WHY = {
-    "use_cuda_graph": "this engine graphs decode-only steps only; steps with prefill chunks run eagerly",
-    "q_padding_interval_size": "this engine pads graphed decode steps to power-of-two row buckets",
-    "kv_padding_interval_size": "this engine pads graphed decode steps' block tables to power-of-two widths",
-    "varlen_compile_config": "this engine runs its forwards eagerly",
-    "decode_compile_config": "this engine runs its forwards eagerly",
-    "default_compile_level": "this engine runs its forwards eagerly",
-    "scheduler_type": "this engine schedules first come, first served only",
-    "seed": "pass seed= per request (add_request(..., seed=...)) instead",
-    "use_async_batching": "this engine runs one step at a time",
-    "cpu_offload_space": "preempted requests are recomputed (their cached prefix blocks make that cheap), not "
-                         "offloaded",
-}
+_CB_REFUSED_WHY = features.UNSERVED_ENGINE_SETTINGS  # refused ContinuousBatchingConfig fields (features.py)
 
 
 def from_continuous_batching_config(config) -> dict:

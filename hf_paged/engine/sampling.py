@@ -45,6 +45,7 @@ from transformers import (
 )
 
 from .. import compat
+from . import features
 from .processors import NGramIndex, Processors, ProcessorSettings, RequestState, token_ids
 from .stopping import Stopping, StopSettings
 
@@ -70,32 +71,8 @@ NO_EFFECT = frozenset({
     "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind", "max_matching_ngram_size",
     "is_assistant", "return_dict_in_generate", "continuous_batching_config", "transformers_version",
 })
-_HUB = "moved out of transformers to the Hub (custom_generate) in transformers 5; not served by the engine"
-_SPECULATION = ("is not one of the engine's speculation modes; use prompt_lookup_num_tokens or init_continuous_batching(speculative=...)")
-_RETURN = ("is part of generate()'s return value, which the engine does not build; ask for logprobs=k (the "
-           "processed distribution's top k) instead")
-# Settings refused when set to anything but generate()'s default, with the reason: what a decoder-only engine step
-# cannot apply.
-REFUSED = {
-    "num_beam_groups": _HUB, "diversity_penalty": _HUB, "constraints": _HUB, "force_words_ids": _HUB,
-    "penalty_alpha": ("contrastive search re-ranks candidates by the model's hidden states, which the engine's "
-                      "packed step does not return; run model.generate() with a PagedCache for it"),
-    "dola_layers": ("DoLa contrasts early-exit layers' logits, which the engine's packed step does not compute; "
-                    "run model.generate() with a PagedCache for it"),
-    "guidance_scale": ("classifier-free guidance needs a second, unconditional forward per request and step; run "
-                       "model.generate() with a PagedCache for it"),
-    "encoder_no_repeat_ngram_size": "applies to encoder-decoder models only (the engine serves decoder-only models)",
-    "encoder_repetition_penalty": "applies to encoder-decoder models only (the engine serves decoder-only models)",
-    "token_healing": ("token healing rewrites the prompt's last tokens with the tokenizer before generating; heal "
-                      "the prompt before add_request, or run model.generate() with a PagedCache"),
-    "assistant_early_exit": _SPECULATION,
-    "speculation_type": _SPECULATION,
-    "use_mtp": "multi-token prediction is not served by the engine",
-    "output_scores": "per-step scores " + _RETURN,
-    "output_logits": "per-step logits " + _RETURN,
-    "output_attentions": "attentions are not returned by the engine",
-    "output_hidden_states": "hidden states are not returned by the engine",
-}
+# Settings refused when set to anything but generate()'s default, with the reason (features.py's table).
+REFUSED = features.UNSERVED_SETTINGS
 # Values of refusable settings that do nothing, where generate()'s default is None.
 NEUTRAL = {"min_new_tokens": 0, "guidance_scale": 1.0, "diversity_penalty": 0.0, "num_beam_groups": 1}
 # Options of the engine's add_request that are not GenerationConfig fields.
@@ -103,6 +80,19 @@ ENGINE_OPTIONS = frozenset({"seed", "logprobs", "stop_token_ids", "ignore_eos", 
                             "grammar"})
 # Per-call callables generate() accepts, applied per request (see processors.py and stopping.py for their contract).
 CALLABLES = frozenset({"logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn"})
+
+
+def _enabled_eos(value):
+    """``eos_token_id`` less transformers' "disabled" marker: its continuous batching writes -1 into a generation
+    config that has none (``init_continuous_batching`` on a config without EOS), and ``generate()`` then never stops
+    on it either; None when nothing is left."""
+    if _is_int(value) and value == -1:
+        return None
+    if isinstance(value, (list, tuple)) and -1 in value:
+        return [v for v in value if not (_is_int(v) and v == -1)] or None
+    if isinstance(value, torch.Tensor) and bool((value == -1).any()):
+        return _enabled_eos(value.reshape(-1).tolist())
+    return value
 
 
 def _is_int(value) -> bool:
@@ -221,20 +211,10 @@ class SamplingParams:
                 not _is_int(self.prompt_lookup_num_tokens) or self.prompt_lookup_num_tokens < 0):
             raise ValueError(f"prompt_lookup_num_tokens must be an integer >= 0 (0: no speculation for this request), "
                              f"got {self.prompt_lookup_num_tokens!r}")
-        if self.num_beams > 1:
-            if self.num_return_sequences > self.num_beams:
-                raise ValueError(f"num_return_sequences={self.num_return_sequences} is more than num_beams="
-                                 f"{self.num_beams}: beam search returns at most its num_beams best sequences")
-            for name, value in (("grammar", self.grammar), ("logprobs", self.logprobs),
-                                ("prompt_lookup_num_tokens", self.prompt_lookup_num_tokens or None),
-                                ("stop_strings / max_time / stopping_criteria", self.stopping)):
-                if value is not None:
-                    raise ValueError(f"{name} with num_beams={self.num_beams} is not supported by the engine; "
-                                     f"drop one of them")
-        elif self.num_return_sequences > 1 and not self.do_sample:
-            raise ValueError(f"num_return_sequences={self.num_return_sequences} with greedy decoding would return "
-                             f"{self.num_return_sequences} identical sequences; pass do_sample=True (as generate() "
-                             f"requires)")
+        if self.num_beams > 1 and self.num_return_sequences > self.num_beams:
+            raise ValueError(f"num_return_sequences={self.num_return_sequences} is more than num_beams="
+                             f"{self.num_beams}: beam search returns at most its num_beams best sequences")
+        features.check(features.request_features(self))  # combinations (features.py's table)
 
     @classmethod
     def from_generation_config(cls, config=None, *, prompt_length: int | None = None,
@@ -268,9 +248,7 @@ class SamplingParams:
                 continue  # a custom entry of a model's config: generate() does not read it either
             if value is None or value is False or _same(value, defaults.get(key)) or _same(value, NEUTRAL.get(key)):
                 continue
-            why = REFUSED.get(key, "changes the output in generate() and the engine cannot apply it")
-            raise ValueError(f"{key}={value!r} is not supported by the engine: {why}; remove it from the "
-                             f"generation config / request")
+            raise features.setting_refused(key, value)
 
         do_sample = settings.get("do_sample") or False
         temperature = settings.get("temperature")
@@ -319,7 +297,8 @@ class SamplingParams:
         if num_beams > 1:
             length_penalty = 1.0 if settings.get("length_penalty") is None else settings["length_penalty"]
             early_stopping = settings.get("early_stopping") or False
-        eos = () if settings.get("ignore_eos") else token_ids(settings.get("eos_token_id"), "eos_token_id")
+        eos = () if settings.get("ignore_eos") else token_ids(_enabled_eos(settings.get("eos_token_id")),
+                                                              "eos_token_id")
         min_tokens = settings.get("min_tokens")
         if min_tokens is None:
             min_tokens = settings.get("min_new_tokens") or 0

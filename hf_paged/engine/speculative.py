@@ -10,11 +10,13 @@ model's own:
 
 - greedy requests: the draft's tokens are kept while they equal the target's choice at their position (the sampler's
   greedy choice, processors included), so the tokens are those of greedy decoding without speculation;
-- sampled requests: rejection sampling as in the speculative sampling papers, for a proposer that puts all its
+- sampled requests without a seed: rejection sampling as in the speculative sampling papers, for a proposer that puts all its
   probability on its draft token (both proposers here draft greedily): token d at a position whose target
   distribution is p is accepted with probability p(d); on a rejection the token is drawn from p with d removed
   (renormalised), and after a draft accepted whole the next token from p at the last position. Each output token is
-  then distributed exactly as the target model samples it.
+  then distributed exactly as the target model samples it. A seeded request decodes plainly (features.py): its
+  promise is the exact tokens of ``generate()`` after ``torch.manual_seed(seed)``, which acceptance draws from its
+  generator, and steps that draft or not by measured timings, would break.
 
 The scheduler cuts the rejected tokens' K/V off the request's row (``Scheduler.rollback``: the block table is
 truncated, emptied blocks go back to the pool).
@@ -37,6 +39,7 @@ from ..attention import attach_attention, is_paged, paged_backend
 from ..groups import LayerGroups
 from ..patches import kv_geometry
 from ..pool import BlockPool
+from . import features
 from .kv import RequestKV
 from .request import Request
 from .runner import ModelRunner
@@ -251,10 +254,11 @@ class Speculation:
         max_draft: the longest draft a row may be cut back from (a sliding window of W tokens: W - 1), None: no cap;
             0: no speculation at all (models whose rows cannot be cut back; every request decodes plainly).
 
-    A request speculates when it decodes (its next step runs one known token), asks for no ``logprobs``, has no
-    grammar and no beams, no stopping rule beyond EOS and length and no callable of its own (see
-    :func:`drafts_exactly`), and either sets ``prompt_lookup_num_tokens`` > 0 (n-gram lookup) or leaves it unset under
-    an engine default. ``prompt_lookup_num_tokens=0`` turns speculation off for it.
+    A request speculates when it decodes (its next step runs one known token), either sets
+    ``prompt_lookup_num_tokens`` > 0 (n-gram lookup) or leaves it unset under an engine default, and
+    :mod:`~hf_paged.engine.features`' table does not say it decodes plainly (logprobs, a grammar, beams, stop strings,
+    ``max_time``, own callables, watermarking, a seed: see ``features.RULES``). ``prompt_lookup_num_tokens=0`` turns
+    speculation off for it.
     """
 
     def __init__(self, default=None, num_tokens: int = DEFAULT_NUM_TOKENS, policy: SpeculationPolicy | None = None,
@@ -279,16 +283,14 @@ class Speculation:
 
     def _mode(self, req: Request) -> tuple[str | None, int]:
         p = req.params
-        if self.max_draft == 0 or p is None or p.num_beams > 1 or req.matcher is not None or p.logprobs is not None \
-                or not drafts_exactly(p):
+        if self.max_draft == 0 or p is None or req.beam is not None:
             return None, 0
         own = p.prompt_lookup_num_tokens
-        if own == 0:
-            return None, 0
-        if own is not None:
+        wanted = features.request_features(p, speculative=self.default is not None and own is None)
+        if not wanted & features.SPECULATION or features.decide(wanted).dropped & wanted & features.SPECULATION:
+            return None, 0  # no speculation asked for, or the table says it decodes plainly
+        if own:
             return "ngram", own
-        if self.default is None:
-            return None, 0
         return ("ngram" if self.draft is None else "draft"), self.num_tokens
 
     def propose(self, running: list[Request]) -> None:
@@ -390,18 +392,6 @@ class Speculation:
         self._shadow.pop(id(req), None)
         if self.draft is not None:
             self.draft.forget(req)
-
-
-def drafts_exactly(params) -> bool:
-    """Whether a request with ``params`` may verify drafts: its processors are functions of its ids alone (computed
-    afresh at each drafted position), so the verified tokens are exactly those of plain decoding. Not for stop
-    strings, ``max_time`` or custom stopping criteria (checked once per sampled token), nor its own callables
-    (``logits_processor``, ``prefix_allowed_tokens_fn``: called once per step by contract) or watermarking."""
-    if params.stopping is not None:
-        return False
-    settings = params.processors
-    return settings is None or (not settings.logits_processor and settings.prefix_allowed_tokens_fn is None
-                                and settings.watermarking_config is None)
 
 
 def accept_sampled(probs: torch.Tensor, draft: list[int], generator: torch.Generator | None = None) -> list[int]:
