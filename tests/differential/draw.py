@@ -1,6 +1,6 @@
 """Drawing a case from a seed: a family, engine conditions, and a mix of requests -- only combinations the rules
-below say the engine serves (the one place the tester decides that; :func:`refusal` is swapped for the engine's
-feature table once it has one).
+the engine's feature table (``hf_paged.engine.features``) says are served; now and then one it refuses, marked
+``"expect": "refused"``, which the runner checks ``add_request`` refuses by name.
 
 A case is plain data (lists, dicts, ints: what the reproducer prints)::
 
@@ -18,6 +18,11 @@ from __future__ import annotations
 
 import random
 
+try:
+    from hf_paged.engine import features
+except ImportError:  # an hf_paged before the feature table (running the tester on old code): the tester's own rules
+    features = None
+
 from .models import FAMILIES, QWEN_VL, VLM_KINDS, image_tokens, vocab_of
 
 ADAPTER_KINDS = ("plain", "sliding", "moe")  # families whose attention has q_proj / v_proj / o_proj to adapt
@@ -25,51 +30,75 @@ MODES = ["greedy"] * 4 + ["sampled"] * 2 + ["beams", "lookup"]
 
 
 def request_features(request: dict) -> set[str]:
-    """The features a request uses (names of the feature table's rows)."""
+    """The features a request uses, for the report (the feature table's names where it has one)."""
     kw = request["kwargs"]
     out = set()
     out.add("beams" if kw.get("num_beams", 1) > 1 else "sampled" if kw.get("do_sample") else "greedy")
-    if kw.get("num_beams", 1) > 1 and kw.get("do_sample"):
-        out.add("beam_sampling")
+    if kw.get("do_sample") and request["seed"] is not None:
+        out.add("seeded")
+    if kw.get("num_return_sequences", 1) > 1:
+        out.add("n")
     if kw.get("prompt_lookup_num_tokens"):
-        out.add("prompt_lookup")
+        out.add("ngram")
     if request["images"]:
         out.add("images")
     if request["adapter"] is not None:
         out.add("adapter")
-    for name in ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "suppress_tokens",
-                 "begin_suppress_tokens", "exponential_decay_length_penalty"):
-        if name in kw:
-            out.add("processors")
+    if any(name in kw for name in PROCESSORS):
+        out.add("processors")
     if "min_new_tokens" in kw:
-        out.add("min_length")
+        out.add("min_tokens")
     if isinstance(kw.get("eos_token_id"), list) and len(kw["eos_token_id"]) > 1:
-        out.add("several_eos")
-    for name in ("top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff"):
-        if name in kw:
-            out.add("warpers")
+        out.add("eos_ids")
+    if any(name in kw for name in WARPERS):
+        out.add("warpers")
+    return out
+
+
+PROCESSORS = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "suppress_tokens",
+              "begin_suppress_tokens", "exponential_decay_length_penalty")
+WARPERS = ("top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
+
+
+def table_features(kind: str, engine: dict, request: dict | None) -> set[str]:
+    """``request`` (None: the engine alone) in the feature table's names, with the engine's conditions."""
+    out = {"speculative"} if engine["speculative"] else set()
+    if kind == "hybrid":
+        out.add("state_layers")
+    if request is not None:
+        out |= request_features(request) - {"greedy", "warpers"}
+        if request["kwargs"].get("prompt_lookup_num_tokens") == 0:
+            out.discard("speculative")
     return out
 
 
 def refusal(kind: str, engine: dict, request: dict) -> str | None:
-    """None where the engine serves ``request`` on a ``kind`` family under ``engine``, else why not (the draw
-    skips it). The tester's own rules until the engine's feature table exists."""
-    features = request_features(request)
-    if kind == "hybrid" and (engine["speculative"] or "prompt_lookup" in features):
-        return "speculation needs rows that can be cut back: not served with state layers"
-    if "beams" in features and "prompt_lookup" in features:
-        return "prompt lookup with beams is refused by SamplingParams"
-    if "adapter" in features and kind not in ADAPTER_KINDS:
+    """None where the engine serves ``request`` on a ``kind`` family under ``engine``, else the reason the engine's
+    feature table gives (``hf_paged.engine.features``; the request is then expected to be refused by name)."""
+    if "adapter" in request_features(request) and kind not in ADAPTER_KINDS:
         return "adapters are drawn for text families with q/v/o projections only"
+    if features is None:
+        return _old_rules(table_features(kind, engine, request))
+    decision = features.decide(table_features(kind, engine, request))
+    return decision.reason if decision.outcome == features.REFUSED else None
+
+
+def _old_rules(present: set[str]) -> str | None:
+    """What the engine refused before its feature table (hf_paged before issue 51)."""
+    if {"speculative", "state_layers"} <= present or {"ngram", "state_layers"} <= present:
+        return "speculation is refused for state layers"
+    if {"beams", "ngram"} <= present:
+        return "prompt lookup with beams is refused by SamplingParams"
     return None
 
 
 def engine_refusal(kind: str, engine: dict) -> str | None:
-    if kind == "hybrid" and engine["speculative"]:
-        return "speculation is refused at init for state layers"
     if engine["adapters"] and kind not in ADAPTER_KINDS:
         return "adapters are drawn for text families only"
-    return None
+    if features is None:
+        return _old_rules(table_features(kind, engine, None))
+    decision = features.decide(table_features(kind, engine, None))
+    return decision.reason if decision.outcome == features.REFUSED else None
 
 
 def _tokens(rng, vocab: int, n: int) -> list[int]:
@@ -159,13 +188,15 @@ def draw_case(seed: int, hot_tokens, families: list[str] | None = None, max_requ
     family = rng.choice(families or list(FAMILIES))
     kind = FAMILIES[family]
     model_seed = rng.randrange(3)
-    while True:
+    for _ in range(100):
         engine = {"block_size": rng.choice([2, 4, 8, 16]), "prefix_caching": rng.random() < 0.7,
                   "max_batch_tokens": rng.choice([512, 64, 16, 8]),
                   "speculative": rng.choice([None, None, "ngram", "draft"]),
                   "adapters": rng.choice([None, None, "several", "peft"]), "num_blocks": None}
         if engine_refusal(kind, engine) is None:
             break
+    else:
+        raise AssertionError(f"no engine conditions drawn for {family}")
     hot = hot_tokens(family, model_seed)
     phases = []
     for p in range(rng.choice([1, 1, 2])):
@@ -180,7 +211,13 @@ def draw_case(seed: int, hot_tokens, families: list[str] | None = None, max_requ
                     request["images"][0] = list(base["images"][0])
             else:
                 request = draw_request(rng, family, engine, hot)
-            if refusal(kind, engine, request) is None:
+            if rng.random() < 0.08 and request["kwargs"].get("num_beams", 1) > 1:
+                request["kwargs"]["prompt_lookup_num_tokens"] = 3  # a combination the table refuses
+            why = refusal(kind, engine, request)
+            if why is None:
+                requests.append(request)
+            elif "adapters are drawn" not in why and rng.random() < 0.3:
+                request["expect"] = "refused"
                 requests.append(request)
         phases.append({"bump": rng.randrange(1000) if p and rng.random() < 0.5 and not engine["adapters"] else None,
                        "requests": requests})

@@ -15,6 +15,7 @@ from transformers import DynamicCache
 import hf_paged
 from hf_paged import BlockPool, compat
 
+from .draw import features
 from .models import FAMILIES, ModelCache, bump_weights, make_prompt, restore_weights
 
 TIE = 1e-4  # a greedy token may differ only where the reference's top-2 logits are closer than this
@@ -150,10 +151,20 @@ class Runner:
             kw = dict(request["kwargs"])
             if request["seed"] is not None:
                 kw["seed"] = request["seed"]
+            expected = request.get("expect") == "refused"
             try:
                 rids[i] = manager.add_request(prompt, request_id=f"r{i}", adapter=request["adapter"], **kw)
             except (ValueError, TypeError, RuntimeError) as err:
-                findings.append(Finding(p, i, "refused", f"{type(err).__name__}: {err}"))
+                if not expected:
+                    findings.append(Finding(p, i, "refused", f"{type(err).__name__}: {err}"))
+                elif features is not None and not isinstance(err, features.FeatureRefused):
+                    findings.append(Finding(p, i, "refused", f"refused, but not by the feature table: "
+                                                             f"{type(err).__name__}: {err}"))
+                continue
+            if expected:
+                findings.append(Finding(p, i, "not refused", "the feature table refuses this combination, "
+                                                             "add_request took it"))
+                del rids[i]
         results = {}
         try:
             with manager:

@@ -1,0 +1,110 @@
+"""What the differential tester (tests/differential) found, each shrunk case as a regular test: the engine gives the
+request what generate() gives it alone on a DynamicCache (or refuses it by name). /work/notes/fuzz-findings.md
+has how each was found. xfail(strict) marks a case whose fix is pending on another branch (named in the reason)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from differential.models import build, build_draft, make_prompt
+from helpers.engine_shadow import one_thread
+from transformers import DynamicCache
+
+import hf_paged
+from hf_paged import BlockPool, compat
+
+QWEN_VL = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+PENDING_ENGINE = "fix pending on branch `engine` (issue 50 item 6 / issue 51)"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    yield from one_thread()
+
+
+def alone(model, prompt, seed=None, **kwargs):
+    """generate() of ``prompt`` alone on a DynamicCache (after ``torch.manual_seed(seed)`` when given)."""
+    inputs = dict(prompt) if not isinstance(prompt, list) else {"input_ids": torch.tensor([prompt])}
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(**inputs, **kwargs, return_dict_in_generate=True,
+                             **{compat.GENERATE_CACHE_KWARG: DynamicCache(config=model.config)})
+    n = inputs["input_ids"].shape[1]
+    if kwargs.get("num_beams", 1) == 1:
+        return [out.sequences[0, n:].tolist()]
+    return [out.sequences[j, n:n + int((out.beam_indices[j] != -1).sum())].tolist()
+            for j in range(kwargs.get("num_return_sequences", 1))]
+
+
+def engine(model, prompt, n: int = 1, block_size: int = 2, **kwargs):
+    manager = hf_paged.init_continuous_batching(model, pool=BlockPool(block_size=block_size, num_blocks=1024,
+                                                                      prefix_caching=False), max_batch_tokens=512)
+    rid = manager.add_request(prompt, request_id="r", **kwargs)
+    with manager:
+        outs = [manager.get_result(r, timeout=300) for r in [rid] + [f"{rid}__child#{j}" for j in range(n - 1)]]
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    return [list(o.generated_tokens) for o in outs]
+
+
+@pytest.mark.xfail(strict=True, reason="fix pending on branch `engine` (issue 50 item 5: follow generate() or refuse "
+                                        "without mm_token_type_ids)")
+@pytest.mark.parametrize("family", QWEN_VL)
+@pytest.mark.parametrize("layout", ["image_only", "image_at_end"])
+def test_qwen_vl_image_without_type_ids_equals_generate_or_is_refused(family, layout):
+    """F1 (issue 50 item 5): processor outputs without ``mm_token_type_ids``: generate() (transformers 5.25) then
+    gives every token text positions; the engine gave the image its 3-axis positions, so the tokens differed from
+    the first or second one. The engine must give generate()'s tokens or refuse the request naming the field.
+    (With ``mm_token_type_ids``, as the processors return them, both agree: the next test.)"""
+    model = build(family, 0)
+    text = [[], []] if layout == "image_only" else [[5, 6, 7, 8], []]
+    prompt = make_prompt(family, text, [[236, [4, 4]]], type_ids=False)
+    want = alone(model, prompt, max_new_tokens=6, do_sample=False)
+    try:
+        got = engine(model, prompt, max_new_tokens=6, do_sample=False)
+    except ValueError as err:
+        assert "mm_token_type_ids" in str(err)
+        return
+    assert got == want
+
+
+@pytest.mark.parametrize("family", QWEN_VL)
+def test_qwen_vl_image_with_type_ids_equals_generate(family):
+    """The same prompts with ``mm_token_type_ids``: the engine's tokens are generate()'s (this held on the old code
+    too: the tester's sweep of layouts found the difference only without the type ids)."""
+    model = build(family, 0)
+    for text in ([[], []], [[5, 6, 7, 8], [9, 10, 11]], [[5, 6, 7, 8], []]):
+        prompt = make_prompt(family, text, [[236, [4, 4]]], type_ids=True)
+        assert engine(model, prompt, max_new_tokens=6, do_sample=False) == alone(model, prompt, max_new_tokens=6,
+                                                                                 do_sample=False), text
+
+
+@pytest.mark.xfail(strict=True, reason=PENDING_ENGINE)
+@pytest.mark.parametrize("family", QWEN_VL)
+def test_beams_on_an_image_request_equal_generate(family):
+    """F2 (issue 50 item 6): beam search on a Qwen-VL image request (type ids given): the engine's sequences are
+    generate(num_beams=3, num_return_sequences=2)'s (they differed from the second token: the extra beam rows had
+    no media, so they decoded at offset 0)."""
+    model = build(family, 0)
+    prompt = make_prompt(family, [[5, 6, 7], [9]], [[236, [4, 4]]], type_ids=True)
+    settings = dict(max_new_tokens=4, num_beams=3, num_return_sequences=2)
+    assert engine(model, prompt, n=2, **settings) == alone(model, prompt, **settings)
+
+
+@pytest.mark.parametrize("speculative", ["ngram", "draft"])
+def test_seeded_sampled_request_under_speculation_keeps_its_seed_guarantee(speculative):
+    """F3 (and issue 51's n-gram case): a seeded sampled request in an engine that speculates gets the tokens of
+    generate() after ``torch.manual_seed(seed)`` (the feature table decodes it plainly); on the old code, with a
+    draft model, a 1-token prompt gave ``[65, 48, 76]`` against generate()'s ``[65, 33, 63]``."""
+    model = build("llama", 2)
+    spec = build_draft("llama", 2) if speculative == "draft" else "ngram"
+    for prompt, seed in (([48], 196), ([5, 9, 14, 5, 9, 14, 5, 9], 3), ([20, 7, 33, 4], 11)):
+        want = alone(model, prompt, seed=seed, max_new_tokens=8, do_sample=True, temperature=0.9, top_p=0.95)
+        manager = hf_paged.init_continuous_batching(model, pool=BlockPool(block_size=8, num_blocks=256),
+                                                    speculative=spec)
+        policy = manager._core.speculation.policy
+        policy.choose = lambda choices: len(choices) - 1  # draft every step the request would allow
+        rid = manager.add_request(prompt, max_new_tokens=8, do_sample=True, temperature=0.9, top_p=0.95, seed=seed)
+        with manager:
+            got = manager.get_result(rid, timeout=300).generated_tokens
+        assert [list(got)] == want, (prompt, seed)
