@@ -73,7 +73,9 @@ def test_planted_difference_is_shrunk_to_one_plain_request(runner, monkeypatch):
 
 
 # (seed, trials): a few mixed cases over every family kind, under a minute on a 2-core machine
-BOUNDED = [(11, 3), (12, 3)]
+BOUNDED = [(11, 3), pytest.param(12, 3, marks=pytest.mark.xfail(strict=True, reason=(
+    "fix pending on branch `engine`: trial 2 holds a beam request on a Qwen3-VL image prompt without "
+    "mm_token_type_ids (fuzz findings F1 / F2)")))]
 
 
 @pytest.mark.parametrize("seed,trials", BOUNDED)

@@ -11,7 +11,7 @@ A case is plain data (lists, dicts, ints: what the reproducer prints)::
 
     request = {"text": [[ids], [ids], ...], "images": [[seed, [h, w]], ...], "type_ids": bool,
                "kwargs": {generate() keywords: max_new_tokens, do_sample, num_beams, eos_token_id, ...},
-               "seed": int | None, "adapter": None | "a" | "b"}
+               "seed": int | None, "adapter": None | "sql" | "chat"}
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def draw_request(rng: random.Random, family: str, engine: dict, hot: list[int], 
         kw["eos_token_id"] = sorted({1, *rng.sample(hot, min(len(hot), rng.randint(1, 3)))})
         if rng.random() < 0.4:
             kw["min_new_tokens"] = rng.randint(1, kw["max_new_tokens"])
-    adapter = rng.choice([None, "a", "b"]) if engine["adapters"] else None
+    adapter = rng.choice([None, "sql", "chat"]) if engine["adapters"] else None
     request = {"text": text, "images": images, "type_ids": rng.random() < 0.7, "kwargs": kw, "seed": seed,
                "adapter": adapter}
     return request

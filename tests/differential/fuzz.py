@@ -83,15 +83,18 @@ assert list(got) == ref[0].tolist()[:len(got)] and len(got) == ref.shape[1]
 
 
 def campaign(seed: int, trials: int, families=None, max_requests: int = 8, findings_path=None,
-             shrink_cases: bool = True, log=None, runner: Runner | None = None) -> Report:
+             shrink_cases: bool = True, log=None, runner: Runner | None = None, minutes: float | None = None) -> Report:
     """``trials`` cases drawn from ``seed`` (case ``t`` from ``seed * 100_003 + t``), run in one process with
-    models cached per (family, seed)."""
+    models cached per (family, seed). A difference is shrunk the first time its kind (family, request features,
+    speculation) differs in the campaign; ``minutes``: draw no new case after that long."""
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
     runner = runner or Runner()
     report = Report(seed)
     start = time.perf_counter()
-    seen_kinds = set()
+    seen_kinds, shrunk_signatures = set(), set()
     for t in range(trials):
+        if minutes is not None and time.perf_counter() - start > minutes * 60:
+            break
         case = draw_case(seed * 100_003 + t, runner.hot_tokens, families, max_requests)
         report.trials += 1
         n = sum(len(ph["requests"]) for ph in case["phases"])
@@ -112,10 +115,16 @@ def campaign(seed: int, trials: int, families=None, max_requests: int = 8, findi
                 f"budget={e['max_batch_tokens']} spec={e['speculative']} lora={e['adapters']} "
                 f"phases={len(case['phases'])}: {'ok' if not found else f'{len(found)} differ'} "
                 f"({time.perf_counter() - t0:.1f} s)")
-        for finding in found[:1]:  # the first difference of a case, shrunk
+        for finding in found[:1]:  # the first difference of a case, shrunk (once per kind of request)
             if log:
                 log(f"  {finding.kind} phase {finding.phase} request {finding.index}: {finding.detail[:400]}")
-            small, small_finding = (shrink(runner, case, finding, log=log) if shrink_cases else (case, finding))
+            failing = case["phases"][finding.phase]["requests"][finding.index] if finding.index >= 0 else None
+            signature = (case["family"], finding.kind, tuple(sorted(request_features(failing))) if failing else (),
+                         case["engine"]["speculative"] is not None)
+            again = signature in shrunk_signatures
+            shrunk_signatures.add(signature)
+            small, small_finding = (shrink(runner, case, finding, log=log) if shrink_cases and not again
+                                    else (case, finding))
             text = explicit_reproducer(small, small_finding) or reproducer(small, small_finding)
             report.failures.append((case, small_finding, text))
             if log:

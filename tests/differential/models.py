@@ -85,13 +85,13 @@ def build_draft(family: str, seed: int):
 
 
 ADAPTER_SPECS = {
-    "a": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-    "b": dict(r=8, lora_alpha=16, target_modules=["o_proj", "q_proj"], use_rslora=True),
+    "sql": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),  # (peft warns of names inside "lora_")
+    "chat": dict(r=8, lora_alpha=16, target_modules=["o_proj", "q_proj"], use_rslora=True),
 }
 
 
 def build_peft(family: str, seed: int):
-    """A ``PeftModel`` over a fresh :func:`build` holding adapters ``a`` and ``b`` (random B, scaled to steer)."""
+    """A ``PeftModel`` over a fresh :func:`build` holding adapters ``sql`` and ``chat`` (random B, scaled to steer)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed + 100)

@@ -16,7 +16,7 @@ import hf_paged
 from hf_paged import BlockPool, compat
 
 from .draw import features
-from .models import FAMILIES, ModelCache, bump_weights, make_prompt, restore_weights
+from .models import ADAPTER_SPECS, FAMILIES, ModelCache, bump_weights, make_prompt, restore_weights
 
 TIE = 1e-4  # a greedy token may differ only where the reference's top-2 logits are closer than this
 TIMEOUT_S = 300
@@ -143,7 +143,7 @@ class Runner:
         if policy is not None:  # speculate at every step: the draft path runs whatever the timings
             policy.choose = lambda choices: len(choices) - 1
         if engine["adapters"]:
-            for name in ("a", "b"):
+            for name in ADAPTER_SPECS:
                 manager.load_adapter(name, peft, adapter_name=name)
         findings, rids = [], {}
         for i, request in enumerate(phase["requests"]):
