@@ -93,3 +93,18 @@ def test_long_campaign(runner, seed):
     """Longer campaigns (``make test-slow``): 25 cases per seed, up to 8 requests a phase."""
     report = campaign(seed, 25, max_requests=8, runner=runner)
     assert not report.failures, "\n\n".join(text for _, _, text in report.failures)
+
+
+def test_refused_combination_is_refused_by_the_feature_table(runner):
+    """A request the feature table refuses (beams with prompt lookup), drawn with ``"expect": "refused"``: the
+    runner reports nothing when add_request refuses it by name, and a finding if the refusal is missing."""
+    refused = {"text": [[5, 6, 7, 8]], "images": [], "type_ids": True, "seed": None, "adapter": None,
+               "expect": "refused", "kwargs": {"max_new_tokens": 2, "num_beams": 2, "prompt_lookup_num_tokens": 3}}
+    served = {**refused, "kwargs": {"max_new_tokens": 2, "do_sample": False}}
+    case = {"family": "llama", "model_seed": 0,
+            "engine": {"block_size": 4, "prefix_caching": False, "max_batch_tokens": 64, "speculative": None,
+                       "adapters": None, "num_blocks": 64},
+            "phases": [{"bump": None, "requests": [refused, served]}]}
+    assert refusal("plain", case["engine"], refused) is not None
+    found = runner.run(case)
+    assert [(f.index, f.kind) for f in found] == [(1, "not refused")]

@@ -119,11 +119,12 @@ def campaign(seed: int, trials: int, families=None, max_requests: int = 8, findi
             if log:
                 log(f"  {finding.kind} phase {finding.phase} request {finding.index}: {finding.detail[:400]}")
             failing = case["phases"][finding.phase]["requests"][finding.index] if finding.index >= 0 else None
-            signature = (case["family"], finding.kind, tuple(sorted(request_features(failing))) if failing else (),
-                         case["engine"]["speculative"] is not None)
+            signature = (FAMILIES[case["family"]], finding.kind, case["engine"]["speculative"] is not None,
+                         *(sorted(request_features(failing) & {"beams", "images", "sampled", "seeded", "adapter"})
+                           + [failing["type_ids"]] if failing else []))
             again = signature in shrunk_signatures
             shrunk_signatures.add(signature)
-            small, small_finding = (shrink(runner, case, finding, log=log) if shrink_cases and not again
+            small, small_finding = (shrink(runner, case, finding, budget=30, log=log) if shrink_cases and not again
                                     else (case, finding))
             text = explicit_reproducer(small, small_finding) or reproducer(small, small_finding)
             report.failures.append((case, small_finding, text))
