@@ -29,14 +29,15 @@ def fixed_hot(family, model_seed):
 
 
 def test_draws_are_deterministic_and_only_served_combinations():
-    """The same seed draws the same case; every drawn request passes the draw rules (refusal() is None)."""
+    """The same seed draws the same case; every drawn request is one the feature table serves, or is marked to be
+    refused (and the table refuses it)."""
     for seed in range(30):
         case = draw_case(seed, fixed_hot)
         assert case == draw_case(seed, fixed_hot)
         kind = FAMILIES[case["family"]]
         for phase in case["phases"]:
             for request in phase["requests"]:
-                assert refusal(kind, case["engine"], request) is None
+                assert (refusal(kind, case["engine"], request) is None) == (request.get("expect") != "refused")
     kinds = {FAMILIES[draw_case(s, fixed_hot)["family"]] for s in range(60)}
     assert kinds == set(FAMILIES.values())
 
