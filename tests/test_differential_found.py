@@ -91,20 +91,31 @@ def test_beams_on_an_image_request_equal_generate(family):
     assert engine(model, prompt, n=2, **settings) == alone(model, prompt, **settings)
 
 
-@pytest.mark.parametrize("speculative", ["ngram", "draft"])
-def test_seeded_sampled_request_under_speculation_keeps_its_seed_guarantee(speculative):
-    """F3 (and issue 51's n-gram case): a seeded sampled request in an engine that speculates gets the tokens of
-    generate() after ``torch.manual_seed(seed)`` (the feature table decodes it plainly); on the old code, with a
-    draft model, a 1-token prompt gave ``[65, 48, 76]`` against generate()'s ``[65, 33, 63]``."""
-    model = build("llama", 2)
-    spec = build_draft("llama", 2) if speculative == "draft" else "ngram"
-    for prompt, seed in (([48], 196), ([5, 9, 14, 5, 9, 14, 5, 9], 3), ([20, 7, 33, 4], 11)):
-        want = alone(model, prompt, seed=seed, max_new_tokens=8, do_sample=True, temperature=0.9, top_p=0.95)
-        manager = hf_paged.init_continuous_batching(model, pool=BlockPool(block_size=8, num_blocks=256),
-                                                    speculative=spec)
-        policy = manager._core.speculation.policy
-        policy.choose = lambda choices: len(choices) - 1  # draft every step the request would allow
-        rid = manager.add_request(prompt, max_new_tokens=8, do_sample=True, temperature=0.9, top_p=0.95, seed=seed)
-        with manager:
-            got = manager.get_result(rid, timeout=300).generated_tokens
-        assert [list(got)] == want, (prompt, seed)
+# the shrunk cases of the old-code campaign (seed 3): (family, model seed, text runs, images, new tokens, seed, mode)
+SEEDED_UNDER_SPECULATION = [
+    ("llama", 2, [[48]], [], 3, 196, "draft"),
+    ("mistral", 2, [[20]], [], 6, 6794, "ngram"),
+    ("mistral", 1, [[31, 78, 30, 84]], [], 6, 2887, "ngram"),
+    ("gemma3", 0, [[], [21, 26, 67, 60, 86]], [[16, [4, 4]]], 6, 2504, "ngram"),
+    ("gemma3", 0, [[], []], [[281, [4, 4]]], 4, 4876, "draft"),
+]
+
+
+@pytest.mark.parametrize("family,model_seed,text,images,new,seed,mode", SEEDED_UNDER_SPECULATION)
+def test_seeded_sampled_request_under_speculation_keeps_its_seed_guarantee(family, model_seed, text, images, new,
+                                                                           seed, mode):
+    """F3 (and issue 51's n-gram case): a seeded sampled request in an engine that speculates (drafting forced at
+    every step) gets the tokens of generate() after ``torch.manual_seed(seed)`` -- the feature table decodes it
+    plainly. On the old code each of these differed (e.g. llama, draft model, a 1-token prompt: ``[65, 48, 76]``
+    against generate()'s ``[65, 33, 63]``)."""
+    model = build(family, model_seed)
+    prompt = make_prompt(family, text, images)
+    want = alone(model, prompt, seed=seed, max_new_tokens=new, do_sample=True)
+    spec = build_draft(family, model_seed) if mode == "draft" else "ngram"
+    manager = hf_paged.init_continuous_batching(model, pool=BlockPool(block_size=8, num_blocks=1024,
+                                                                      prefix_caching=False), speculative=spec)
+    manager._core.speculation.policy.choose = lambda choices: len(choices) - 1  # draft whenever allowed
+    rid = manager.add_request(prompt, max_new_tokens=new, do_sample=True, seed=seed)
+    with manager:
+        got = manager.get_result(rid, timeout=300).generated_tokens
+    assert [list(got)] == want

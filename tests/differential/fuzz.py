@@ -126,6 +126,17 @@ def campaign(seed: int, trials: int, families=None, max_requests: int = 8, findi
             shrunk_signatures.add(signature)
             small, small_finding = (shrink(runner, case, finding, budget=30, log=log) if shrink_cases and not again
                                     else (case, finding))
+            if shrink_cases and not again:  # does the shrunk case fail alone, in a fresh process's state?
+                try:
+                    alone = Runner().run(small)
+                except Exception as err:  # noqa: BLE001
+                    alone = [Finding(0, -1, "error", f"run: {type(err).__name__}: {err}")]
+                if not alone:
+                    small_finding = Finding(small_finding.phase, small_finding.index, small_finding.kind,
+                                            "NOT reproduced alone with fresh models (depends on what ran before in "
+                                            "the process, or on timings): " + small_finding.detail)
+                    if log:
+                        log("  the shrunk case passes alone with fresh models: history- or timing-dependent")
             text = explicit_reproducer(small, small_finding) or reproducer(small, small_finding)
             report.failures.append((case, small_finding, text))
             if log:
