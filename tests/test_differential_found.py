@@ -119,3 +119,28 @@ def test_seeded_sampled_request_under_speculation_keeps_its_seed_guarantee(famil
     with manager:
         got = manager.get_result(rid, timeout=300).generated_tokens
     assert [list(got)] == want
+
+
+F5_CASE = {"family": "gemma3", "model_seed": 1,
+           "engine": {"block_size": 2, "prefix_caching": False, "max_batch_tokens": 512, "speculative": "draft",
+                      "adapters": None, "num_blocks": 73},
+           "phases": [{"bump": None, "requests": [
+               {"text": [[], [31, 21, 99, 74, 58, 70, 21, 20, 29, 14, 63, 42, 54, 90, 98, 79, 7, 93, 60, 53, 31, 21,
+                              99, 31, 21, 99, 74, 58, 70, 21, 20, 29, 14, 63, 42, 54, 90, 98, 79, 7, 93, 60, 53]],
+                "images": [[897, [4, 4]]], "type_ids": True, "seed": None, "adapter": None,
+                "kwargs": {"max_new_tokens": 7, "prompt_lookup_num_tokens": 3, "do_sample": False}},
+               {"text": [[40, 64, 36, 44, 60, 61, 72, 20, 20, 54, 89, 19, 58, 74, 72, 64],
+                         [71, 44, 88, 68, 29, 87, 43, 85, 55, 35, 23, 21, 30, 30, 19, 40, 70, 42]],
+                "images": [[982, [4, 4]]], "type_ids": False, "seed": None, "adapter": None,
+                "kwargs": {"max_new_tokens": 6, "do_sample": False, "sequence_bias": [[[121], -5.0], [[40], 3.0]]}},
+           ]}]}
+
+
+@pytest.mark.xfail(strict=True, reason="fix pending on branch `engine` (fuzz finding F5)")
+def test_draft_model_engine_with_ngram_and_image_requests_under_pool_pressure():
+    """F5: Gemma 3 image requests in an engine with a draft model, one asking for prompt lookup, a 73-block pool of
+    2-token blocks: the engine thread died in the draft's forward (0 tokens: "cannot reshape tensor of 0
+    elements"). Each request must equal generate() alone."""
+    from differential.run import Runner
+
+    assert Runner().run(F5_CASE) == []

@@ -207,6 +207,8 @@ def draw_case(seed: int, hot_tokens, families: list[str] | None = None, max_requ
                 base = rng.choice(phases[0]["requests"])
                 request = draw_request(rng, family, engine, hot)
                 request["text"][0] = base["text"][0] + request["text"][0][:rng.randint(0, 3)]
+                if not request["images"] and not request["text"][0]:  # an image-only base, copied as text
+                    request["text"][0] = _tokens(rng, vocab_of(family), 2)
                 if base["images"] and request["images"]:
                     request["images"][0] = list(base["images"][0])
             else:
