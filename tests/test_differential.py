@@ -89,6 +89,8 @@ def test_bounded_campaign_every_request_equals_generate_alone(runner, seed, tria
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="fix pending on branch `engine`: each of these campaigns draws Qwen-VL image "
+                                       "requests without mm_token_type_ids (fuzz finding F1) or beams on them (F2)")
 @pytest.mark.parametrize("seed", [101, 102, 103])
 def test_long_campaign(runner, seed):
     """Longer campaigns (``make test-slow``): 25 cases per seed, up to 8 requests a phase."""
