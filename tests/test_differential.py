@@ -89,8 +89,10 @@ def test_bounded_campaign_every_request_equals_generate_alone(runner, seed, tria
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="fix pending on branch `engine`: each of these campaigns draws Qwen-VL image "
-                                       "requests without mm_token_type_ids (fuzz finding F1) or beams on them (F2)")
+@pytest.mark.xfail(strict=True, reason=(
+    "fixes pending: on branch `engine`, Qwen-VL image requests without mm_token_type_ids (fuzz finding F1) and beams "
+    "on them (F2), drawn by every seed; on branch `compat`, hybrids on transformers 5.25 (issue 50 item 1: "
+    "qwen3_5_text, drawn by seeds 101 and 102)"))
 @pytest.mark.parametrize("seed", [101, 102, 103])
 def test_long_campaign(runner, seed):
     """Longer campaigns (``make test-slow``): 25 cases per seed, up to 8 requests a phase."""
