@@ -323,3 +323,32 @@ def test_plain_steps_learn_the_held_back_drafts_acceptance(model):
     assert speculation._mode_acceptance["ngram"] > PRIOR_ACCEPTANCE
     for prompt, out in zip(prompts, outs):
         assert out.generated_tokens == greedy(model, prompt, 12)
+
+
+def sampled_reference(model, prompt: list[int], seed: int, max_new_tokens: int) -> list[int]:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=None, max_new_tokens=max_new_tokens,
+                             do_sample=True, temperature=0.9, top_p=0.95, eos_token_id=EOS, pad_token_id=PAD,
+                             **{compat.GENERATE_CACHE_KWARG: DynamicCache(config=model.config)})
+    return out[0, len(prompt):].tolist()
+
+
+def test_seeded_requests_keep_generate_tokens_under_speculation(model):
+    """The guarantee of the continuous-batching guide: a seeded sampled request gets, alone, the tokens generate()
+    gives after torch.manual_seed(seed) — also in an engine with speculative="ngram" whose policy drafts at every
+    step, on prompts whose drafts would be accepted (features.py: a seeded request decodes plainly). Unseeded sampled
+    requests beside them still speculate."""
+    prompts = grounded_prompts(model, 3, seed=31)
+    core = init_continuous_batching(model, pool=BlockPool(block_size=BLOCK, num_blocks=256), speculative="ngram")._core
+    always(core)
+    def params(seed):  # generate()'s defaults for what is not set (top_k=50)
+        return SamplingParams.from_generation_config(None, do_sample=True, temperature=0.9, top_p=0.95, seed=seed,
+                                                     max_new_tokens=24, eos_token_id=EOS)
+
+    specs = [(f"s{i}", p, params(100 + i)) for i, p in enumerate(prompts)]
+    specs += [(f"u{i}", p, params(None)) for i, p in enumerate(prompts)]
+    reqs = drive(core, specs, seed=0)
+    for i, prompt in enumerate(prompts):
+        assert reqs[f"s{i}"].generated == sampled_reference(model, prompt, 100 + i, 24), i
+    assert core.speculation.stats.proposed > 0  # the unseeded ones drafted

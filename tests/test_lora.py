@@ -333,3 +333,27 @@ def test_hybrid_model_adapters_equal_peft_alone(tmp_path):
     oracle = Oracle(make, paths)
     for i, (prompt, adapter) in enumerate(zip(prompts, names)):
         oracle.check(f"lfm2/{i}", outs[f"h{i}"], prompt, 5, adapter)
+
+
+def test_beams_per_adapter_equal_peft_beam_search_alone(adapters):
+    """features.py serves beams with an adapter: num_beams=3 requests of two adapters and of the base model in one
+    engine (the beam rows, made by Request.fork, run with the request's adapter), each the best sequence
+    generate(num_beams=3) gives on the PeftModel with that adapter active."""
+    from transformers import DynamicCache
+
+    make, paths = FAMILIES["llama"], adapters["llama"]
+    prompts = random_prompts(3, VOCAB, (5, 14), seed=41)
+    names = [None, "a", "b"]
+    manager = engine(make, paths, BlockPool(block_size=BLOCK, num_blocks=128))
+    rids = [manager.add_request(p, request_id=f"b{i}", max_new_tokens=6, num_beams=3, eos_token_id=EOS, adapter=a)
+            for i, (p, a) in enumerate(zip(prompts, names))]
+    with manager:
+        outs = [manager.get_result(rid, timeout=300) for rid in rids]
+    oracle = Oracle(make, paths)
+    for out, prompt, adapter in zip(outs, prompts, names):
+        assert out.status == RequestStatus.FINISHED, out.error
+        with torch.no_grad():
+            ref = oracle.model(adapter).generate(torch.tensor([prompt]), attention_mask=None, max_new_tokens=6,
+                                                 num_beams=3, do_sample=False, eos_token_id=EOS, pad_token_id=0,
+                                                 past_key_values=DynamicCache())
+        assert out.generated_tokens == ref[0, len(prompt):].tolist(), adapter

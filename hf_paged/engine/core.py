@@ -111,25 +111,24 @@ class EngineCore:
         :class:`~hf_paged.engine.multimodal.MediaPrompt` of this prompt), if any."""
         max_length = self.max_context if self.max_context is not None else len(prompt) + params.max_new_tokens
 
-        def make(rid, index):
-            return Request(
-                request_id=rid, tokens=list(prompt), num_prompt=len(prompt),
-                max_new_tokens=params.max_new_tokens, max_length=max_length,
-                eos_token_ids=frozenset(params.eos_token_ids), params=params,
-                generator=self.sampler.new_generator(params, index), streaming=streaming, callback=callback,
-                logprobs=[] if params.logprobs is not None else None,
-                top_logprobs=[] if params.logprobs else None,
-                prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-                prompt_ranks=[None] if params.prompt_logprobs is not None else None,
-                prompt_top_logprobs=[None] if params.prompt_logprobs is not None else None,
-                matcher=params.grammar.matcher() if params.grammar is not None else None, media=media,
-                bidirectional_spans=list(media.bidirectional_spans) if media is not None else [],
-                sampling_state=self.sampler.join(params),
-            )
-
-        request = make(request_id, 0)
-        # transformers' names for the forks of num_return_sequences (with beams: the 2nd, 3rd ... best sequences)
-        request.children = [make(f"{request_id}__child#{i}", i + 1)
+        request = Request(
+            request_id=request_id, tokens=list(prompt), num_prompt=len(prompt),
+            max_new_tokens=params.max_new_tokens, max_length=max_length,
+            eos_token_ids=frozenset(params.eos_token_ids), params=params,
+            generator=self.sampler.new_generator(params, 0), streaming=streaming, callback=callback,
+            logprobs=[] if params.logprobs is not None else None,
+            top_logprobs=[] if params.logprobs else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            prompt_ranks=[None] if params.prompt_logprobs is not None else None,
+            prompt_top_logprobs=[None] if params.prompt_logprobs is not None else None,
+            matcher=params.grammar.matcher() if params.grammar is not None else None, media=media,
+            bidirectional_spans=list(media.bidirectional_spans) if media is not None else [],
+            sampling_state=self.sampler.join(params),
+        )
+        # transformers' names for the forks of num_return_sequences (with beams: the 2nd, 3rd ... best sequences);
+        # each its own generator, filled again from the request when its prompt is in (Scheduler.add_fork)
+        request.children = [request.fork(f"{request_id}__child#{i}",
+                                         generator=self.sampler.new_generator(params, i + 1))
                             for i in range(getattr(params, "num_return_sequences", 1) - 1)]
         if getattr(params, "num_beams", 1) > 1:
             request.beam = BeamSearch(params, len(prompt), min(len(prompt) + params.max_new_tokens, max_length),
@@ -350,11 +349,7 @@ class EngineCore:
             return self._finish_beams(search)
         if not started:
             parent = rows[0]
-            beams = [Request(request_id=f"{parent.request_id}#beam{i}", tokens=list(parent.tokens),
-                             num_prompt=parent.num_prompt, max_new_tokens=parent.max_new_tokens,
-                             max_length=parent.max_length, eos_token_ids=parent.eos_token_ids, params=parent.params,
-                             beam=search, adapter=parent.adapter, cache_root=parent.cache_root)
-                     for i in range(1, search.num_beams)]
+            beams = [parent.fork(f"{parent.request_id}#beam{i}") for i in range(1, search.num_beams)]
             search.requests.extend(beams)
             self.scheduler.add_beams(parent, beams)
         self.scheduler.apply_beams(search.requests, plan.sources, plan.tokens)

@@ -257,20 +257,40 @@ class MultimodalInputs:
         if not positions:
             raise ValueError(f"image tensors were given but the prompt holds no image placeholder (id "
                              f"{self.placeholder}): build the prompt with the model's processor.")
-        digest = content_digest(tensors)
+        mrope, offset = self._positions(ids, inputs) if self._rope_index is not None else (None, 0)
+        # the positions made the prompt's K/V too: two prompts whose images or positions differ never share blocks
+        digest = content_digest(tensors if mrope is None else {**tensors, "\0positions": mrope})
         base = int.from_bytes(digest[:8], "little") % _STAND_IN_SPAN
         key_ids = list(tokens)
         for j, p in enumerate(positions):  # negative: never a real id
             key_ids[p] = -1 - (base + j) % _STAND_IN_SPAN
-        media = MediaPrompt(tokens, tensors, digest, positions, key_ids)
+        media = MediaPrompt(tokens, tensors, digest, positions, key_ids, mrope=mrope, position_offset=offset)
         if bidirectional:
             media.bidirectional_spans = image_spans(inputs.get("token_type_ids"), positions)
-        if self._rope_index is not None:
-            media.mrope, media.position_offset = self._positions(ids, inputs)
         return media
 
     def _positions(self, ids: torch.Tensor, inputs) -> tuple[torch.Tensor, int]:
-        """The model's own 3-axis positions of the prompt ``[3, L]`` and the offset of every later position."""
+        """The prompt's 3-axis positions ``[3, L]`` and the offset every later position carries, as ``generate()``
+        computes them for these inputs: the model's own ``_prepare_position_ids_for_generation`` (its
+        ``get_rope_index`` when the inputs hold what it needs, e.g. ``mm_token_type_ids``, else plain positions) and
+        the ``rope_deltas`` it leaves, which the decode steps of ``generate()`` add (the model's cached value is put
+        back; a ``generate()`` on the same model in another thread at that instant could read the request's). A
+        model without that method: its ``get_rope_index`` directly."""
+        prepare = getattr(type(self.model), "_prepare_position_ids_for_generation", None)
+        holder = self.model.base_model
+        if prepare is not None and "rope_deltas" in vars(holder):
+            kwargs = {k: torch.as_tensor(v) for k, v in inputs.items() if k != "input_ids" and v is not None}
+            kwargs.setdefault("attention_mask", torch.ones(1, ids.shape[0], dtype=torch.long))
+            kwargs["cache"] = None
+            saved = holder.rope_deltas
+            try:
+                positions = prepare(self.model, ids[None], kwargs)  # [4, 1, L]: text positions, then the 3 axes
+                delta = holder.rope_deltas
+            finally:
+                holder.rope_deltas = saved
+            positions = positions[-3:, 0]
+            delta = 0 if delta is None else int(torch.as_tensor(delta).reshape(-1)[0])
+            return positions.cpu().long(), delta
         kinds = inputs.get("mm_token_type_ids")
         kinds = (ids == self.placeholder).int()[None] if kinds is None else torch.as_tensor(kinds).reshape(1, -1)
         args = {"input_ids": ids[None], "mm_token_type_ids": kinds, "attention_mask": None}

@@ -69,6 +69,41 @@ class Request:
     draft: list[int] = field(default_factory=list)  # speculation: tokens proposed to follow ``tokens``, verified
     # by the next step (engine/speculative.py); empty for none
 
+    def fork(self, request_id: str | None = None, *, generator=None, into: "Request | None" = None) -> "Request":
+        """Another row of this request: everything a row needs to continue from here, copied (lists) or shared
+        (settings, images, adapter), and nothing of where this one is (its status, KV row, timings, forks). The one
+        way a request's state is copied: the forks of ``num_return_sequences`` (made at ``add_request``, filled at
+        admission with ``into``), beam search's rows, and any later stage that needs a row of the same request.
+
+        ``request_id``: the new row's id (with ``into``: that request's own); ``generator``: its random stream (a
+        seeded fork's own, ``Sampler.new_generator(params, i)``; None: none); ``into``: fill that request (not
+        running) instead of making one. Its grammar matcher, if any, is a new one advanced over the generated
+        tokens; the sampler's per-request state is ``state.fork()``."""
+        row = into if into is not None else Request(request_id=request_id, tokens=[], num_prompt=self.num_prompt,
+                                                    max_new_tokens=self.max_new_tokens, max_length=self.max_length)
+        row.tokens = list(self.tokens)
+        row.num_prompt, row.max_new_tokens, row.max_length = self.num_prompt, self.max_new_tokens, self.max_length
+        row.eos_token_ids, row.params = self.eos_token_ids, self.params
+        row.generator = generator if into is None or generator is not None else into.generator
+        row.streaming, row.callback = self.streaming, self.callback
+        row.cache_root, row.adapter, row.media = self.cache_root, self.adapter, self.media
+        row.bidirectional_spans = list(self.bidirectional_spans)
+        row._key_ids = None if self._key_ids is None else list(self._key_ids)
+        row.prefix_keys = None if self.prefix_keys is None else list(self.prefix_keys)
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs", "prompt_ranks", "prompt_top_logprobs"):
+            value = getattr(self, name)
+            setattr(row, name, None if value is None else list(value))
+        row.matcher = None
+        grammar = getattr(self.params, "grammar", None)
+        if self.matcher is not None and grammar is not None:
+            row.matcher = grammar.matcher()
+            for token in self.generated:
+                row.matcher.accept(token)
+        row.sampling_state = self.sampling_state.fork() if self.sampling_state is not None else None
+        row.beam = self.beam
+        row.created_time = self.created_time
+        return row
+
     @property
     def num_generated(self) -> int:
         return len(self.tokens) - self.num_prompt

@@ -302,11 +302,7 @@ class Scheduler:
     def add_fork(self, parent: Request, child: Request) -> None:
         """Run ``child`` from now on, sharing ``parent``'s blocks (``num_return_sequences``): its tokens are the
         parent's, computed as far as the parent's."""
-        child.tokens = list(parent.tokens)
-        if parent.prompt_logprobs is not None:
-            child.prompt_logprobs = list(parent.prompt_logprobs)
-            child.prompt_ranks = list(parent.prompt_ranks)
-            child.prompt_top_logprobs = list(parent.prompt_top_logprobs)
+        parent.fork(into=child)
         child.row = self.kv.fork(parent.row)
         child.num_computed = parent.num_computed
         child.status = RequestStatus.RUNNING

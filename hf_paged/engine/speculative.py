@@ -280,15 +280,21 @@ class Speculation:
         self._mode_acceptance = {"ngram": PRIOR_ACCEPTANCE, "draft": PRIOR_ACCEPTANCE}  # a new request's prior
         self._modes: dict[int, str] = {}  # id(request) -> how it drafts this step
         self._shadow: dict[int, int] = {}  # id(request) -> the first token of a draft a plain step held back
+        self._plain: dict[int, tuple] = {}  # id(request) -> (it, whether features.py says it decodes plainly)
 
     def _mode(self, req: Request) -> tuple[str | None, int]:
         p = req.params
         if self.max_draft == 0 or p is None or req.beam is not None:
             return None, 0
         own = p.prompt_lookup_num_tokens
-        wanted = features.request_features(p, speculative=self.default is not None and own is None)
-        if not wanted & features.SPECULATION or features.decide(wanted).dropped & wanted & features.SPECULATION:
-            return None, 0  # no speculation asked for, or the table says it decodes plainly
+        if own == 0 or (own is None and self.default is None):
+            return None, 0  # no speculation asked for
+        known = self._plain.get(id(req))
+        if known is None or known[0] is not req:  # the table's word, once per request (its params do not change)
+            wanted = features.request_features(p, speculative=own is None)
+            known = self._plain[id(req)] = (req, bool(features.decide(wanted).dropped & features.SPECULATION))
+        if known[1]:
+            return None, 0
         if own:
             return "ngram", own
         return ("ngram" if self.draft is None else "draft"), self.num_tokens
@@ -390,6 +396,7 @@ class Speculation:
         self.ngram.forget(req)
         self._acceptance.pop(id(req), None)
         self._shadow.pop(id(req), None)
+        self._plain.pop(id(req), None)
         if self.draft is not None:
             self.draft.forget(req)
 
