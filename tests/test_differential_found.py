@@ -14,7 +14,6 @@ import hf_paged
 from hf_paged import BlockPool, compat
 
 QWEN_VL = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
-PENDING_ENGINE = "fix pending on branch `engine` (issue 50 item 6 / issue 51)"
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -47,8 +46,6 @@ def engine(model, prompt, n: int = 1, block_size: int = 2, **kwargs):
     return [list(o.generated_tokens) for o in outs]
 
 
-@pytest.mark.xfail(strict=True, reason="fix pending on branch `engine` (issue 50 item 5: follow generate() or refuse "
-                                        "without mm_token_type_ids)")
 @pytest.mark.parametrize("family", QWEN_VL)
 @pytest.mark.parametrize("layout", ["image_only", "image_at_end"])
 def test_qwen_vl_image_without_type_ids_equals_generate_or_is_refused(family, layout):
@@ -79,7 +76,6 @@ def test_qwen_vl_image_with_type_ids_equals_generate(family):
                                                                                  do_sample=False), text
 
 
-@pytest.mark.xfail(strict=True, reason=PENDING_ENGINE)
 @pytest.mark.parametrize("family", QWEN_VL)
 def test_beams_on_an_image_request_equal_generate(family):
     """F2 (issue 50 item 6): beam search on a Qwen-VL image request (type ids given): the engine's sequences are
