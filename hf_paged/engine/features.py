@@ -268,29 +268,31 @@ def request_features(params, *, images: bool = False, videos: bool = False, adap
     default)."""
     out = set()
     if params is not None:
-        p = params
+        def get(name, default=None):  # a SamplingParams; anything with some of its fields (a missing one: unset)
+            return getattr(params, name, default)
+
+        lookup = get("prompt_lookup_num_tokens")
         out |= {name for name, on in (
-            ("sampled", p.do_sample), ("seeded", p.seed is not None), ("n", p.num_return_sequences > 1),
-            ("beams", p.num_beams > 1), ("ngram", bool(p.prompt_lookup_num_tokens)),
-            ("logprobs", p.logprobs is not None), ("prompt_logprobs", p.prompt_logprobs is not None),
-            ("grammar", p.grammar is not None), ("min_tokens", p.min_tokens > 0),
-            ("eos_ids", len(p.eos_token_ids) > 1)) if on}
-        if p.repetition_penalty is not None:
-            out.add("processors")
-        settings = p.processors
+            ("sampled", get("do_sample", False)), ("seeded", get("seed") is not None),
+            ("n", (get("num_return_sequences") or 1) > 1), ("beams", (get("num_beams") or 1) > 1),
+            ("ngram", bool(lookup)), ("logprobs", get("logprobs") is not None),
+            ("prompt_logprobs", get("prompt_logprobs") is not None), ("grammar", get("grammar") is not None),
+            ("min_tokens", (get("min_tokens") or 0) > 0), ("eos_ids", len(get("eos_token_ids") or ()) > 1),
+            ("processors", get("repetition_penalty") is not None)) if on}
+        settings = get("processors")
         if settings is not None:
             if settings.logits_processor or settings.prefix_allowed_tokens_fn is not None:
                 out.add("logits_processor")
             if settings.watermarking_config is not None:
                 out.add("watermark")
             out.add("processors")
-        stopping = p.stopping
+        stopping = get("stopping")
         if stopping is not None:
-            out |= {name for name, on in (("stop_strings", stopping.stop_strings), ("max_time", stopping.max_time
-                                                                                     is not None),
+            out |= {name for name, on in (("stop_strings", stopping.stop_strings),
+                                          ("max_time", stopping.max_time is not None),
                                           ("stopping_criteria", stopping.stopping_criteria)) if on}
         # a request that turns speculation off for itself (prompt_lookup_num_tokens=0) is not speculated
-        speculative = speculative and p.prompt_lookup_num_tokens != 0
+        speculative = speculative and lookup != 0
     out |= {name for name, on in (("images", images), ("videos", videos), ("adapter", adapter),
                                   ("speculative", speculative), ("tensor_parallel", tensor_parallel),
                                   ("state_layers", state_layers), ("cuda_graphs", cuda_graphs)) if on}
