@@ -15,10 +15,13 @@ from hf_paged.engine.sampling import SamplingParams
 from hf_paged.engine.speculative import Speculation
 
 ENGINE = pathlib.Path(features.__file__).parent
+SERVE = ENGINE.parent / "serve"
 # raise sites whose message says a thing is not supported / served / is refused
 REFUSAL = re.compile(r"not supported|not served|is refused|are refused|cannot be combined|drop one of them")
 # what an adapter *file* may hold is validated when it is loaded (lora.py; not a request feature): the only other place
 ALLOWED = {"lora.py"}
+# the server's refusals of a single field's *value* (not a combination of features): the protocol's own validation
+SERVE_VALUE_CHECKS = ("'best_of' ({fields.best_of}) other than", ".content[{i}]: {named} not supported", "'{where}.{key}' is not supported")
 
 
 def test_api_names_every_feature_and_rule():
@@ -85,17 +88,29 @@ def test_speculation_asks_the_table(default):
         assert (spec._mode(_Req(params))[0] is not None) == speculates, params
 
 
+def refusals_outside_the_table(paths, allowed_messages=()) -> list[str]:
+    offenders = []
+    for path in paths:
+        text = path.read_text()
+        for match in re.finditer(r"raise\s+\w+\((?:[^()]|\([^()]*\))*\)", text):
+            if REFUSAL.search(match.group(0)) and not any(a in match.group(0) for a in allowed_messages):
+                line = text.count("\n", 0, match.start()) + 1
+                offenders.append(f"{path.parent.name}/{path.name}:{line}: {match.group(0)[:100]}")
+    return offenders
+
+
 def test_no_refusal_of_a_combination_outside_the_table():
     """Every raise in the engine whose message refuses something comes from features.py (its table, its unserved
     settings), except the adapter file checks of lora.py."""
-    offenders = []
-    for path in sorted(ENGINE.glob("*.py")):
-        if path.name == "features.py" or path.name in ALLOWED:
-            continue
-        text = path.read_text()
-        for match in re.finditer(r"raise\s+\w+\((?:[^()]|\([^()]*\))*\)", text):
-            if REFUSAL.search(match.group(0)):
-                line = text.count("\n", 0, match.start()) + 1
-                offenders.append(f"{path.name}:{line}: {match.group(0)[:100]}")
+    paths = [p for p in sorted(ENGINE.glob("*.py")) if p.name != "features.py" and p.name not in ALLOWED]
+    offenders = refusals_outside_the_table(paths)
+    assert not offenders, "refusals outside engine/features.py (add a rule there and call features.check):\n" + \
+        "\n".join(offenders)
+
+
+def test_the_server_refuses_no_combination_on_its_own():
+    """The server's raises that refuse something are either the table's (features.check) or checks of one field's
+    value (SERVE_VALUE_CHECKS): a combination the server refuses by itself fails here."""
+    offenders = refusals_outside_the_table(sorted(SERVE.glob("*.py")), SERVE_VALUE_CHECKS)
     assert not offenders, "refusals outside engine/features.py (add a rule there and call features.check):\n" + \
         "\n".join(offenders)

@@ -401,8 +401,6 @@ def create_app(manager, tokenizer, settings: ServeSettings, *, pool_tokens: int 
                 engine_features.check({"tools", "images"})
             except engine_features.FeatureRefused as exc:
                 raise APIError(400, str(exc), param="tools") from None
-            raise APIError(400, "tools together with images are not served by this server yet; send one or the "
-                                "other.", param="tools")
         return await engine.chat_inputs(messages, processor, media, add_generation_prompt, extra or {})
 
     def tool_parser(tools, params: SamplingParams):
