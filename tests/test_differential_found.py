@@ -132,7 +132,6 @@ F5_CASE = {"family": "gemma3", "model_seed": 1,
            ]}]}
 
 
-@pytest.mark.xfail(strict=True, reason="fix pending on branch `engine` (fuzz finding F5)")
 def test_draft_model_engine_with_ngram_and_image_requests_under_pool_pressure():
     """F5: Gemma 3 image requests in an engine with a draft model, one asking for prompt lookup, a 73-block pool of
     2-token blocks: the engine thread died in the draft's forward (0 tokens: "cannot reshape tensor of 0

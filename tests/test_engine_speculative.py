@@ -16,7 +16,9 @@ from helpers.engine_oracle import drive, random_prompts
 from helpers.engine_shadow import one_thread
 from hf_paged import BlockPool, RequestStatus, compat, enable_paged_attention, generate_batch, init_continuous_batching
 from hf_paged.engine.sampling import SamplingParams
-from hf_paged.engine.speculative import PRIOR_ACCEPTANCE, NgramProposer, SpeculationPolicy, accept_sampled
+from hf_paged.engine.request import Request
+from hf_paged.engine.speculative import (PRIOR_ACCEPTANCE, DraftModelProposer, NgramProposer, SpeculationPolicy,
+                                         accept_sampled)
 
 BLOCK = 4
 
@@ -243,6 +245,23 @@ def test_policy_turns_drafts_off_where_a_step_costs_its_tokens():
     for tokens in (1, 2, 5):
         capped.observe(tokens, 0.01)
     assert capped.choose(one) == 1
+
+
+def test_draft_row_ahead_of_its_request_reruns_the_last_token(model):
+    """Fuzz finding F5: a draft row can hold K/V for all of its request's tokens -- the request did not run the step
+    it drafted for (preempted, or left out of a full pool), or it verified a shorter draft than the draft model ran
+    and the target's own token was the next draft token. The next proposal must rerun the last token (its logits give
+    the first draft token), not call the draft model on 0 tokens; the drafts stay the draft model's greedy ones."""
+    draft = DraftModelProposer(model, block_size=BLOCK)
+    prompt = random_prompts(1, VOCAB, (9, 10), seed=7)[0]
+    req = Request(request_id="r", tokens=list(prompt), num_prompt=len(prompt), max_new_tokens=16, max_length=64)
+    [first] = draft.propose_all([req], 5)
+    assert first == greedy(model, prompt, 5)
+    assert draft.propose_all([req], 3) == [first[:3]]  # the step did not run: the request has the same tokens
+    req.tokens += first[:2]  # two tokens taken from a draft of which the model computed four
+    assert draft.propose_all([req], 3) == [first[2:5]]
+    draft.forget(req)
+    assert draft.kv.pool.allocator.blocks_in_use == 0
 
 
 def test_ngram_proposer_takes_what_followed_the_latest_match():

@@ -144,7 +144,11 @@ class DraftModelProposer:
         return out
 
     def _sync(self, req: Request) -> Request:
-        """The draft row of ``req``, cut back to the longest prefix it shares with ``req.tokens``."""
+        """The draft row of ``req``, cut back to the longest prefix it shares with ``req.tokens`` short of its last
+        token: the first draft forward needs that token's logits, so it always runs. (A row can hold all of
+        ``req.tokens``: the draft model ran more tokens than the request verified and the target's own token was the
+        next draft token, or the request did not run the step it drafted for -- preempted, or left out of a full
+        pool.)"""
         seq = self._seqs.get(id(req))
         if seq is None:
             seq = Request(request_id=f"{req.request_id}#draft", tokens=[], num_prompt=0, max_new_tokens=1,
@@ -152,7 +156,7 @@ class DraftModelProposer:
             seq.row = self.kv.open()
             self._seqs[id(req)] = seq
         same = 0
-        limit = min(seq.num_computed, len(req.tokens))
+        limit = min(seq.num_computed, len(req.tokens) - 1)
         while same < limit and seq.tokens[same] == req.tokens[same]:
             same += 1
         if seq.num_computed > same:
