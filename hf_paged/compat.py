@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import warnings
 
 import torch
@@ -33,6 +34,10 @@ try:  # 5.x: the cache layer types DynamicCache builds, KV sharing and MLP-only 
     from transformers.cache_utils import get_layer_types_and_kwargs
 except ImportError:  # 4.x
     get_layer_types_and_kwargs = None
+try:  # 5.x: the base of transformers' linear-attention (state) cache layers
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+except ImportError:  # 4.x
+    LinearAttentionCacheLayerMixin = None
 try:  # transformers' own continuous batching settings (the demo compares its generate_batch)
     from transformers.generation import ContinuousBatchingConfig
 except ImportError:  # before ContinuousBatchingConfig
@@ -53,6 +58,14 @@ MIN_TRANSFORMERS = Version("4.56.0")
 CACHE_RENAMED = TRANSFORMERS_VERSION >= Version("5.24.0")
 GENERATE_CACHE_KWARG = "cache" if CACHE_RENAMED else "past_key_values"
 FORWARD_CACHE_KWARG = GENERATE_CACHE_KWARG  # model(**inputs, **{FORWARD_CACHE_KWARG: cache})
+
+# From 5.25.0 the state mixers (Mamba, Mamba2, Gated DeltaNet, ...) ask the cache how many intermediate recurrent
+# states a multi-token forward should hand back (``get_recurrent_states_to_keep``) and generate() passes that number to
+# ``activate_past_recording(recurrent_states_to_keep=)``: a cache can then roll a hybrid model's states back after
+# rejected drafts. Before, a state layer's intermediate states were never handed out, so a rollback was impossible.
+STATE_ROLLBACK_SINCE = Version("5.25.0")
+STATE_ROLLBACK = LinearAttentionCacheLayerMixin is not None and "recurrent_states_to_keep" in inspect.signature(
+    LinearAttentionCacheLayerMixin.activate_past_recording).parameters
 
 # A model directory saved by transformers 5 (tokenizer_class "TokenizersBackend") does not load in 4.x: directories
 # this package saves (the embedded model's conversion) get this suffix so the two majors never share one.
