@@ -49,7 +49,7 @@ test-oldest: setup
 	TRANSFORMERS_VENV=$(VENV)-oldest bash scripts/test_transformers.sh 4.56.0 $(VENV)
 
 test-latest: setup
-	TRANSFORMERS_VENV=$(VENV)-latest bash scripts/test_transformers.sh latest $(VENV) tests/test_generate.py \
+	SKIP_IF_MAIN=1 TRANSFORMERS_VENV=$(VENV)-latest bash scripts/test_transformers.sh latest $(VENV) tests/test_generate.py \
 	    tests/test_sharing.py tests/test_robustness.py tests/test_triton_e2e.py tests/test_prefix_differential.py \
 	    $(HYBRID_TESTS)
 

@@ -10,7 +10,7 @@
 # MAIN_VENV's packages (torch, triton, numpy, ...: nothing big is installed twice) but holds its own transformers,
 # plus the few of transformers' dependencies whose versions differ (huggingface-hub, tokenizers, ...), which take
 # precedence. Later runs reuse it while the pins and MAIN_VENV are unchanged. Where MAIN_VENV already holds the
-# release, the tests run there. Exit status: the tests' (no tests collected = 1).
+# release, the tests run there (or, with SKIP_IF_MAIN=1, not at all: `make test` covered it). Exit status: the tests' (no tests collected = 1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -50,6 +50,10 @@ PY
 }
 
 if check "$MAIN_PY" 2>/dev/null; then
+    if [ "${SKIP_IF_MAIN:-0}" = 1 ]; then  # make test-latest: `make test` ran the whole suite on this release
+        echo "$MAIN_VENV already holds transformers $VERSION, which make test runs the whole suite on: nothing to add"
+        exit 0
+    fi
     PY=$MAIN_PY
     echo "$MAIN_VENV already holds transformers $VERSION: testing there"
 else
