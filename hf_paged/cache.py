@@ -479,6 +479,9 @@ class PagedCache(Cache):
 
     def _roll_states_back(self, record: StateRecord, drop: int) -> None:
         """Write the states ``drop`` tokens back into the rows' cells."""
+        if not record.conv and not record.recurrent:
+            raise ValueError(f"cannot crop {drop} tokens: no state was recorded since activate_past_recording() (or "
+                             "since this cache was copied), so the states cannot be rolled back.")
         store, cells = self.pool.states, self.rows.state_cells()
         live = [i for i, cell in enumerate(cells) if cell is not None]
         kernels = {key: store.get("conv", *key).shape[-1] for key in record.conv}
@@ -549,11 +552,13 @@ class PagedCache(Cache):
 
     def _clone(self, indices: list[int]) -> "PagedCache":
         self.forward_ran()  # its states written back before they are copied
+        record = self._contents.states_record  # the copy records from here on, on its own
         child = PagedCache.__new__(PagedCache)
         child.__dict__.update(self.__dict__)  # the configuration (pool, groups, ...); the state is replaced below
         child._buffers = self.pool.lend_step_buffers(child)
         child._contents = dataclasses.replace(self._contents, columns=self._contents.columns + self._pending_columns(),
-                                              states_written=set(self._contents.states_written))
+                                              states_written=set(self._contents.states_written),
+                                              states_record=record and StateRecord(record.keep))
         child._call, child._forward, child._states = None, None, None
         child.rows = self.rows.select(indices)
         compat.init_cache_base(child)
