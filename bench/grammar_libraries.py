@@ -16,10 +16,15 @@ import platform
 import statistics
 import time
 
-import llguidance
-import llguidance.hf
-import llguidance.torch
 import torch
+
+try:  # the library compared against hf_paged's xgrammar; not an hf_paged dependency
+    import llguidance
+    import llguidance.hf
+    import llguidance.torch
+except ImportError as e:
+    raise SystemExit(f"bench/grammar_libraries.py compares xgrammar with llguidance, which is not installed ({e}): "
+                     "pip install llguidance") from e
 import xgrammar as xgr
 from transformers import AutoTokenizer
 

@@ -25,7 +25,7 @@ from .patches import kv_geometry
 from .persist import load_cache, save_cache
 from .pool import BlockPool
 from .rows import Rows
-from .states import StateView
+from .states import StateRecord, StateView
 from .stats import MemoryStats
 from .step import (LayerStep, Step, StepBuffers, StepOptions, build_layer_step, next_pow2, plan_generate_step,
                    reading_step, write_layer)
@@ -162,8 +162,9 @@ class PagedCache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        """False on models with state layers: a recurrent state holds every token and cannot be rolled back."""
-        return not self.state_layers
+        """On models with state layers, only where transformers' mixers hand back the intermediate recurrent states
+        a rollback needs (:data:`hf_paged.compat.STATE_ROLLBACK`)."""
+        return not self.state_layers or compat.STATE_ROLLBACK
 
     @property
     def is_initialized(self) -> bool:
@@ -188,17 +189,35 @@ class PagedCache(Cache):
     def __repr__(self) -> str:
         return f"PagedCache(rows={len(self.rows)}, columns={self._contents.columns}, block_size={self.pool.block_size})"
 
-    def activate_past_recording(self):
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None):
+        """Keep what ``crop()`` needs to roll the cache back (assisted decoding): blocks that leave a window and, on
+        models with state layers, the states before each new token (``recurrent_states_to_keep``: how many
+        intermediate recurrent states a multi-token forward keeps, transformers 5.25 on)."""
         if self.state_layers:
-            raise ValueError(
-                f"this model keeps recurrent / convolution states (layers {sorted(self.state_layers)}), which a "
-                "PagedCache cannot roll back: assisted decoding (assistant_model=, prompt_lookup_num_tokens=) and "
-                "other rollbacks are not supported on it. Fix: generate without assistance, or use transformers' "
-                "DynamicCache for assisted decoding.")
+            if not compat.STATE_ROLLBACK:
+                raise ValueError(
+                    f"this model keeps recurrent / convolution states (layers {sorted(self.state_layers)}), which a "
+                    f"PagedCache can roll back only with transformers >= {compat.STATE_ROLLBACK_SINCE} (its mixers "
+                    f"hand back the intermediate states; this is {compat.TRANSFORMERS_VERSION}): assisted decoding "
+                    "(assistant_model=, prompt_lookup_num_tokens=) and other rollbacks are not supported here. Fix: "
+                    "upgrade transformers, or generate without assistance.")
+            self.forward_ran()
+            self._contents.states_record = StateRecord(recurrent_states_to_keep or 0)
         self._contents.recording = True
 
     def is_recording_past(self, layer_idx: int = 0) -> bool:
         return self._contents.recording
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """How many intermediate recurrent states a state layer's multi-token forward keeps (0 unless recording)."""
+        record = self._contents.states_record
+        if record is None or (layer_idx is not None and layer_idx not in self.state_layers):
+            return 0
+        return record.keep
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """A mixer updated a conv state in place (transformers 5.25's decode path); the columns are counted per
+        forward (``forward_ran``)."""
 
     # ------------------------------------------------------- state layers
     # transformers' linear-attention cache contract, on the rows' cells of the pool's state store: one StateView per
@@ -239,7 +258,7 @@ class PagedCache(Cache):
         self._check_state_layer(layer_idx)
         if self._states is None:
             self._states = StateView(self.pool, self.rows.state_cells(), self._contents.states_written,
-                                     self.state_layers)
+                                     self.state_layers, self._contents.states_record)
         return self._states
 
     def _sync_states(self) -> None:
@@ -442,11 +461,33 @@ class PagedCache(Cache):
         if new_columns < 0:
             raise ValueError(f"cannot crop {-max_length} tokens from a cache of {columns}.")
         drop = columns - new_columns
+        record = self._contents.states_record
+        if self.state_layers and drop > 0:
+            if record is None:
+                raise ValueError(
+                    f"cannot crop {drop} tokens: this model keeps recurrent / convolution states (layers "
+                    f"{sorted(self.state_layers)}), which roll back only what was recorded. Fix: call "
+                    "cache.activate_past_recording(recurrent_states_to_keep=N) before the forwards a crop() undoes.")
+            self._roll_states_back(record, drop)
+        if record is not None:
+            record.clear()
         if drop == 0:
             return
         self.rows.crop(drop)
         self._contents.columns = new_columns
         self._invalidate_step()
+
+    def _roll_states_back(self, record: StateRecord, drop: int) -> None:
+        """Write the states ``drop`` tokens back into the rows' cells."""
+        if not record.conv and not record.recurrent:
+            raise ValueError(f"cannot crop {drop} tokens: no state was recorded since activate_past_recording() (or "
+                             "since this cache was copied), so the states cannot be rolled back.")
+        store, cells = self.pool.states, self.rows.state_cells()
+        live = [i for i, cell in enumerate(cells) if cell is not None]
+        kernels = {key: store.get("conv", *key).shape[-1] for key in record.conv}
+        for (kind, layer_idx, state_idx), states in record.rolled_back(drop, kernels).items():
+            target = store.get(kind, layer_idx, state_idx)
+            target[[cells[i] for i in live]] = states[live].to(target.dtype)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: re-point block tables; no KV is copied (states are: each row keeps its own)."""
@@ -511,11 +552,13 @@ class PagedCache(Cache):
 
     def _clone(self, indices: list[int]) -> "PagedCache":
         self.forward_ran()  # its states written back before they are copied
+        record = self._contents.states_record  # the copy records from here on, on its own
         child = PagedCache.__new__(PagedCache)
         child.__dict__.update(self.__dict__)  # the configuration (pool, groups, ...); the state is replaced below
         child._buffers = self.pool.lend_step_buffers(child)
         child._contents = dataclasses.replace(self._contents, columns=self._contents.columns + self._pending_columns(),
-                                              states_written=set(self._contents.states_written))
+                                              states_written=set(self._contents.states_written),
+                                              states_record=record and StateRecord(record.keep))
         child._call, child._forward, child._states = None, None, None
         child.rows = self.rows.select(indices)
         compat.init_cache_base(child)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .states import StateRecord
 from .step import Step
 
 
@@ -25,6 +26,8 @@ class Contents:
     # history is gathered for the model's own attention and padding is stored); None while nothing was written
     columns: int = 0  # padded input columns the counted forwards consumed (what get_seq_length() reports)
     recording: bool = False  # activate_past_recording(): keep blocks that leave a window, so crop() can roll back
+    states_record: StateRecord | None = None  # while recording on a model with state layers: the states a crop()
+    # rolls back to
     beams_reordered: bool = False  # reorder_cache() re-pointed the rows: a row's index no longer names its sequence
     # in the stopping criteria's view, so finished rows are kept
     states_written: set = field(default_factory=set)  # (layer, state_idx) whose conv state was written: what

@@ -1,8 +1,10 @@
 """Every difference between supported transformers releases lives here.
 
-Supported: 4.56.0 (``MIN_TRANSFORMERS``) up to, not including, 6.0. Tested end to end on 4.56.0
-(``scripts/test_oldest.sh``) and the release the main venv pins; 4.57.6, 5.0.0, 5.4.0 and 5.23.0
-(and 4.55.4, which fails: see below) were run through the same tests by hand.
+Supported and tested: 4.56.0 (``MIN_TRANSFORMERS``) to 5.25 (``TESTED_LATEST``; pyproject declares ``<5.26``).
+CI runs the end-to-end tests on 4.56.0 (``make test-oldest``), the newest release on the registry (``make
+test-latest``), the main venv's and 5.24.0 (the hybrid and assisted-decoding files: ``scripts/test_transformers.sh``);
+4.57.6, 5.0.0, 5.4.0 and 5.23.0 (and 4.55.4, which fails: see below) were run through the same tests by hand. A
+release above the tested range runs with one warning naming the range (:func:`untested_version_warning`).
 What changed inside that range, and where this module absorbs it:
 
 - 4.56.0: ``Cache(layers=...)`` / ``DynamicCache(config=...)`` appear (4.55 built caches from ``layer_classes`` and
@@ -12,12 +14,17 @@ What changed inside that range, and where this module absorbs it:
 - 5.14.0: generate() crops with ``crop(-n)`` (before: ``crop(new_length)``); ``PagedCache.crop`` takes both.
 - 5.24.0: the cache argument is renamed ``past_key_values`` -> ``cache`` (:data:`GENERATE_CACHE_KWARG`);
   ``update()`` gets ``kwargs=``.
+- 5.25.0: state mixers read ``get_recurrent_states_to_keep`` / ``is_recording_past`` / ``increase_count`` and hand
+  back intermediate recurrent states; generate() passes ``activate_past_recording(recurrent_states_to_keep=)``
+  (:data:`STATE_ROLLBACK`: hybrids' assisted decoding rolls the states back); transformers imports the Hub's
+  ``kernels`` package when one is importable.
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import warnings
 
 import torch
@@ -33,6 +40,10 @@ try:  # 5.x: the cache layer types DynamicCache builds, KV sharing and MLP-only 
     from transformers.cache_utils import get_layer_types_and_kwargs
 except ImportError:  # 4.x
     get_layer_types_and_kwargs = None
+try:  # 5.x: the base of transformers' linear-attention (state) cache layers
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+except ImportError:  # 4.x
+    LinearAttentionCacheLayerMixin = None
 try:  # transformers' own continuous batching settings (the demo compares its generate_batch)
     from transformers.generation import ContinuousBatchingConfig
 except ImportError:  # before ContinuousBatchingConfig
@@ -44,8 +55,25 @@ except ImportError:  # before heterogeneous configs
         """Never raised by this transformers."""
 
 TRANSFORMERS_VERSION = Version(transformers.__version__)
-# Keep in step with pyproject.toml ("transformers>=4.56.0,<6") and scripts/test_oldest.sh (which pins it and checks).
+# Keep in step with pyproject.toml ("transformers>=4.56.0,<5.26") and the Makefile's test-oldest (which pins it).
 MIN_TRANSFORMERS = Version("4.56.0")
+# The newest minor release tested (every patch release of it): pyproject's upper bound is the next minor.
+TESTED_LATEST = Version("5.25")
+TESTED_RANGE = f"{MIN_TRANSFORMERS} to {TESTED_LATEST}.x"
+
+
+def untested_version_warning(version: Version = TRANSFORMERS_VERSION) -> str | None:
+    """The warning for a transformers above the tested range (None inside it): each minor release has changed the
+    cache contract hf_paged implements, so an untested one may give other tokens without failing."""
+    if version.release[:2] <= TESTED_LATEST.release[:2]:
+        return None
+    return (f"hf_paged is tested with transformers {TESTED_RANGE}; this is {version}, above the tested range: "
+            "check its outputs against DynamicCache (or pin transformers<"
+            f"{TESTED_LATEST.major}.{TESTED_LATEST.minor + 1}).")
+
+
+if untested_version_warning() is not None:
+    warnings.warn(untested_version_warning(), UserWarning, stacklevel=2)
 
 # generate() and the model forwards took the cache as past_key_values until 5.24.0 renamed it cache (first in
 # 5.24.0: 5.23.0's generate() rejects cache= as an unused model kwarg). The old name warns from 5.24.0 on and goes
@@ -53,6 +81,14 @@ MIN_TRANSFORMERS = Version("4.56.0")
 CACHE_RENAMED = TRANSFORMERS_VERSION >= Version("5.24.0")
 GENERATE_CACHE_KWARG = "cache" if CACHE_RENAMED else "past_key_values"
 FORWARD_CACHE_KWARG = GENERATE_CACHE_KWARG  # model(**inputs, **{FORWARD_CACHE_KWARG: cache})
+
+# From 5.25.0 the state mixers (Mamba, Mamba2, Gated DeltaNet, ...) ask the cache how many intermediate recurrent
+# states a multi-token forward should hand back (``get_recurrent_states_to_keep``) and generate() passes that number to
+# ``activate_past_recording(recurrent_states_to_keep=)``: a cache can then roll a hybrid model's states back after
+# rejected drafts. Before, a state layer's intermediate states were never handed out, so a rollback was impossible.
+STATE_ROLLBACK_SINCE = Version("5.25.0")
+STATE_ROLLBACK = LinearAttentionCacheLayerMixin is not None and "recurrent_states_to_keep" in inspect.signature(
+    LinearAttentionCacheLayerMixin.activate_past_recording).parameters
 
 # A model directory saved by transformers 5 (tokenizer_class "TokenizersBackend") does not load in 4.x: directories
 # this package saves (the embedded model's conversion) get this suffix so the two majors never share one.

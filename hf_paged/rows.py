@@ -239,10 +239,8 @@ class Rows:
                         a.publish(seq)
 
     def crop(self, drop: int) -> None:
-        """Drop the last ``drop`` tokens of every live row (not on stateful models: a state cannot be rolled back)."""
-        if self.stateful and drop > 0:
-            raise ValueError("cannot crop rows of a model with state layers (linear attention, Mamba, short "
-                             "convolutions): their states hold every token and cannot be rolled back.")
+        """Drop the last ``drop`` tokens of every live row's blocks (a model's state cells are the cache's to roll
+        back: ``PagedCache.crop``)."""
         a = self.pool.allocator
         with self.pool.lock:
             for row in self.live:

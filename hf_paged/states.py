@@ -144,6 +144,43 @@ def _free_run(free: list[int], count: int) -> list[int] | None:
     return None
 
 
+class StateRecord:
+    """What rolling a cache's states back needs, from ``activate_past_recording()`` to the next ``crop()``: per state
+    ``(layer, state_idx)``, every conv column since (held state first), and the recurrent state before each token
+    since, as far back as the mixers kept them (``keep``: transformers 5.25's ``recurrent_states_to_keep``, how many
+    intermediate states a multi-token forward hands back). Tensors are per row of the forwards: ``[B, ...]``.
+    """
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self.conv: dict[tuple[int, int], torch.Tensor] = {}  # [B, C, kernel + tokens since]
+        self.recurrent: dict[tuple[int, int], list[torch.Tensor]] = {}  # [B, ...] before each token, oldest first
+
+    def clear(self) -> None:
+        self.conv.clear()
+        self.recurrent.clear()
+
+    def rolled_back(self, drop: int, kernels: dict[tuple[int, int], int]) -> dict[tuple[str, int, int], torch.Tensor]:
+        """The states ``drop`` tokens back, per ``(kind, layer, state_idx)``; ``kernels``: each conv state's width."""
+        out = {}
+        for key, columns in self.conv.items():
+            end = columns.shape[-1] - drop
+            kernel = kernels[key]
+            if end < 0:
+                raise ValueError(f"cannot roll the conv state of layer {key[0]} back {drop} tokens: only "
+                                 f"{columns.shape[-1] - kernel} were recorded since activate_past_recording().")
+            window = columns[..., max(0, end - kernel): end]
+            out[("conv", *key)] = torch.nn.functional.pad(window, (kernel - window.shape[-1], 0))
+        for key, history in self.recurrent.items():
+            if drop > len(history):
+                raise ValueError(
+                    f"cannot roll the recurrent state of layer {key[0]} back {drop} tokens: the mixer kept "
+                    f"{len(history)} (activate_past_recording(recurrent_states_to_keep={self.keep})). Fix: pass "
+                    f"recurrent_states_to_keep >= the tokens a crop() may remove.")
+            out[("recurrent", *key)] = history[-drop]
+        return out
+
+
 class StateView:
     """transformers' linear-attention cache contract (``cache_utils.LinearAttentionLayer``: ``get_conv_state``,
     ``update_conv_state``, ``get_recurrent_state``, ``update_recurrent_state``, ``has_previous_state``) for the rows
@@ -161,17 +198,22 @@ class StateView:
         written: ``(layer, state_idx)`` whose states the rows hold from earlier forwards (what
             ``has_previous_state`` reports); updated in place by the first conv write of a state.
         state_layers: the model's state layers (``has_previous_state()`` without a layer reads the last).
+        record: where the states before this forward's tokens are kept for a rollback (a recording cache), or None.
     """
 
-    def __init__(self, pool, cells: list[int | None], written: set, state_layers):
+    def __init__(self, pool, cells: list[int | None], written: set, state_layers, record: StateRecord | None = None):
         self.pool, self.cells, self.written, self.state_layers = pool, list(cells), written, state_layers
+        self.record = record
+        self._held_before = frozenset(written)  # what the rows hold from earlier forwards (a conv write in this one
+        # marks its state written before the mixer reads the recurrent state: transformers 5.25's Mamba2 order)
         self._handouts: dict = {}  # (kind, layer, state_idx) -> (tensor handed out, rows gathered or None: a view)
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        return self._handout("conv", layer_idx, state_idx) if (layer_idx, state_idx) in self.written else None
+        return self._handout("conv", layer_idx, state_idx) if (layer_idx, state_idx) in self._held_before else None
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        if (layer_idx, state_idx) not in self.written:
+        if (layer_idx, state_idx) not in self._held_before or self.pool.states.get("recurrent", layer_idx,
+                                                                                    state_idx) is None:
             return None
         return self._handout("recurrent", layer_idx, state_idx)
 
@@ -183,22 +225,43 @@ class StateView:
         kernel = conv_kernel_size if conv_kernel_size is not None else conv_states.shape[-1]
         self._tensor("conv", layer_idx, state_idx, (*conv_states.shape[1:-1], kernel), conv_states)
         held = self._handout("conv", layer_idx, state_idx)
-        if (layer_idx, state_idx) not in self.written:
+        key = (layer_idx, state_idx)
+        if key not in self.written:
             full = conv_states
             if full.shape[-1] < kernel:
                 full = torch.nn.functional.pad(full, (kernel - full.shape[-1], 0), value=0)
-            self.written.add((layer_idx, state_idx))
+            self.written.add(key)
         else:
-            full = torch.cat([held, conv_states], dim=-1)
+            before = self.record.conv.get(key, held) if self.record is not None else held
+            full = torch.cat([before, conv_states], dim=-1)
+        if self.record is not None:
+            self.record.conv[key] = full
         held.copy_(full[..., -held.shape[-1]:])
         return full
 
-    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int,
+    def update_recurrent_state(self, recurrent_states: torch.Tensor | list[torch.Tensor], layer_idx: int,
                                state_idx: int = 0) -> torch.Tensor:
-        self._tensor("recurrent", layer_idx, state_idx, tuple(recurrent_states.shape[1:]), recurrent_states)
+        """Keep the last state; ``recurrent_states`` may be the states after each of the forward's last tokens
+        (transformers 5.25, while recording: ``get_recurrent_states_to_keep``), oldest first."""
+        history, last = [], recurrent_states
+        if not isinstance(recurrent_states, torch.Tensor):
+            history, last = list(recurrent_states[:-1]), recurrent_states[-1]
+        self._tensor("recurrent", layer_idx, state_idx, tuple(last.shape[1:]), last)
         held = self._handout("recurrent", layer_idx, state_idx)
-        held.copy_(recurrent_states)
+        if self.record is not None:
+            self.record.recurrent.setdefault((layer_idx, state_idx), []).extend([held.clone(), *history])
+        held.copy_(last)
         return held
+
+    def is_recording_past(self, layer_idx: int = 0) -> bool:
+        return self.record is not None
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return self.record.keep if self.record is not None else 0
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """A mixer updated a conv state in place (transformers 5.25's decode path): nothing to count, the cache
+        counts its columns per forward."""
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         if layer_idx is None:

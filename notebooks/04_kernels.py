@@ -97,16 +97,16 @@ print(f"\nall {len(rows)} comparisons within bounds")
 # %% [markdown]
 # ## GPU figures
 #
-# On a CUDA device this runs a small sweep of `bench/kernels.py`: decode GB/s and prefill TFLOP/s of the Triton kernels
+# On a CUDA device this runs a small sweep of `bench/paged_kernels.py`: decode GB/s and prefill TFLOP/s of the Triton kernels
 # next to contiguous SDPA on the same data. On a CPU there is nothing meaningful to time.
 
 # %%
 if ON_GPU and "triton" in BACKENDS:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "../bench/kernels.py", "--batches", "1,32", "--contexts", "1024,8192",
+    result = subprocess.run([sys.executable, "../bench/paged_kernels.py", "--batches", "1,32", "--contexts", "1024,8192",
                              "--prefill-lens", "1024"], capture_output=True, text=True, env=env)
     print(result.stdout, result.stderr[-2000:] if result.returncode else "")
     result.check_returncode()
 else:
     print("GPU figures are not measured here (no CUDA device with Triton). On a CUDA machine run bench/gpu.sh, or "
-          "python bench/kernels.py for the kernel tables alone.")
+          "python bench/paged_kernels.py for the kernel tables alone.")

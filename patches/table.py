@@ -6,6 +6,8 @@ from __future__ import annotations
 from .registry import GENERIC_VERIFIED, REFUSED, STATE_VERIFIED, _registry, generic_patch
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
+from hf_paged import compat
+
 from .support import available_features
 from .vision import IMAGE_VERIFIED
 
@@ -56,4 +58,9 @@ def format_models_table(markdown: bool = False) -> str:
         return "\n".join(out) + "\n\n" + GENERIC_NOTE
     widths = [max(len(str(row[i])) for row in [header, *lines]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([*(fmt.format(*row).rstrip() for row in [header, *lines]), "", GENERIC_NOTE])
+    return "\n".join([*(fmt.format(*row).rstrip() for row in [header, *lines]), "", GENERIC_NOTE, "",
+                      TRANSFORMERS_NOTE.format(installed=compat.TRANSFORMERS_VERSION, tested=compat.TESTED_RANGE)])
+
+
+TRANSFORMERS_NOTE = ("transformers {installed} is installed; hf_paged is tested with transformers {tested} (a release "
+                     "above that range runs with a warning: check its outputs against DynamicCache).")

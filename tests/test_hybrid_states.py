@@ -16,9 +16,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from hf_paged import BlockPool, PagedCache, enable_paged_attention, init_continuous_batching, patches
+from hf_paged import BlockPool, PagedCache, compat, enable_paged_attention, init_continuous_batching, patches
 from hf_paged.states import OutOfStateMemoryError, StateStore
-from helpers import EOS, PAD, TINY_SHAPE, VOCAB, generate, left_padded
+from helpers import EOS, PAD, TINY_SHAPE, VOCAB, forward, generate, left_padded, tiny_model
 from helpers.engine_oracle import TieCount, check_tokens, random_prompts, reference
 from hf_paged.engine.sampling import SamplingParams
 from hf_paged.engine.request import RequestStatus
@@ -124,7 +124,7 @@ def test_greedy_left_padded_batch_equals_dynamic_cache(model_type):
     store = cache.pool.states
     assert stats.state_bytes_reserved == sum(t.numel() * t.element_size() for t in store.tensors.values())
     assert stats.state_bytes_reserved == store.capacity * stats.state_bytes_per_slot
-    assert cache.is_croppable is False
+    assert cache.is_croppable is compat.STATE_ROLLBACK
     assert cache.is_linear == reference.is_linear
     assert_released(cache)
 
@@ -240,13 +240,79 @@ def test_states_and_blocks_share_a_max_memory_cap():
     assert_released(small)
 
 
-def test_rollbacks_are_refused_by_name():
-    """A recurrent state cannot be cropped: assisted decoding (transformers refuses it for stateful models first;
-    the cache's past recording, which it needs, is refused by name too) and crop() are refused."""
+def repetitive_prompt(seed: int) -> dict:
+    """One 12-token prompt whose second half repeats its first: prompt lookup finds drafts in it."""
+    inputs = left_padded([12], seed=seed)
+    inputs["input_ids"][0, 6:] = inputs["input_ids"][0, :6]
+    return inputs
+
+
+@pytest.mark.skipif(not compat.STATE_ROLLBACK, reason="state rollback needs transformers >= 5.25")
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_assisted_decoding_rolls_the_states_back_like_dynamic_cache(model_type, monkeypatch):
+    """Prompt lookup and a draft model (a tiny Llama: its drafts are often wrong): the verifying forward's rejected drafts are
+    cropped, and the states (conv columns and recurrent states) are rolled back to the last accepted token, so the
+    tokens equal DynamicCache's. Rejections happen (crops of n > 0 are counted), so a rollback that did nothing
+    would drift."""
+    model = hybrid_model(model_type)
+    inputs = repetitive_prompt(seed=8)
+    assistant = tiny_model("llama", seed=5, num_hidden_layers=1)
+    cases = (dict(prompt_lookup_num_tokens=3), dict(assistant_model=assistant, num_assistant_tokens=3))
+    expected = [run(model, inputs, DynamicCache(config=model.config), max_new_tokens=10, **kw) for kw in cases]
+    enable_paged_attention(model, backend="torch")
+    drops = []
+    crop = PagedCache.crop
+
+    def counting_crop(self, max_length):
+        drops.append(-max_length)
+        return crop(self, max_length)
+
+    monkeypatch.setattr(PagedCache, "crop", counting_crop)
+    for kw, want in zip(cases, expected):
+        drops.clear()
+        cache = PagedCache(model.config, block_size=BLOCK)
+        assert torch.equal(run(model, inputs, cache, max_new_tokens=10, **kw), want), list(kw)
+        assert cache.is_croppable and cache.get_recurrent_states_to_keep() >= 3
+        assert any(drop > 0 for drop in drops), f"no draft was rejected with {list(kw)}: the rollback went untested"
+        assert_released(cache)
+
+
+@pytest.mark.skipif(not compat.STATE_ROLLBACK, reason="state rollback needs transformers >= 5.25")
+def test_crop_restores_the_states_of_a_shorter_run():
+    """Recording, then one forward of 4 tokens and crop(-3): the states in the cells equal those of the run that
+    stopped 3 tokens earlier (DynamicCache), conv columns and recurrent states; a crop further back than the mixers
+    kept is refused naming recurrent_states_to_keep; crop() without recording is refused naming the fix."""
+    model = hybrid_model("nemotron_h")
+    enable_paged_attention(model, backend="torch")
+    prompt = left_padded([6], seed=2)["input_ids"]
+    extra = torch.randint(3, 90, (1, 4), generator=torch.Generator().manual_seed(3))
+    reference = DynamicCache(config=model.config)
+    forward(model, torch.cat([prompt, extra[:, :1]], 1), reference)
+    cache = PagedCache(model.config, block_size=BLOCK)
+    forward(model, prompt, cache)
+    with pytest.raises(ValueError, match="activate_past_recording"):
+        cache.crop(-1)
+    cache.activate_past_recording(recurrent_states_to_keep=4)
+    forward(model, extra, cache)
+    cache.crop(-3)
+    assert cache.get_seq_length() == 7
+    assert_states_match(cache, reference)
+    cache.activate_past_recording(recurrent_states_to_keep=1)
+    forward(model, extra, cache)
+    with pytest.raises(ValueError, match="recurrent_states_to_keep"):
+        cache.crop(-3)
+    assert_released(cache)
+
+
+@pytest.mark.skipif(compat.STATE_ROLLBACK, reason="this transformers' mixers hand back the states a rollback needs")
+def test_rollbacks_are_refused_by_name_before_transformers_5_25():
+    """Before 5.25 a state mixer hands back no intermediate recurrent state, so nothing can roll one back:
+    assisted decoding and the cache's past recording are refused by name, and so is crop()."""
     model = hybrid_model("qwen3_next")
     enable_paged_attention(model, backend="torch")
     inputs = left_padded([6], seed=8)
     cache = PagedCache(model.config, block_size=BLOCK)
+    assert cache.is_croppable is False
     with pytest.raises(ValueError, match="assisted"):
         run(model, inputs, cache, max_new_tokens=4, prompt_lookup_num_tokens=2)
     with pytest.raises(ValueError, match="assisted decoding"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import zipfile
+from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,26 @@ def test_wheel_ships_patches_as_hf_paged_patches(tmp_path):
     for module in ("simulate", "plots"):  # the tools bench/memory.py and the notebooks use
         assert f"hf_paged/tools/{module}.py" in names
     assert not any(name.startswith("patches/") for name in names)
+
+
+SCRIPT_FOLDERS = ("bench", "scripts", "notebooks", "examples")
+
+
+def test_no_script_folder_module_shadows_an_installed_package():
+    """``python bench/x.py`` puts ``bench/`` first on ``sys.path``: a module there named like an installed package
+    (or the standard library's) is imported in its place by anything, transformers included (5.25 imports the
+    Hub's ``kernels`` when it finds one, and found ``bench/kernels.py``). Every top-level module and package of the
+    script folders is checked against the installed distributions' top-level import names."""
+    taken = set(packages_distributions()) | set(sys.stdlib_module_names)
+    assert "kernels" in taken or "transformers" in taken  # the check sees the environment
+    shadowing = []
+    for folder in SCRIPT_FOLDERS:
+        for path in sorted((ROOT / folder).glob("*")):
+            is_module = path.suffix == ".py" or (path.is_dir() and (path / "__init__.py").exists())
+            name = path.stem if path.suffix == ".py" else path.name
+            if is_module and name in taken:
+                shadowing.append(f"{folder}/{path.name} ({name}: {', '.join(packages_distributions().get(name, ['stdlib']))})")
+    assert not shadowing, f"rename these, they shadow installed packages when a script runs from its folder: {shadowing}"
 
 
 def test_patches_import_as_subpackage():

@@ -61,12 +61,14 @@ class _GroupCache:
         self.view = view
         self.get_conv_state, self.get_recurrent_state = view.get_conv_state, view.get_recurrent_state
         self.update_recurrent_state, self.has_previous_state = view.update_recurrent_state, view.has_previous_state
+        # transformers 5.25's mixers also ask these (a group's view never records: the engine does not roll back)
+        self.get_recurrent_states_to_keep, self.increase_count = view.get_recurrent_states_to_keep, view.increase_count
 
     def update_conv_state(self, conv_states, layer_idx: int, state_idx: int = 0, conv_kernel_size=None, **kwargs):
         return self.view.update_conv_state(conv_states, layer_idx, state_idx, conv_kernel_size)
 
     def is_recording_past(self, layer_idx: int = 0) -> bool:
-        return False
+        return self.view.is_recording_past(layer_idx)
 
 
 def install(model) -> None:

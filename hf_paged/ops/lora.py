@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .lora_shapes import check_lora_shapes
+
 __all__ = ["LoraGroup", "lora_groups", "add_lora_torch", "add_lora_kernel", "check_lora_shapes"]
 
 
@@ -76,18 +78,6 @@ def lora_groups(token_adapters: list[int], ranks: list[int], device: torch.devic
             rows = torch.cat([torch.arange(begin, end) for begin, end in spans]).to(device)
         groups.append(LoraGroup(index, ranks[index], rows, count))
     return groups
-
-
-def check_lora_shapes(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
-    """``ValueError`` naming the shape that does not fit the layout above."""
-    if x.dim() != 2 or y.dim() != 2 or x.shape[0] != y.shape[0]:
-        raise ValueError(f"x must be [T, in] and y [T, out] with the same T, got {tuple(x.shape)} and "
-                         f"{tuple(y.shape)}.")
-    if lora_a.dim() != 3 or lora_a.shape[2] != x.shape[1]:
-        raise ValueError(f"lora_a must be [N, R, in={x.shape[1]}], got {tuple(lora_a.shape)}.")
-    if lora_b.dim() != 3 or lora_b.shape[:2] != lora_a.shape[:2] or lora_b.shape[2] != y.shape[1]:
-        raise ValueError(f"lora_b must be [N={lora_a.shape[0]}, R={lora_a.shape[1]}, out={y.shape[1]}] (B "
-                         f"transposed), got {tuple(lora_b.shape)}.")
 
 
 def add_lora_torch(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,

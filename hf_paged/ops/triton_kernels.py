@@ -590,7 +590,7 @@ def _tile_config(head_dim_p: int, element_size: int) -> tuple[int, int, int]:
     width.
 
     Picked so that sm_90 builds neither spill nor exceed shared memory (checked by compiling ahead of time); not tuned
-    by measurement yet: bench/kernels.py is where that happens.
+    by measurement yet: bench/paged_kernels.py is where that happens.
     """
     if element_size >= 4:  # fp32 tiles are twice the bytes
         return (16 if head_dim_p > 128 else 32), 32, 8

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .lora import check_lora_shapes
+from .lora_shapes import check_lora_shapes
 from .triton_kernels import _check_runnable, _next_pow2
 
 __all__ = ["add_lora_triton", "lora_blocks"]

@@ -12,10 +12,10 @@ an empty operator of the same schema ("empty", subtracted in the last column). W
 the figures are the Python launch path alone; on CUDA the kernels run (small shapes, so the GPU keeps up) and each
 call is timed on the host.
 
-    python bench/kernels.py                          # H200 defaults: peak 4800 GB/s, bf16, 32 q / 8 kv heads, d=128
-    python bench/kernels.py --batches 1,64 --contexts 1024,8192 --json results.json
-    python bench/kernels.py --json                   # JSON on stdout after the tables
-    python bench/kernels.py --host                   # host us per call (CPU: kernels recorded; CUDA: real launches)
+    python bench/paged_kernels.py                          # H200 defaults: peak 4800 GB/s, bf16, 32 q / 8 kv heads, d=128
+    python bench/paged_kernels.py --batches 1,64 --contexts 1024,8192 --json results.json
+    python bench/paged_kernels.py --json                   # JSON on stdout after the tables
+    python bench/paged_kernels.py --host                   # host us per call (CPU: kernels recorded; CUDA: real launches)
 
 The kernel tables need a CUDA device; every table names the device, torch and triton versions.
 """
@@ -346,7 +346,7 @@ def host_main(args) -> int:
     cuda = torch.cuda.is_available()
     if not cuda and triton_kernels._INTERPRETED:
         print("--host records the kernels on CPU, which needs TRITON_INTERPRET unset: "
-              "env -u TRITON_INTERPRET python bench/kernels.py --host", file=sys.stderr)
+              "env -u TRITON_INTERPRET python bench/paged_kernels.py --host", file=sys.stderr)
         return 2
     device = torch.device("cuda" if cuda else "cpu")
     calls = args.calls or (10000 if cuda else 3000)
@@ -415,7 +415,7 @@ def main(argv=None) -> int:
     if args.host:
         return host_main(args)
     if not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA GPU (the Triton kernels only run in the slow interpreter on CPU); "
+        print("bench/paged_kernels.py needs a CUDA GPU (the Triton kernels only run in the slow interpreter on CPU); "
               "no CUDA device is visible here.", file=sys.stderr)
         return 1
     from triton import __version__ as triton_version
