@@ -86,13 +86,8 @@ def test_bounded_campaign_every_request_equals_generate_alone(runner, seed, tria
     assert not report.failures, "\n\n".join(text for _, _, text in report.failures)
 
 
-HYBRID_PENDING = pytest.mark.xfail(strict=True, reason=(
-    "fix pending on branch `compat`: hybrids on transformers 5.25 (issue 50 item 1), qwen3_5_text drawn by this seed"))
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [pytest.param(101, marks=HYBRID_PENDING), pytest.param(102, marks=HYBRID_PENDING),
-                                  103])
+@pytest.mark.parametrize("seed", [101, 102, 103])
 def test_long_campaign(runner, seed):
     """Longer campaigns (``make test-slow``): 25 cases per seed, up to 8 requests a phase."""
     report = campaign(seed, 25, max_requests=8, runner=runner)
