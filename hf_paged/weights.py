@@ -52,8 +52,9 @@ _MIX = 0x5851F42D4C957F2D  # weights of positions: a multiplicative hash of the 
 
 
 def model_tensors(model: nn.Module) -> list:
-    """Every parameter and buffer of ``model``, in module order (a walk of the module tree: the costly part)."""
-    return list(itertools.chain(model.parameters(), model.buffers()))
+    """Every parameter and buffer of ``model``, in module order (a walk of the module tree: the costly part); a
+    tensor-parallel (DTensor) one as this rank's shard, the values this rank computes with."""
+    return [t.to_local() if hasattr(t, "to_local") else t for t in itertools.chain(model.parameters(), model.buffers())]
 
 
 def weights_version(tensors) -> tuple:

@@ -69,8 +69,8 @@ def _rows(x: torch.Tensor) -> int:
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` computing with a oneDNN-packed copy of its weight (see the module docstring)."""
 
-    _packed: torch.Tensor | None
-    _packed_key: tuple | None
+    _packed: torch.Tensor | None = None
+    _packed_key: tuple | None = None
 
     def _pack(self, rows: int) -> torch.Tensor | None:
         """The packed weight for the current weight (None: this layer stays on ``F.linear``), checked once against
@@ -108,7 +108,7 @@ class Int8Linear(nn.Linear):
 
     _qweight: torch.Tensor  # [out, in] int8
     _scales: torch.Tensor  # [out] in the activations' dtype
-    _quant_key: tuple | None
+    _quant_key: tuple | None = None
 
     def _quantize(self) -> None:
         weight = self.weight.detach().float()  # [out, in]
@@ -165,8 +165,7 @@ def prepare_cpu_linears(model: nn.Module, mode: str = "auto") -> int:
             continue  # another device, or a sharded (DTensor) weight: its own matmul
         if target is PackedLinear and not _packable(module.weight):
             continue
-        module.__class__ = target
-        module._packed = module._packed_key = module._quant_key = None
+        module.__class__ = target  # its packed copy starts empty (the class defaults below)
         changed += 1
     return changed
 
