@@ -148,13 +148,17 @@ def test_pool_pressure_from_threads_with_cancellations():
     rng = random.Random(3)
     specs = [(rng.randint(2, 24), rng.randint(4, 16)) for _ in range(64)]
     need = sum(-(-(p + n) // BLOCK) for p, n in specs)
-    pool = BlockPool(block_size=BLOCK, num_blocks=int(0.3 * need), prefix_caching=True)
+    # ~20% of what the requests need at once, so the pool runs short even when the threads' requests arrive spread
+    # over several steps (a loaded machine schedules the client threads late)
+    pool = BlockPool(block_size=BLOCK, num_blocks=int(0.2 * need), prefix_caching=True)
     prompts = random_prompts(64, VOCAB, (2, 24), seed=17)
     prompts = [p[: specs[i][0]] or p for i, p in enumerate(prompts)]
     errors, results = [], {}
+    start = threading.Barrier(8)
     with init_continuous_batching(model, pool=pool, max_batch_tokens=64) as manager:
         def client(t):
             try:
+                start.wait(timeout=60)  # the eight threads add their requests together
                 mine = []
                 for i in range(t, 64, 8):
                     rid = manager.add_request(prompts[i], max_new_tokens=specs[i][1])
