@@ -1,6 +1,6 @@
 """What the differential tester (tests/differential) found, each shrunk case as a regular test: the engine gives the
-request what generate() gives it alone on a DynamicCache (or refuses it by name). /work/notes/fuzz-findings.md
-has how each was found. xfail(strict) marks a case whose fix is pending on another branch (named in the reason)."""
+request what generate() gives it alone on a DynamicCache (or refuses it by name). Each test's docstring says what was
+found and how (docs/testing.md, "Randomized differential testing", has the tester itself)."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ class Request:
     cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache (set by the scheduler)
     prefix_keys: list[bytes] | None = None  # keys of the prompt's full blocks (prefix caching)
     # What made this request's K/V besides its token ids, folded into its blocks' keys (see ``allocator.root_key``):
-    # the root of its key chain (an adapter, a weights version) ...
+    # the root of its key chain (an adapter's content digest; the weights' fingerprint is chained in by the KV) ...
     cache_root: bytes = b""
     adapter: object = None  # the LoadedAdapter (engine/lora.py) its tokens run with; None: the base model
     # Half-open token ranges [start, end) of the prompt whose tokens attend to each other both ways (Gemma 3's image

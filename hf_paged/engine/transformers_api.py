@@ -10,8 +10,8 @@ continuous_batching_config=..., progress_bar=False)`` (TRL's GRPO and RLOO train
 A persistent manager (``persistent_manager=True``, ``manager.stop(keep_for_next_session=True)`` or
 :func:`keep_engine`) is kept by the model's methods: every later call on the model runs on that one engine (its
 pool, prefix cache and decode graphs) until ``model.destroy_cached_continuous_batching_manager()`` or
-``disable_paged_attention``. Between calls the weights may change (a training step): the engine drops prefixes
-cached before (see ``BlockPool.check_weights``).
+``disable_paged_attention``. Between calls the weights may change (a training step): block keys start from the
+weights' fingerprint, so prefixes cached under other weights are never found (see ``hf_paged/weights.py``).
 """
 
 from __future__ import annotations
