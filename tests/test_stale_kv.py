@@ -24,7 +24,7 @@ from helpers.lora import peft_model, save_adapters  # noqa: E402
 import hf_paged  # noqa: E402
 from hf_paged import BlockPool, PagedCache  # noqa: E402
 from hf_paged.errors import CacheFileError  # noqa: E402
-from hf_paged.weights import WeightsFingerprint, sample_stride  # noqa: E402
+from hf_paged.weights import SAMPLE_PER_TENSOR, WeightsFingerprint, sample_stride  # noqa: E402
 
 NEW = 6
 BLOCK = 4
@@ -228,28 +228,45 @@ def test_saved_cache_is_refused_under_other_weights(tmp_path):
 
 
 @pytest.mark.parametrize("rows,columns", [(1, 1), (1, 3000), (7, 3), (3, 7), (64, 100), (100, 64), (512, 2048),
-                                          (2048, 8192), (8192, 2048), (96, 96)])
-def test_sample_holds_every_row_and_column(rows, columns):
-    """The per-check sample's stride walks through every row and every column of a ``[rows, columns]`` tensor."""
-    d = sample_stride(rows, columns)
-    picked = range(0, rows * columns, d)
-    assert {i // columns for i in picked} == set(range(rows))
-    assert {i % columns for i in picked} == set(range(columns))
+                                          (2048, 8192), (8192, 2048), (96, 96), (49152, 576), (128256, 2048)])
+def test_sample_is_a_fixed_count_spread_over_rows_and_columns(rows, columns):
+    """The per-check sample reads about ``SAMPLE_PER_TENSOR`` elements of a ``[rows, columns]`` tensor however large
+    it is, each in its own row where the tensor has that many rows (else every row), in distinct columns."""
+    numel = rows * columns
+    d = sample_stride(numel, columns)
+    picked = list(range(0, numel, d))
+    assert len(picked) <= min(numel, 2 * SAMPLE_PER_TENSOR + 1)
+    assert len(picked) >= min(numel, SAMPLE_PER_TENSOR * 9 // 10)
+    picked_rows = [i // columns for i in picked]
+    if rows >= SAMPLE_PER_TENSOR:
+        assert len(set(picked_rows)) == len(picked)
+    else:
+        assert set(picked_rows) == set(range(rows))
+    assert len({i % columns for i in picked}) == min(len(picked), columns)
+    assert picked[-1] >= numel - d  # spread to the end, not bunched at the start
 
 
-def test_fingerprint_sees_one_row_and_one_column_written_through_data():
-    """A ``.data`` write to one row (an embedding row) or one column changes the fingerprint between walks (the
-    sample); a single element written through ``.data`` is seen at the next walk (the full checksum)."""
-    model = make()
+def test_fingerprint_sees_dense_data_writes_between_walks_and_any_write_at_the_next():
+    """A ``.data`` write over a whole tensor (new weights, a scaled tensor, a rank-1 update that changes a tenth of
+    its bf16 values) changes the fingerprint between walks (the sample); a single row or element written through
+    ``.data`` is seen at the next walk (the full checksum)."""
+    model = make().to(torch.bfloat16)
     fp = WeightsFingerprint()
     root = fp.root(model)
-    embed = model.model.embed_tokens.weight
-    embed.data[17] += 1
+    q = model.model.layers[0].self_attn.q_proj.weight
+    q.data.copy_(torch.randn_like(q))
     assert fp.root(model, rewalk=False) != root
     root = fp.root(model, rewalk=False)
-    q = model.model.layers[0].self_attn.q_proj.weight
-    q.data[:, 5] *= 2
+    gate = model.model.layers[1].mlp.gate_proj.weight
+    before = gate.detach().clone()
+    g = torch.Generator().manual_seed(0)
+    gate.data += 2e-5 * torch.randn(gate.shape[0], 1, generator=g) @ torch.randn(1, gate.shape[1], generator=g)
+    assert 0.02 < (gate != before).float().mean() < 0.5  # a small update: most bf16 values round back unchanged
     assert fp.root(model, rewalk=False) != root
     root = fp.root(model)
-    q.data[3, 9] += 1  # one element, no counter of q moves
+    embed = model.model.embed_tokens.weight
+    embed.data[17] += 1  # one row, no counter of the embedding moves
     assert fp.root(model) != root  # a walk reads every value
+    root = fp.root(model)
+    q.data[3, 9] += 1  # one element
+    assert fp.root(model) != root
