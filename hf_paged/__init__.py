@@ -8,11 +8,12 @@
 from . import ops
 from .allocator import BlockAllocator
 from .attention import is_paged, paged_backend
-from .enable import attach_paged_attention, disable_paged_attention, enable_paged_attention
+from .enable import (
+    attach_paged_attention, disable_paged_attention, enable_paged_attention, generate_batch, init_continuous_batching,
+)
 from .cache import PagedCache
 from .embedded import local_model_dir as embedded_model_dir
 from .engine import EngineStats, GenerationOutput, QueueFullError, RequestStatus, RequestTooLargeError
-from .engine.factory import generate_batch, init_continuous_batching
 from .engine.manager import ContinuousBatchingManager
 from .engine.transformers_api import engine_of, keep_engine
 from .errors import CacheFileError, OutOfBlocksError

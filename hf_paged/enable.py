@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from torch import nn
 
+import functools
+
 from . import attention
-from .engine import transformers_api
+from .engine import factory, transformers_api
+from .engine.cpu_linears import prepare_cpu_linears
 
 
 def attach_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module:
@@ -63,7 +66,29 @@ def enable_paged_attention(model: nn.Module, backend: str = "auto") -> nn.Module
 
 def disable_paged_attention(model: nn.Module) -> nn.Module:
     """Undo :func:`enable_paged_attention` or :func:`attach_paged_attention`: the original attention
-    implementation, no hooks, no wrappers."""
+    implementation, no hooks, no wrappers, plain ``nn.Linear`` layers (the engine's prepacked CPU copies of the
+    weights freed)."""
     if attention.is_paged(model):
         transformers_api.uninstall(attention.generating_model(model))  # transformers' own generate_batch & co.
+        prepare_cpu_linears(model, "eager")
     return attention.detach(model)
+
+
+def _attached_after(build):
+    """``build`` (the engine's factory function), then transformers' continuous-batching methods on the model if the
+    engine attached its attention: a model the engine put on the paged path is attached as
+    :func:`attach_paged_attention` attaches it, so a later ``model.generate_batch(...)`` runs on hf_paged's engine
+    rather than transformers' own refusing the paged attention."""
+
+    @functools.wraps(build)
+    def wrapper(model, *args, **kwargs):
+        out = build(model, *args, **kwargs)
+        if attention.is_paged(model):
+            transformers_api.install(attention.generating_model(model))
+        return out
+
+    return wrapper
+
+
+init_continuous_batching = _attached_after(factory.init_continuous_batching)
+generate_batch = _attached_after(factory.generate_batch)

@@ -66,9 +66,21 @@ def _rows(x: torch.Tensor) -> int:
     return x.numel() // max(1, x.shape[-1])
 
 
-class PackedLinear(nn.Linear):
+class _DerivedWeights:
+    """Copies and pickles without the derived weights (remade from ``weight`` at the next call): a packed copy is an
+    opaque oneDNN tensor that ``copy.deepcopy`` (TRL's reference model, transformers' own code) cannot copy."""
+
+    _DERIVED: tuple = ()
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        return {k: v for k, v in state.items() if k not in self._DERIVED}
+
+
+class PackedLinear(_DerivedWeights, nn.Linear):
     """An ``nn.Linear`` computing with a oneDNN-packed copy of its weight (see the module docstring)."""
 
+    _DERIVED = ("_packed", "_packed_key")
     _packed: torch.Tensor | None = None
     _packed_key: tuple | None = None
 
@@ -103,8 +115,10 @@ class PackedLinear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
 
 
-class Int8Linear(nn.Linear):
+class Int8Linear(_DerivedWeights, nn.Linear):
     """An ``nn.Linear`` computing with int8 weights, one scale per output channel (see the module docstring)."""
+
+    _DERIVED = ("_qweight", "_scales", "_quant_key")
 
     _qweight: torch.Tensor  # [out, in] int8
     _scales: torch.Tensor  # [out] in the activations' dtype
