@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..allocator import cdiv
+from . import cpu_kernels
 from .layout import AttentionPart, ReadLayout
 from .metadata import AttentionMetadata
 
@@ -294,6 +295,12 @@ def paged_attention_torch(
             q = query
         else:
             q = query[part.q_start: part.q_start + rows * queries]  # [Sx * Q, Hq, D]
+        if queries == 1 and not explicit and part.kv_valid is None and cpu_kernels.supports(q, key_cache) \
+                and value_cache.is_contiguous():  # the C kernel reads the blocks in place (bf16 on a CPU)
+            out = cpu_kernels.decode_attention(q, key_cache, value_cache, part.tables, part.mask, scale)
+            if out is not None:
+                outputs.append((out, part.q_index))
+                continue
         keys, values = _read_kv(key_cache, value_cache, part, rows, kv_dtype, k_scale, v_scale)
         if queries == 1:
             out = _decode_attention(q, keys, values, part.mask, *features)  # [Sx, Hq, D]

@@ -1,0 +1,109 @@
+"""CPU kernels in C beside their PyTorch references: the decode part of the torch backend's paged attention.
+
+``decode_attention.c`` (next to this file) reads each decode row's K/V straight from the pool's blocks through its
+block table: no gather of the blocks into a copy and no SDPA call per part, which at 8 decode rows of ~270
+positions cost ~0.35 ms a layer on a 2-core CPU (about a fifth of a SmolLM2 decode step); see docs/bench/cpu.md.
+It is compiled once per machine with the system's C compiler (``$CC`` or ``cc``: ``-O3 -march=native -fopenmp``,
+under ``$HF_PAGED_CACHE/kernels``, ~1 s) and called through ``ctypes``; without a compiler, or with
+``HF_PAGED_CPU_KERNELS=0``, the PyTorch reference runs.
+
+Used for bf16 models (:data:`DTYPES`): fp32 keeps SDPA, whose roundings the fp32 token-equality tests pin.
+Results agree with the reference to the output dtype's rounding (fp32 accumulation, exact softmax), not bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("decode_attention.c")
+DTYPES = (torch.bfloat16,)  # where the engine and PagedCache use the kernel (it also computes fp32, for tests)
+_ELEM = {torch.bfloat16: 2, torch.float32: 4}
+
+
+def enabled() -> bool:
+    """Whether the C kernels may run (``HF_PAGED_CPU_KERNELS=0`` turns them off)."""
+    return os.environ.get("HF_PAGED_CPU_KERNELS", "1") != "0"
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("HF_PAGED_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_paged")
+    return Path(root) / "kernels"
+
+
+def _cpu_key() -> str:
+    """What a ``-march=native`` build depends on: the CPU's model and flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = [platform.processor()]
+    return "\n".join(lines)
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels (built at the first call, then loaded from the cache); None where no C compiler builds
+    them (a warning says why, once)."""
+    source = SOURCE.read_bytes()
+    compiler = os.environ.get("CC", "cc")
+    key = hashlib.sha256(source + _cpu_key().encode() + compiler.encode()).hexdigest()[:16]
+    path = _cache_dir() / f"decode_attention-{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            built = Path(tmp) / path.name
+            cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", str(built), str(SOURCE)]
+            try:
+                subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+            except (OSError, subprocess.SubprocessError) as err:
+                detail = getattr(err, "stderr", b"") or b""
+                warnings.warn(f"hf_paged: the CPU decode-attention kernel did not build ({' '.join(cmd[:1])}: "
+                              f"{err}; {detail.decode(errors='replace')[-300:]}); the PyTorch path runs instead "
+                              "(set CC to a C compiler with OpenMP to build it).", RuntimeWarning, stacklevel=3)
+                return None
+            os.replace(built, path)  # atomic: another process may be building the same file
+    lib = ctypes.CDLL(str(path))
+    fn = lib.hf_paged_decode_attention
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    return lib
+
+
+def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether the model path hands these to :func:`decode_attention` (CPU tensors of one of :data:`DTYPES`, the
+    cache contiguous, the kernels on)."""
+    return (enabled() and query.device.type == "cpu" and query.dtype in DTYPES and key_cache.dtype == query.dtype
+            and key_cache.is_contiguous())
+
+
+def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,
+                     mask: torch.Tensor | None, scale: float) -> torch.Tensor | None:
+    """Attention of one query per row over its blocks: ``query`` ``[S, Hq, D]``, caches ``[num_blocks, block, Hkv,
+    D]``, ``tables`` ``[S * nb]`` int64 (each row's ``nb`` blocks), ``mask`` ``[S, 1, 1, nb * block]`` bool or None
+    -> ``[S, Hq, D]``, as ``reference._decode_attention`` over the gathered blocks computes it. None when the kernel
+    is not built (the caller runs the reference)."""
+    lib = library()
+    if lib is None:
+        return None
+    rows, num_q_heads, head_dim = query.shape
+    _, block, num_kv_heads, _ = key_cache.shape
+    nb = tables.numel() // max(1, rows)
+    query = query.contiguous()
+    tables = tables.to(torch.int64).contiguous()
+    flat_mask = None if mask is None else mask.reshape(rows, nb * block).contiguous().view(torch.uint8)
+    out = torch.empty_like(query)
+    lib.hf_paged_decode_attention(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
+                                  None if flat_mask is None else flat_mask.data_ptr(), out.data_ptr(), rows,
+                                  num_q_heads, num_kv_heads, head_dim, block, nb, float(scale),
+                                  _ELEM[query.dtype], torch.get_num_threads())
+    return out

@@ -1,0 +1,338 @@
+/* Paged decode attention on the CPU: one query token per row, read straight from the pool's blocks.
+
+   The C beside hf_paged/ops/cpu_kernels.py (which compiles it once with the system's C compiler and calls it
+   through ctypes) and the PyTorch reference it stands in for, hf_paged/ops/reference.py's decode part: for each
+   row and KV head, the query heads of that KV head score every position of the row's blocks (fp32 dot products
+   of the bf16 or fp32 values), masked positions drop out, an exact two-pass softmax, and the probabilities weight
+   the value rows; the output is rounded once to the query's dtype (round to nearest even, as torch rounds).
+   No gather copies the blocks, and no attention call is made per layer beyond this one.
+
+   Layouts (all contiguous):
+     q      [rows, hq, d]                    bf16 or fp32 (elem 2 or 4), same as the caches
+     kc, vc [num_blocks, block, hkv, d]
+     tables [rows, nb] int64                 physical block of each of the row's nb context blocks
+     mask   [rows, nb * block] uint8 or NULL 1: the position is attended (NULL: every position)
+     out    [rows, hq, d]
+   Work is split over (row, KV head) pairs with OpenMP, ``threads`` threads. */
+
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+
+static inline float bf16_to_f32(uint16_t bits) {
+    uint32_t u = (uint32_t)bits << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                           /* nearest, ties to even */
+    return (uint16_t)(u >> 16);
+}
+
+/* one value row of ``d`` elements as fp32 */
+static inline void load_row(const void *base, int64_t offset, int elem, int64_t d, float *dst) {
+    if (elem == 2) {
+        const uint16_t *src = (const uint16_t *)base + offset;
+        for (int64_t i = 0; i < d; ++i) dst[i] = bf16_to_f32(src[i]);
+    } else {
+        memcpy(dst, (const float *)base + offset, (size_t)d * sizeof(float));
+    }
+}
+
+/* dot product in LANES independent partial sums (vectorizes without reassociating one sum) */
+static inline float dot(const float *a, const float *b, int64_t d) {
+    float part[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= d; i += LANES)
+        for (int j = 0; j < LANES; ++j) part[j] += a[i + j] * b[i + j];
+    float sum = 0.0f;
+    for (int j = 0; j < LANES; ++j) sum += part[j];
+    for (; i < d; ++i) sum += a[i] * b[i];
+    return sum;
+}
+
+typedef float vf __attribute__((vector_size(64)));         /* 16 fp32 lanes (two AVX2 registers, one AVX-512) */
+typedef uint16_t vh __attribute__((vector_size(32)));      /* 16 bf16 bit patterns */
+typedef uint32_t vu __attribute__((vector_size(64)));
+
+/* 16 bf16 values at ``src`` as fp32 lanes */
+static inline vf load16_bf16(const uint16_t *src) {
+    vh h;
+    memcpy(&h, src, sizeof h);
+    vu u = __builtin_convertvector(h, vu) << 16;
+    vf f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline vf load16(const void *base, int64_t offset, int elem) {
+    if (elem == 2) return load16_bf16((const uint16_t *)base + offset);
+    vf f;
+    memcpy(&f, (const float *)base + offset, sizeof f);
+    return f;
+}
+
+typedef int32_t vi __attribute__((vector_size(64)));
+
+/* the sum of the 16 lanes, as a tree (a chain of 16 dependent adds per score was the kernel's bottleneck) */
+static inline float hsum(vf v) {
+    v += __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15});
+    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15});
+    v += __builtin_shuffle(v, (vi){1, 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15});
+    return v[0];
+}
+
+/* 16 score vectors (one per position) -> one vector of their 16 lane sums, lane i = sum of v[i] (a transposing
+   tree: 15 combines instead of 16 separate reductions) */
+static inline vf sum16(vf *v) {
+    static const vi lo[4] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                             {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+                             {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+                             {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
+    static const vi hi[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+                             {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31},
+                             {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31},
+                             {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
+    int n = 16;
+    for (int level = 0; level < 4; ++level, n /= 2)
+        for (int i = 0; i < n / 2; ++i)
+            v[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], lo[level]) +
+                   __builtin_shuffle(v[2 * i], v[2 * i + 1], hi[level]);
+    return v[0];
+}
+
+/* e^x in 16 lanes (Cephes' expf: 2^n times a degree-6 polynomial on [-ln2/2, ln2/2], about 1 ulp; -inf and
+   anything below -87.3 give 0) */
+static inline vf bits_f(vi v) {
+    vf f;
+    memcpy(&f, &v, sizeof f);
+    return f;
+}
+
+static inline vi f_bits(vf f) {
+    vi v;
+    memcpy(&v, &f, sizeof v);
+    return v;
+}
+
+static inline vf exp16(vf x) {
+    const vi below = x < -87.3f;  /* -1 in the lanes where it holds (C vector compare) */
+    x = bits_f((below & f_bits((vf){0} - 87.3f)) | (~below & f_bits(x)));
+    const vf t = x * 1.44269504088896341f + 0.5f;
+    vf n = __builtin_convertvector(__builtin_convertvector(t, vi), vf);  /* truncated: floor below */
+    n += __builtin_convertvector(n > t, vf);  /* -1 where truncation rounded a negative up */
+    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const vf out = p * bits_f((__builtin_convertvector(n, vi) + 127) << 23);
+    return bits_f(~below & f_bits(out));
+}
+
+/* the vector form of a (row, KV head) task, for head sizes that are a multiple of 16 (at most 256) and at most 8
+   query heads per KV head */
+static inline __attribute__((always_inline)) void task_vec(const void *q, const void *kc, const void *vc, const int64_t *tables, const uint8_t *mask,
+                     void *out, int64_t r, int64_t h, int64_t hq, int64_t hkv, int64_t d, int64_t block,
+                     int64_t nb, float scale, int elem, float *scores, int64_t group) {
+    const int64_t length = nb * block, chunks = d / LANES;
+    vf qv[8 * 16], acc[8 * 16], part[8][16];
+    float top[8];
+    for (int64_t g = 0; g < group; ++g) {
+        top[g] = -INFINITY;
+        for (int64_t c = 0; c < chunks; ++c) {
+            qv[g * chunks + c] = load16(q, (r * hq + h * group + g) * d + c * LANES, elem) * scale;
+            acc[g * chunks + c] = (vf){0};
+        }
+    }
+    /* pass 1: scores, 16 positions at a time (the last group of a row padded with masked positions); the position's
+       block and offset are stepped, not divided (an integer division per position cost more than its dot product) */
+    int64_t j = 0, offset = 0;
+    for (int64_t first = 0; first < length; first += LANES) {
+        for (int p = 0; p < LANES; ++p) {
+            const int64_t pos = first + p;
+            int64_t at = -1;
+            if (pos < length) {
+                at = ((tables[r * nb + j] * block + offset) * hkv + h) * d;
+                if (++offset == block) offset = 0, ++j;
+                if (mask != NULL && !mask[r * length + pos]) at = -1;
+            }
+            if (at < 0) {
+                for (int64_t g = 0; g < group; ++g) part[g][p] = (vf){0};
+                continue;
+            }
+            vf k[16];
+            for (int64_t c = 0; c < chunks; ++c) k[c] = load16(kc, at + c * LANES, elem);
+            for (int64_t g = 0; g < group; ++g) {  /* one register sum per query head: stored once */
+                vf sum = qv[g * chunks] * k[0];
+                for (int64_t c = 1; c < chunks; ++c) sum += qv[g * chunks + c] * k[c];
+                part[g][p] = sum;
+            }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+            vf s = sum16(part[g]);
+            for (int p = 0; p < LANES && first + p < length; ++p) {
+                const int64_t pos = first + p;
+                const float v = (mask != NULL && !mask[r * length + pos]) ? -INFINITY : s[p];
+                scores[g * length + pos] = v;
+                if (v > top[g]) top[g] = v;
+            }
+        }
+    }
+    /* softmax, 16 lanes at a time */
+    for (int64_t g = 0; g < group; ++g) {
+        float *row = scores + g * length;
+        if (top[g] == -INFINITY) {
+            memset(row, 0, sizeof(float) * (size_t)length);
+            continue;
+        }
+        vf total = (vf){0};
+        int64_t pos = 0;
+        for (; pos + LANES <= length; pos += LANES) {
+            vf x;
+            memcpy(&x, row + pos, sizeof x);
+            x = exp16(x - top[g]);
+            memcpy(row + pos, &x, sizeof x);
+            total += x;
+        }
+        float sum = hsum(total);
+        for (; pos < length; ++pos) {
+            row[pos] = expf(row[pos] - top[g]);
+            sum += row[pos];
+        }
+        const float inv = 1.0f / sum;
+        for (pos = 0; pos < length; ++pos) row[pos] *= inv;
+    }
+    /* pass 2: the weighted values */
+    j = 0, offset = 0;
+    for (int64_t pos = 0; pos < length; ++pos) {
+        const int64_t at = ((tables[r * nb + j] * block + offset) * hkv + h) * d;
+        if (++offset == block) offset = 0, ++j;
+        if (mask != NULL && !mask[r * length + pos]) continue;
+        for (int64_t c = 0; c < chunks; ++c) {
+            const vf v = load16(vc, at + c * LANES, elem);
+            for (int64_t g = 0; g < group; ++g) acc[g * chunks + c] += scores[g * length + pos] * v;
+        }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+        const int64_t at = (r * hq + h * group + g) * d;
+        for (int64_t c = 0; c < chunks; ++c) {
+            const vf a = acc[g * chunks + c];
+            for (int i = 0; i < LANES; ++i) {
+                if (elem == 2) ((uint16_t *)out)[at + c * LANES + i] = f32_to_bf16(a[i]);
+                else ((float *)out)[at + c * LANES + i] = a[i];
+            }
+        }
+    }
+}
+
+/* task_vec with its loop bounds and element size as constants for the common bf16 shapes (head size 64 or 128, 1-8
+   query heads per KV head), so its accumulators stay in registers; other shapes take the general form */
+#define SHAPE(G, C)                                                                                              \
+    case (G) * 32 + (C):                                                                                         \
+        task_vec(q, kc, vc, tables, mask, out, r, h, hq, hkv, (C) * LANES, block, nb, scale, 2, scores, (G));    \
+        return;
+#define GROUPS(C) SHAPE(1, C) SHAPE(2, C) SHAPE(3, C) SHAPE(4, C) SHAPE(5, C) SHAPE(6, C) SHAPE(7, C) SHAPE(8, C)
+
+static void task_dispatch(const void *q, const void *kc, const void *vc, const int64_t *tables, const uint8_t *mask,
+                          void *out, int64_t r, int64_t h, int64_t hq, int64_t hkv, int64_t d, int64_t block,
+                          int64_t nb, float scale, int elem, float *scores, int64_t group) {
+    switch (elem == 2 ? group * 32 + d / LANES : 0) {  /* bf16: the engine's case */
+        GROUPS(4)
+        GROUPS(8)
+        default:
+            task_vec(q, kc, vc, tables, mask, out, r, h, hq, hkv, d, block, nb, scale, elem, scores, group);
+    }
+}
+
+void hf_paged_decode_attention(const void *q, const void *kc, const void *vc, const int64_t *tables,
+                               const uint8_t *mask, void *out, int64_t rows, int64_t hq, int64_t hkv, int64_t d,
+                               int64_t block, int64_t nb, float scale, int elem, int threads) {
+    const int64_t group = hq / hkv, length = nb * block;
+#pragma omp parallel num_threads(threads)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(group * length)); /* [group, length] */
+        float *qf = malloc(sizeof(float) * (size_t)(group * d));          /* [group, d] */
+        float *acc = malloc(sizeof(float) * (size_t)(group * d));         /* [group, d] */
+        float *row = malloc(sizeof(float) * (size_t)d);
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < rows * hkv; ++task) {
+            const int64_t r = task / hkv, h = task % hkv;
+            if (d % LANES == 0 && d <= 16 * LANES && group <= 8) {
+                task_dispatch(q, kc, vc, tables, mask, out, r, h, hq, hkv, d, block, nb, scale, elem, scores, group);
+                continue;
+            }
+            for (int64_t g = 0; g < group; ++g) load_row(q, (r * hq + h * group + g) * d, elem, d, qf + g * d);
+            float best[64];
+            float *top = group <= 64 ? best : malloc(sizeof(float) * (size_t)group);
+            for (int64_t g = 0; g < group; ++g) top[g] = -INFINITY;
+            for (int64_t j = 0; j < nb; ++j) {
+                const int64_t physical = tables[r * nb + j];
+                for (int64_t p = 0; p < block; ++p) {
+                    const int64_t pos = j * block + p;
+                    if (mask != NULL && !mask[r * length + pos]) {
+                        for (int64_t g = 0; g < group; ++g) scores[g * length + pos] = -INFINITY;
+                        continue;
+                    }
+                    load_row(kc, ((physical * block + p) * hkv + h) * d, elem, d, row);
+                    for (int64_t g = 0; g < group; ++g) {
+                        const float s = dot(qf + g * d, row, d) * scale;
+                        scores[g * length + pos] = s;
+                        if (s > top[g]) top[g] = s;
+                    }
+                }
+            }
+            for (int64_t g = 0; g < group; ++g) {
+                float total = 0.0f;
+                for (int64_t pos = 0; pos < length; ++pos) {
+                    const float e = top[g] == -INFINITY ? 0.0f : expf(scores[g * length + pos] - top[g]);
+                    scores[g * length + pos] = e;
+                    total += e;
+                }
+                const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+                for (int64_t pos = 0; pos < length; ++pos) scores[g * length + pos] *= inv;
+            }
+            memset(acc, 0, sizeof(float) * (size_t)(group * d));
+            for (int64_t j = 0; j < nb; ++j) {
+                const int64_t physical = tables[r * nb + j];
+                for (int64_t p = 0; p < block; ++p) {
+                    const int64_t pos = j * block + p;
+                    if (mask != NULL && !mask[r * length + pos]) continue;
+                    load_row(vc, ((physical * block + p) * hkv + h) * d, elem, d, row);
+                    for (int64_t g = 0; g < group; ++g) {
+                        const float w = scores[g * length + pos];
+                        float *a = acc + g * d;
+                        for (int64_t i = 0; i < d; ++i) a[i] += w * row[i];
+                    }
+                }
+            }
+            for (int64_t g = 0; g < group; ++g) {
+                const int64_t at = (r * hq + h * group + g) * d;
+                if (elem == 2) {
+                    uint16_t *dst = (uint16_t *)out + at;
+                    for (int64_t i = 0; i < d; ++i) dst[i] = f32_to_bf16(acc[g * d + i]);
+                } else {
+                    memcpy((float *)out + at, acc + g * d, sizeof(float) * (size_t)d);
+                }
+            }
+            if (top != best) free(top);
+        }
+        free(scores);
+        free(qf);
+        free(acc);
+        free(row);
+    }
+}

@@ -1,0 +1,95 @@
+"""The C decode-attention kernel (``hf_paged/ops/decode_attention.c`` through ``hf_paged.ops.cpu_kernels``) against
+the float64 oracle and the PyTorch reference it stands in for, on the model path's pools (zeros where nothing was
+written, -1 table entries clamped by the plan): bf16 and fp32, head sizes on its vector paths (64, 128) and off
+them (16 lanes x 5 = 80, 24), 1 to 9 query heads per KV head, blocks of 1 to 16, sliding windows, rows of any length
+side by side (and the fallback when no compiler builds it)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from helpers import attention_float64, on_backend, scrambled_case
+
+from hf_paged.ops import cpu_kernels
+from hf_paged.ops.reference import paged_attention_torch, plan_torch_attention
+
+pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler builds the CPU kernels here")
+
+CASES = [  # (seq_lens, num_kv_heads, group, head_dim, block_size, window)
+    ([272, 270, 1, 17, 300, 256, 33, 64], 3, 3, 64, 16, None),  # SmolLM2's attention shape, 8 decode rows
+    ([5, 40, 129], 2, 4, 128, 8, None),
+    ([31, 7, 64], 1, 1, 64, 1, None),
+    ([50, 19], 4, 2, 80, 4, None),  # 80: five 16-lane chunks, the general vector path
+    ([23, 9, 41], 2, 9, 64, 16, None),  # 9 heads per KV head: the scalar path
+    ([37, 12], 2, 2, 24, 4, None),  # 24: not a multiple of 16, the scalar path
+    ([100, 60, 9], 2, 3, 64, 16, 32),  # sliding window: masked positions and freed blocks
+]
+
+
+def model_path_case(seq_lens, num_kv_heads, group, head_dim, block_size, window, dtype, seed=0):
+    case = scrambled_case(seq_lens, [1] * len(seq_lens), num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+                          block_size=block_size, dtype=dtype, window=window, seed=seed)
+    for name in ("key_cache", "value_cache"):  # hf_paged's own pools hold zeros where nothing was written
+        case[name] = torch.nan_to_num(case[name], nan=0.0)
+    return case
+
+
+def run(case, kernels: bool, monkeypatch):
+    monkeypatch.setenv("HF_PAGED_CPU_KERNELS", "1" if kernels else "0")
+    plan = plan_torch_attention(case["block_tables"], case["seq_lens"], case["query_start_loc"],
+                                case["key_cache"].shape[1], sliding_window=case["sliding_window"])
+    return on_backend(paged_attention_torch, case, plan=plan)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", CASES, ids=[f"d{c[3]}-g{c[2]}-b{c[4]}-w{c[5]}" for c in CASES])
+def test_kernel_matches_float64_and_the_reference(shape, dtype, monkeypatch):
+    case = model_path_case(*shape, dtype=dtype)
+    calls = []
+    real = cpu_kernels.decode_attention
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(cpu_kernels, "DTYPES", (torch.bfloat16, torch.float32))
+    monkeypatch.setattr(cpu_kernels, "decode_attention", counted)
+    got = run(case, True, monkeypatch)
+    assert calls, "the kernel did not run"
+    want = attention_float64(**{k: case[k] for k in ("query", "key_cache", "value_cache", "block_tables",
+                                                     "seq_lens", "query_start_loc", "scale", "sliding_window")})
+    reference = run(case, False, monkeypatch)
+    tol = 2e-6 if dtype == torch.float32 else 1.6e-2  # bf16: the output's rounding (2^-8 of values up to ~2)
+    assert (got.double() - want).abs().max() <= tol
+    assert (reference.double() - want).abs().max() <= tol  # the reference is as close: the oracle is right
+    assert torch.isfinite(got).all()
+
+
+def test_bf16_is_where_the_model_path_takes_it(monkeypatch):
+    """By default the kernel serves bf16 queries only (fp32 keeps SDPA, whose roundings fp32 token tests pin)."""
+    assert cpu_kernels.DTYPES == (torch.bfloat16,)
+    bf16 = model_path_case(*CASES[0], dtype=torch.bfloat16)
+    fp32 = model_path_case(*CASES[0], dtype=torch.float32)
+    assert cpu_kernels.supports(bf16["query"], bf16["key_cache"])
+    assert not cpu_kernels.supports(fp32["query"], fp32["key_cache"])
+    monkeypatch.setenv("HF_PAGED_CPU_KERNELS", "0")
+    assert not cpu_kernels.supports(bf16["query"], bf16["key_cache"])
+
+
+def test_without_a_compiler_the_reference_runs(monkeypatch, tmp_path):
+    case = model_path_case(*CASES[1], dtype=torch.bfloat16)
+    want = run(case, False, monkeypatch)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("HF_PAGED_CACHE", str(tmp_path))
+    cpu_kernels.library.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="did not build"):
+            assert cpu_kernels.library() is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = run(case, True, monkeypatch)
+        assert torch.equal(got, want)
+    finally:
+        cpu_kernels.library.cache_clear()
