@@ -108,7 +108,8 @@ class ContinuousBatchingManager:
             self.wake()
         if not self.is_running():  # (engine thread not running) a walk of the model: replaced weights are seen too
             self._core.kv.check_weights(rewalk=True)
-        if self._core.runner.device.type == "cpu" and not self._handoff.started:
+        device = getattr(self._core.runner, "device", None)  # (a test's stand-in runner has none)
+        if device is not None and device.type == "cpu" and not self._handoff.started:
             openmp.release_caller_threads()  # this thread's idle OpenMP pool would slow the engine thread's (openmp.py)
         if self._sync is None:
             self._handoff.start(run_engine, self._handoff, self._core)
