@@ -93,7 +93,8 @@ def gguf_at(bin_dir: Path, kind: str, workdir: Path) -> Path:
 def start(contender: dict, port: int, threads: int, concurrency: int, log: Path) -> subprocess.Popen:
     if contender["kind"] == "hf_paged":
         cmd = [sys.executable, "-m", "hf_paged", "serve", "--port", str(port), "--dtype", contender["dtype"],
-               "--threads", str(threads), "--log-level", "warning", "--served-model-name", "smollm2"]
+               "--threads", str(threads), "--log-level", "warning", "--served-model-name", "smollm2",
+               *contender.get("extra", [])]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
     else:
         bin_dir = contender["bin"]
@@ -119,6 +120,15 @@ def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 600
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt: str, output_tokens: int) -> dict:
+    """One streamed request; sent again once if the server closed a kept-alive connection before answering (a race
+    of connection reuse, not a failure of the server: llama-server closes idle connections)."""
+    try:
+        return await _one_request(client, url, prompt, output_tokens)
+    except httpx.RemoteProtocolError:
+        return await _one_request(client, url, prompt, output_tokens)
+
+
+async def _one_request(client: httpx.AsyncClient, url: str, prompt: str, output_tokens: int) -> dict:
     body = {"model": "smollm2", "prompt": prompt, "max_tokens": output_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
@@ -188,6 +198,8 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--serve-args", default="", help="extra arguments for hf_paged's server, e.g. '--max-batch-tokens "
+                   "2048'; several settings: separate them with ';' (each is its own contender)")
     args = p.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="hfp_cpu_peer_"))
     _, tokenizer = embedded.load()
@@ -199,8 +211,10 @@ def main(argv=None) -> int:
         if bin_dir is not None:
             contenders.append({"name": f"llama-server {gguf_kind}", "kind": "llama", "bin": bin_dir,
                                "gguf": gguf_at(bin_dir, gguf_kind, workdir), "precision": precision})
-        contenders.append({"name": f"hf_paged serve --dtype {dtype}", "kind": "hf_paged", "dtype": dtype,
-                           "precision": precision})
+        for extra in (args.serve_args.split(";") if args.serve_args else [""]):
+            name = f"hf_paged serve --dtype {dtype}" + (f" {extra.strip()}" if extra.strip() else "")
+            contenders.append({"name": name, "kind": "hf_paged", "dtype": dtype, "precision": precision,
+                               "extra": extra.split()})
     print(f"machine: {cpu_name()}, {os.cpu_count()} CPUs, {args.threads} threads per server; shared with other "
           f"work (figures noisy). Load: {args.requests} requests x {args.prompt_tokens} prompt / "
           f"{args.output_tokens} output tokens, concurrency {args.concurrency}, streaming /v1/completions", flush=True)
