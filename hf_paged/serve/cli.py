@@ -35,6 +35,11 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 
 
+# The server's step budget on every device: at concurrency 8 on a 2-core CPU, 2048 against the engine's CPU default of
+# 512 gave the same tokens/s and inter-token gaps 1.34x llama-server's instead of 1.71x (first tokens 1.65 s instead
+# of 0.80 s, llama-server's 2.44 s): docs/bench/cpu.md.
+SERVE_BATCH_TOKENS = 2048
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hf_paged serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,7 +62,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
                    help="paged attention kernels")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not keep finished prompts' blocks for reuse")
-    p.add_argument("--max-batch-tokens", type=int, default=None, help="token budget of one engine step")
+    p.add_argument("--max-batch-tokens", type=int, default=SERVE_BATCH_TOKENS,
+                   help="token budget of one engine step (default %(default)s, as llama-server's batch: prompts that "
+                        "arrive together are prefilled in one step, so none waits through the others' chunks after "
+                        "its first token; smaller gives earlier first tokens and longer gaps between tokens, see "
+                        "docs/bench/cpu.md)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run every step eagerly (default on CUDA with --max-memory: decode steps replay CUDA graphs, "
                         "and the pool is allocated whole at start)")
