@@ -53,7 +53,11 @@ def test_model_generate_batch_after_the_engine_runs_on_the_engine():
 
 def test_disable_gives_back_plain_linears_and_transformers_methods():
     model = bf16_model()
-    engine_tokens(model)
+    first = engine_tokens(model)
     hf_paged.disable_paged_attention(model)
-    assert {type(m) for m in model.modules() if isinstance(m, nn.Linear)} == {nn.Linear}
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert {type(m) for m in linears} == {nn.Linear}
+    assert not any("_packed" in vars(m) for m in linears)  # the packed copies are freed, not kept under nn.Linear
     assert "generate_batch" not in model.__dict__ and not hf_paged.is_paged(model)
+    twin = copy.deepcopy(model)  # the demo's transformers generate_batch row copies the model here
+    assert engine_tokens(twin) == first

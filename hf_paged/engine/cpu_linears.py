@@ -179,6 +179,8 @@ def prepare_cpu_linears(model: nn.Module, mode: str = "auto") -> int:
             continue  # another device, or a sharded (DTensor) weight: its own matmul
         if target is PackedLinear and not _packable(module.weight):
             continue
+        for name in PackedLinear._DERIVED + Int8Linear._DERIVED:  # the old class's derived weights: let go
+            module.__dict__.pop(name, None)
         module.__class__ = target  # its packed copy starts empty (the class defaults below)
         changed += 1
     return changed
