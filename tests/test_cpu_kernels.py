@@ -1,8 +1,9 @@
 """The C decode-attention kernel (``hf_paged/ops/decode_attention.c`` through ``hf_paged.ops.cpu_kernels``) against
 the float64 oracle and the PyTorch reference it stands in for, on the model path's pools (zeros where nothing was
-written, -1 table entries clamped by the plan): bf16 and fp32, head sizes on its vector paths (64, 128) and off
-them (16 lanes x 5 = 80, 24), 1 to 9 query heads per KV head, blocks of 1 to 16, sliding windows, rows of any length
-side by side (and the fallback when no compiler builds it)."""
+written, -1 table entries clamped by the plan): bf16 and fp32, head sizes with their loops as constants (64, 128)
+and not (16 lanes x 5 = 80), 1 to 8 query heads per KV head, blocks of 1 to 16, sliding windows, rows of any length
+side by side; shapes outside the kernel (a head size not a multiple of 16, 9 query heads per KV head) run the
+reference; and the fallback when no compiler builds it."""
 
 from __future__ import annotations
 
@@ -21,10 +22,13 @@ CASES = [  # (seq_lens, num_kv_heads, group, head_dim, block_size, window)
     ([272, 270, 1, 17, 300, 256, 33, 64], 3, 3, 64, 16, None),  # SmolLM2's attention shape, 8 decode rows
     ([5, 40, 129], 2, 4, 128, 8, None),
     ([31, 7, 64], 1, 1, 64, 1, None),
-    ([50, 19], 4, 2, 80, 4, None),  # 80: five 16-lane chunks, the general vector path
-    ([23, 9, 41], 2, 9, 64, 16, None),  # 9 heads per KV head: the scalar path
-    ([37, 12], 2, 2, 24, 4, None),  # 24: not a multiple of 16, the scalar path
+    ([50, 19], 4, 2, 80, 4, None),  # 80: five 16-lane chunks, the loops' general form
+    ([23, 9, 41], 2, 8, 128, 16, None),  # 8 heads per KV head: the most the kernel takes
     ([100, 60, 9], 2, 3, 64, 16, 32),  # sliding window: masked positions and freed blocks
+]
+OUTSIDE = [  # shapes the kernel does not take: the reference runs
+    ([23, 9, 41], 2, 9, 64, 16, None),  # 9 heads per KV head
+    ([37, 12], 2, 2, 24, 4, None),  # 24: not a multiple of 16
 ]
 
 
@@ -65,6 +69,16 @@ def test_kernel_matches_float64_and_the_reference(shape, dtype, monkeypatch):
     assert (got.double() - want).abs().max() <= tol
     assert (reference.double() - want).abs().max() <= tol  # the reference is as close: the oracle is right
     assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("shape", OUTSIDE, ids=[f"d{c[3]}-g{c[2]}" for c in OUTSIDE])
+def test_shapes_outside_the_kernel_run_the_reference(shape, monkeypatch):
+    case = model_path_case(*shape, dtype=torch.bfloat16)
+    monkeypatch.setattr(cpu_kernels, "decode_attention", lambda *args: pytest.fail("the kernel ran"))
+    got = run(case, True, monkeypatch)
+    want = attention_float64(**{k: case[k] for k in ("query", "key_cache", "value_cache", "block_tables",
+                                                     "seq_lens", "query_start_loc", "scale", "sliding_window")})
+    assert (got.double() - want).abs().max() <= 1.6e-2
 
 
 def test_bf16_is_where_the_model_path_takes_it(monkeypatch):

@@ -79,11 +79,17 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+MAX_HEAD_DIM, MAX_GROUP = 256, 8  # the kernel's register budget: head sizes a multiple of 16 up to this, GQA groups
+
+
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """Whether the model path hands these to :func:`decode_attention` (CPU tensors of one of :data:`DTYPES`, the
-    cache contiguous, the kernels on)."""
+    cache contiguous, a head size that is a multiple of 16 up to 256, at most 8 query heads per KV head, the
+    kernels on)."""
+    head_dim, group = query.shape[-1], query.shape[-2] // key_cache.shape[2]
     return (enabled() and query.device.type == "cpu" and query.dtype in DTYPES and key_cache.dtype == query.dtype
-            and key_cache.is_contiguous())
+            and key_cache.is_contiguous() and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
+            and group <= MAX_GROUP)
 
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,

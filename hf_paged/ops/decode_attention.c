@@ -13,7 +13,8 @@
      tables [rows, nb] int64                 physical block of each of the row's nb context blocks
      mask   [rows, nb * block] uint8 or NULL 1: the position is attended (NULL: every position)
      out    [rows, hq, d]
-   Work is split over (row, KV head) pairs with OpenMP, ``threads`` threads. */
+   Head sizes a multiple of 16 up to 256, at most 8 query heads per KV head (cpu_kernels.supports checks; other
+   shapes run the reference). Work is split over (row, KV head) pairs with OpenMP, ``threads`` threads. */
 
 #include <float.h>
 #include <math.h>
@@ -23,41 +24,12 @@
 
 #define LANES 16
 
-static inline float bf16_to_f32(uint16_t bits) {
-    uint32_t u = (uint32_t)bits << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
     u += 0x7fffu + ((u >> 16) & 1u);                                           /* nearest, ties to even */
     return (uint16_t)(u >> 16);
-}
-
-/* one value row of ``d`` elements as fp32 */
-static inline void load_row(const void *base, int64_t offset, int elem, int64_t d, float *dst) {
-    if (elem == 2) {
-        const uint16_t *src = (const uint16_t *)base + offset;
-        for (int64_t i = 0; i < d; ++i) dst[i] = bf16_to_f32(src[i]);
-    } else {
-        memcpy(dst, (const float *)base + offset, (size_t)d * sizeof(float));
-    }
-}
-
-/* dot product in LANES independent partial sums (vectorizes without reassociating one sum) */
-static inline float dot(const float *a, const float *b, int64_t d) {
-    float part[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= d; i += LANES)
-        for (int j = 0; j < LANES; ++j) part[j] += a[i + j] * b[i + j];
-    float sum = 0.0f;
-    for (int j = 0; j < LANES; ++j) sum += part[j];
-    for (; i < d; ++i) sum += a[i] * b[i];
-    return sum;
 }
 
 typedef float vf __attribute__((vector_size(64)));         /* 16 fp32 lanes (two AVX2 registers, one AVX-512) */
@@ -111,8 +83,6 @@ static inline vf sum16(vf *v) {
     return v[0];
 }
 
-/* e^x in 16 lanes (Cephes' expf: 2^n times a degree-6 polynomial on [-ln2/2, ln2/2], about 1 ulp; -inf and
-   anything below -87.3 give 0) */
 static inline vf bits_f(vi v) {
     vf f;
     memcpy(&f, &v, sizeof f);
@@ -125,6 +95,8 @@ static inline vi f_bits(vf f) {
     return v;
 }
 
+/* e^x in 16 lanes (Cephes' expf: 2^n times a degree-6 polynomial on [-ln2/2, ln2/2], about 1 ulp; -inf and
+   anything below -87.3 give 0) */
 static inline vf exp16(vf x) {
     const vi below = x < -87.3f;  /* -1 in the lanes where it holds (C vector compare) */
     x = bits_f((below & f_bits((vf){0} - 87.3f)) | (~below & f_bits(x)));
@@ -143,8 +115,8 @@ static inline vf exp16(vf x) {
     return bits_f(~below & f_bits(out));
 }
 
-/* the vector form of a (row, KV head) task, for head sizes that are a multiple of 16 (at most 256) and at most 8
-   query heads per KV head */
+/* one (row, KV head) task: the scores of its query heads over the row's positions, their softmax, the weighted
+   values */
 static inline __attribute__((always_inline)) void task_vec(const void *q, const void *kc, const void *vc, const int64_t *tables, const uint8_t *mask,
                      void *out, int64_t r, int64_t h, int64_t hq, int64_t hkv, int64_t d, int64_t block,
                      int64_t nb, float scale, int elem, float *scores, int64_t group) {
@@ -265,74 +237,10 @@ void hf_paged_decode_attention(const void *q, const void *kc, const void *vc, co
 #pragma omp parallel num_threads(threads)
     {
         float *scores = malloc(sizeof(float) * (size_t)(group * length)); /* [group, length] */
-        float *qf = malloc(sizeof(float) * (size_t)(group * d));          /* [group, d] */
-        float *acc = malloc(sizeof(float) * (size_t)(group * d));         /* [group, d] */
-        float *row = malloc(sizeof(float) * (size_t)d);
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < rows * hkv; ++task) {
-            const int64_t r = task / hkv, h = task % hkv;
-            if (d % LANES == 0 && d <= 16 * LANES && group <= 8) {
-                task_dispatch(q, kc, vc, tables, mask, out, r, h, hq, hkv, d, block, nb, scale, elem, scores, group);
-                continue;
-            }
-            for (int64_t g = 0; g < group; ++g) load_row(q, (r * hq + h * group + g) * d, elem, d, qf + g * d);
-            float best[64];
-            float *top = group <= 64 ? best : malloc(sizeof(float) * (size_t)group);
-            for (int64_t g = 0; g < group; ++g) top[g] = -INFINITY;
-            for (int64_t j = 0; j < nb; ++j) {
-                const int64_t physical = tables[r * nb + j];
-                for (int64_t p = 0; p < block; ++p) {
-                    const int64_t pos = j * block + p;
-                    if (mask != NULL && !mask[r * length + pos]) {
-                        for (int64_t g = 0; g < group; ++g) scores[g * length + pos] = -INFINITY;
-                        continue;
-                    }
-                    load_row(kc, ((physical * block + p) * hkv + h) * d, elem, d, row);
-                    for (int64_t g = 0; g < group; ++g) {
-                        const float s = dot(qf + g * d, row, d) * scale;
-                        scores[g * length + pos] = s;
-                        if (s > top[g]) top[g] = s;
-                    }
-                }
-            }
-            for (int64_t g = 0; g < group; ++g) {
-                float total = 0.0f;
-                for (int64_t pos = 0; pos < length; ++pos) {
-                    const float e = top[g] == -INFINITY ? 0.0f : expf(scores[g * length + pos] - top[g]);
-                    scores[g * length + pos] = e;
-                    total += e;
-                }
-                const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-                for (int64_t pos = 0; pos < length; ++pos) scores[g * length + pos] *= inv;
-            }
-            memset(acc, 0, sizeof(float) * (size_t)(group * d));
-            for (int64_t j = 0; j < nb; ++j) {
-                const int64_t physical = tables[r * nb + j];
-                for (int64_t p = 0; p < block; ++p) {
-                    const int64_t pos = j * block + p;
-                    if (mask != NULL && !mask[r * length + pos]) continue;
-                    load_row(vc, ((physical * block + p) * hkv + h) * d, elem, d, row);
-                    for (int64_t g = 0; g < group; ++g) {
-                        const float w = scores[g * length + pos];
-                        float *a = acc + g * d;
-                        for (int64_t i = 0; i < d; ++i) a[i] += w * row[i];
-                    }
-                }
-            }
-            for (int64_t g = 0; g < group; ++g) {
-                const int64_t at = (r * hq + h * group + g) * d;
-                if (elem == 2) {
-                    uint16_t *dst = (uint16_t *)out + at;
-                    for (int64_t i = 0; i < d; ++i) dst[i] = f32_to_bf16(acc[g * d + i]);
-                } else {
-                    memcpy((float *)out + at, acc + g * d, sizeof(float) * (size_t)d);
-                }
-            }
-            if (top != best) free(top);
-        }
+        for (int64_t task = 0; task < rows * hkv; ++task)
+            task_dispatch(q, kc, vc, tables, mask, out, task / hkv, task % hkv, hq, hkv, d, block, nb, scale, elem,
+                          scores, group);
         free(scores);
-        free(qf);
-        free(acc);
-        free(row);
     }
 }
