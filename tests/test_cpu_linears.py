@@ -10,6 +10,7 @@ from torch import nn
 from hf_paged.engine import cpu_linears
 from hf_paged.engine.cpu_linears import Int8Linear, PackedLinear, linears_mode, native_dtype, prepare_cpu_linears
 from hf_paged.engine.factory import generate_batch
+from hf_paged.ops import cpu_kernels
 from hf_paged.pool import BlockPool
 
 from helpers.engine_oracle import random_prompts
@@ -62,6 +63,26 @@ def test_int8_linear_within_quantization_error():
     assert not torch.equal(got, exact)  # it did quantize
 
 
+@pytest.mark.parametrize("rows", [1, 8, cpu_kernels.INT8_MAX_ROWS + 1, 300])
+def test_int8_linear_paths_within_quantization_error(rows):
+    """bf16 activations on both paths (the C kernel up to INT8_MAX_ROWS rows, a dequantized copy above): every output
+    within the weight rounding's bound plus bf16's rounding of the output, of the dequantized copy's weights (half a
+    bf16 step each) and of the kernel's activation-weight products."""
+    torch.manual_seed(rows)
+    layer = nn.Linear(96, 80, bias=True).to(torch.bfloat16)
+    weight = layer.weight.detach().float().clone()
+    prepare_cpu_linears(layer, "int8")
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    with torch.no_grad():
+        got = layer(x).float()
+    exact = x.float() @ weight.T + layer.bias.float()
+    step = weight.abs().amax(dim=1) / 127  # [out]
+    size = x.float().abs() @ (weight.abs() + step[:, None]).T  # [rows, out]: what the products can add up to
+    bound = 0.5 * step[None] * x.float().abs().sum(dim=1, keepdim=True) + 2 ** -8 * (size + exact.abs()) + 1e-3
+    assert ((got - exact).abs() <= bound).all()
+    assert not torch.equal(got, exact.to(torch.bfloat16).float())  # it did quantize
+
+
 def test_engine_tokens_equal_with_packed_and_eager_linears():
     """The engine on a bf16 model: the same greedy tokens with prepacked linears as with F.linear, and the packed
     path really ran (where oneDNN has bf16; elsewhere the layers fall back to F.linear and still agree)."""
@@ -83,11 +104,16 @@ def test_engine_tokens_equal_with_packed_and_eager_linears():
 
 
 def test_engine_int8_matches_generate_on_the_same_int8_model():
-    """cpu_linears="int8": the engine's greedy tokens equal generate() on the same int8 layers (one function)."""
-    model = tiny_model(seed=5).to(torch.bfloat16)
+    """cpu_linears="int8": the engine's greedy tokens equal generate() on the same int8 layers. Steps of up to
+    ``INT8_MAX_ROWS`` rows run the C kernel, whose rows do not depend on what else is in the step (a bigger step, a
+    prefill, multiplies a dequantized copy: another rounding), so the engine's steps are held to that size. fp32
+    activations: in bf16 the engine's paged attention and generate()'s SDPA round differently, and a tiny random
+    model's near-ties flip on that alone."""
+    model = tiny_model(seed=5)
     prompts = random_prompts(3, VOCAB, (4, 20), seed=6)
     out = generate_batch(model, prompts, max_new_tokens=8, do_sample=False, progress_bar=False,
-                         pool=BlockPool(block_size=4, num_blocks=64), cpu_linears="int8")
+                         pool=BlockPool(block_size=4, num_blocks=64), cpu_linears="int8",
+                         max_batch_tokens=cpu_kernels.INT8_MAX_ROWS)
     assert linears_mode(model) == "int8"
     for prompt, result in zip(prompts, out.values()):
         with torch.no_grad():

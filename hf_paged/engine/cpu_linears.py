@@ -15,8 +15,10 @@ untouched):
 - :class:`PackedLinear` (bf16 / fp16 weights): the oneDNN-packed copy is made at the first call and remade when
   the weight changes in place (a weight sync bumps its version) or is replaced; a call that needs gradients runs
   ``F.linear``. Costs a second copy of each weight in memory.
-- :class:`Int8Linear`: symmetric per-output-channel int8 weights (``torch._weight_int8pack_mm``), the activations in
-  the model's dtype: half the bytes of bf16 per step, but not the same function (greedy tokens can differ).
+- :class:`Int8Linear`: symmetric per-output-channel int8 weights, the activations in the model's dtype: half the
+  bytes of bf16 per step, but not the same function (greedy tokens can differ). A step of up to
+  ``cpu_kernels.INT8_MAX_ROWS`` rows runs the C kernel ``ops/int8_linear.c`` (torch's ``_weight_int8pack_mm``
+  without a C compiler); more rows (a prefill) multiply a copy of the weights in x's dtype made for the call.
 
 ``"auto"``: ``"packed"`` for a CPU model with bf16 / fp16 weights, nothing otherwise (fp32 runs MKL's own GEMM, which
 packing does not speed up bit-identically).
@@ -30,6 +32,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..ops import cpu_kernels
 
 MODES = ("auto", "packed", "int8", "eager", "keep")  # keep: the layers as they are
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
@@ -121,26 +125,30 @@ class Int8Linear(_DerivedWeights, nn.Linear):
     _DERIVED = ("_qweight", "_scales", "_quant_key")
 
     _qweight: torch.Tensor  # [out, in] int8
-    _scales: torch.Tensor  # [out] in the activations' dtype
+    _scales: torch.Tensor  # [out] fp32
     _quant_key: tuple | None = None
 
     def _quantize(self) -> None:
         weight = self.weight.detach().float()  # [out, in]
         scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
         self._qweight = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-        self._scales = scales
+        self._scales = scales.contiguous()
         self._quant_key = (self.weight.data_ptr(), self.weight._version)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+        if (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
         if self._quant_key != (self.weight.data_ptr(), self.weight._version):
             self._quantize()
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).contiguous()  # [rows, in]
-        out = torch._weight_int8pack_mm(x2, self._qweight, self._scales.to(x.dtype))  # [rows, out]
-        if self.bias is not None:
-            out = out + self.bias
+        x2 = x.reshape(-1, shape[-1])  # [rows, in]
+        out = cpu_kernels.int8_linear(x2, self._qweight, self._scales, self.bias)  # a decode step's few rows
+        if out is None and x2.shape[0] <= cpu_kernels.INT8_MAX_ROWS:  # no C compiler: torch's int8 matmul
+            out = torch._weight_int8pack_mm(x2.contiguous(), self._qweight, self._scales.to(x.dtype))
+            out = out if self.bias is None else out + self.bias
+        elif out is None:  # a prefill's many rows: the products bound the time, so the weights go back to x's dtype
+            weight = self._qweight.to(x.dtype).mul_(self._scales.to(x.dtype)[:, None])
+            out = F.linear(x2, weight, self.bias)
         return out.reshape(*shape[:-1], self.out_features)
 
 

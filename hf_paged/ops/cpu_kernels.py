@@ -1,9 +1,13 @@
-"""CPU kernels in C beside their PyTorch references: the decode part of the torch backend's paged attention.
+"""CPU kernels in C beside their PyTorch references: the decode part of the torch backend's paged attention, and
+int8 weight-only linears for a decode step's few rows.
 
 ``decode_attention.c`` (next to this file) reads each decode row's K/V straight from the pool's blocks through its
 block table: no gather of the blocks into a copy and no SDPA call per part, which at 8 decode rows of ~270
 positions cost ~0.35 ms a layer on a 2-core CPU (about a fifth of a SmolLM2 decode step); see docs/bench/cpu.md.
-It is compiled once per machine with the system's C compiler (``$CC`` or ``cc``: ``-O3 -march=native -fopenmp``,
+``int8_linear.c`` multiplies a few rows by int8 weights with one scale per output channel
+(:class:`hf_paged.engine.cpu_linears.Int8Linear`): a decode step's linears read each weight once, so their time is
+the weights' bytes, half of bf16's; torch's ``_weight_int8pack_mm`` took longer than the packed bf16 GEMM it was
+to beat. Both are compiled once per machine with the system's C compiler (``$CC`` or ``cc``: ``-O3 -march=native -fopenmp``,
 under ``$HF_PAGED_CACHE/kernels``, ~1 s) and called through ``ctypes``; without a compiler, or with
 ``HF_PAGED_CPU_KERNELS=0``, the PyTorch reference runs.
 
@@ -25,7 +29,9 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("decode_attention.c")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "decode_attention.c", HERE / "int8_linear.c")  # one library; both include cpu_vec.h
+HEADERS = (HERE / "cpu_vec.h",)
 DTYPES = (torch.bfloat16,)  # where the engine and PagedCache use the kernel (it also computes fp32, for tests)
 _ELEM = {torch.bfloat16: 2, torch.float32: 4}
 
@@ -54,20 +60,21 @@ def _cpu_key() -> str:
 def library() -> ctypes.CDLL | None:
     """The compiled kernels (built at the first call, then loaded from the cache); None where no C compiler builds
     them (a warning says why, once)."""
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     compiler = os.environ.get("CC", "cc")
     key = hashlib.sha256(source + _cpu_key().encode() + compiler.encode()).hexdigest()[:16]
-    path = _cache_dir() / f"decode_attention-{key}.so"
+    path = _cache_dir() / f"cpu_kernels-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             built = Path(tmp) / path.name
-            cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", str(built), str(SOURCE)]
+            cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", str(built),
+                   *map(str, SOURCES)]
             try:
                 subprocess.run(cmd, check=True, capture_output=True, timeout=120)
             except (OSError, subprocess.SubprocessError) as err:
                 detail = getattr(err, "stderr", b"") or b""
-                warnings.warn(f"hf_paged: the CPU decode-attention kernel did not build ({' '.join(cmd[:1])}: "
+                warnings.warn(f"hf_paged: the CPU kernels (decode attention, int8 linears) did not build ({' '.join(cmd[:1])}: "
                               f"{err}; {detail.decode(errors='replace')[-300:]}); the PyTorch path runs instead "
                               "(set CC to a C compiler with OpenMP to build it).", RuntimeWarning, stacklevel=3)
                 return None
@@ -76,6 +83,9 @@ def library() -> ctypes.CDLL | None:
     fn = lib.hf_paged_decode_attention
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn = lib.hf_paged_int8_linear
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -113,3 +123,39 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                                   num_q_heads, num_kv_heads, head_dim, block, nb, float(scale),
                                   _ELEM[query.dtype], torch.get_num_threads())
     return out
+
+
+INT8_MAX_ROWS = 32  # above this many rows the products, not the weights' bytes, bound the time: torch's GEMM runs
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``x @ (qweight * scales[:, None]).T + bias`` for ``x`` ``[rows, k]`` (bf16 or fp32, CPU), ``qweight`` ``[n, k]``
+    int8, ``scales`` ``[n]`` fp32, ``bias`` ``[n]`` in x's dtype or None -> ``[rows, n]`` in x's dtype, as
+    :func:`int8_linear_reference` computes it to the output's rounding. None where the kernel does not take it (more
+    than :data:`INT8_MAX_ROWS` rows, ``k`` not a multiple of 16, another dtype or device, the kernels off or not
+    built): the caller runs torch's."""
+    rows, k = x.shape
+    if not (enabled() and 0 < rows <= INT8_MAX_ROWS and k % 16 == 0 and x.device.type == "cpu" and x.dtype in _ELEM
+            and qweight.dtype == torch.int8 and scales.dtype == torch.float32):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    x = x.contiguous()
+    bias = None if bias is None else bias.to(x.dtype).contiguous()
+    out = torch.empty(rows, qweight.shape[0], dtype=x.dtype)
+    lib.hf_paged_int8_linear(x.data_ptr(), qweight.data_ptr(), scales.data_ptr(),
+                             None if bias is None else bias.data_ptr(), out.data_ptr(), rows, qweight.shape[0], k,
+                             _ELEM[x.dtype], torch.get_num_threads())
+    return out
+
+
+def int8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """What :func:`int8_linear` computes, in float64, rounded once to x's dtype."""
+    weight = qweight.double() * scales.double()[:, None]
+    out = x.double() @ weight.T
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype)
