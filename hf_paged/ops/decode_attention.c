@@ -22,6 +22,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "cpu_vec.h"
 
 static inline vf bits_f(vi v) {
@@ -56,6 +60,72 @@ static inline vf exp16(vf x) {
     return bits_f(~below & f_bits(out));
 }
 
+#if defined(__AVX512BF16__)
+/* pass 2 for bf16 (head size a multiple of 32): the probabilities rounded to bf16, two positions' values interleaved
+   so one vdpbf16ps adds both positions' products for 16 dimensions (unpacking works within 128-bit lanes: lane i of
+   the low half holds dimension (i / 4) * 8 + i % 4 of its 32, the high half that plus 4) */
+static inline __attribute__((always_inline)) void values_bf16(const void *vc, const int64_t *tables,
+                                                              const uint8_t *mask, void *out, int64_t r, int64_t h,
+                                                              int64_t hq, int64_t hkv, int64_t d, int64_t block,
+                                                              int64_t nb, const float *scores, uint16_t *probs,
+                                                              int64_t group) {
+    const int64_t length = nb * block, wide = d / (2 * LANES);
+    for (int64_t g = 0; g < group; ++g) {
+        int64_t pos = 0;
+        for (; pos + LANES <= length; pos += LANES)
+            _mm256_storeu_si256((__m256i *)(probs + g * (length + 2) + pos),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(scores + g * length + pos)));
+        for (; pos < length; ++pos) probs[g * (length + 2) + pos] = f32_to_bf16(scores[g * length + pos]);
+        probs[g * (length + 2) + length] = 0; /* the pair partner of an odd last position */
+    }
+    __m512 lo[8 * 4], hi[8 * 4];
+    for (int64_t i = 0; i < group * wide; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+    int64_t j = 0, offset = 0;
+    for (int64_t pos = 0; pos < length; pos += 2) {
+        int64_t at[2];
+        for (int e = 0; e < 2; ++e) {
+            at[e] = -1;
+            if (pos + e < length) {
+                at[e] = ((tables[r * nb + j] * block + offset) * hkv + h) * d;
+                if (++offset == block) offset = 0, ++j;
+                if (mask != NULL && !mask[r * length + pos + e]) at[e] = -1; /* its slot may hold anything */
+            }
+        }
+        __m512i vlo[4], vhi[4];
+        for (int64_t c = 0; c < wide; ++c) {
+            const __m512i v0 = at[0] < 0 ? _mm512_setzero_si512()
+                                         : _mm512_loadu_si512((const uint16_t *)vc + at[0] + c * 2 * LANES);
+            const __m512i v1 = at[1] < 0 ? _mm512_setzero_si512()
+                                         : _mm512_loadu_si512((const uint16_t *)vc + at[1] + c * 2 * LANES);
+            vlo[c] = _mm512_unpacklo_epi16(v0, v1);
+            vhi[c] = _mm512_unpackhi_epi16(v0, v1);
+        }
+        for (int64_t g = 0; g < group; ++g) {
+            uint32_t pair;
+            memcpy(&pair, probs + g * (length + 2) + pos, sizeof pair);
+            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int64_t c = 0; c < wide; ++c) {
+                lo[g * wide + c] = _mm512_dpbf16_ps(lo[g * wide + c], w, (__m512bh)vlo[c]);
+                hi[g * wide + c] = _mm512_dpbf16_ps(hi[g * wide + c], w, (__m512bh)vhi[c]);
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+        uint16_t *dst = (uint16_t *)out + (r * hq + h * group + g) * d;
+        for (int64_t c = 0; c < wide; ++c) {
+            float a[LANES], b[LANES];
+            _mm512_storeu_ps(a, lo[g * wide + c]);
+            _mm512_storeu_ps(b, hi[g * wide + c]);
+            for (int i = 0; i < LANES; ++i) {
+                const int64_t dim = c * 2 * LANES + (i / 4) * 8 + i % 4;
+                dst[dim] = f32_to_bf16(a[i]);
+                dst[dim + 4] = f32_to_bf16(b[i]);
+            }
+        }
+    }
+}
+#endif
+
 /* one (row, KV head) task: the scores of its query heads over the row's positions, their softmax, the weighted
    values */
 static inline __attribute__((always_inline)) void task_vec(const void *q, const void *kc, const void *vc, const int64_t *tables, const uint8_t *mask,
@@ -71,6 +141,16 @@ static inline __attribute__((always_inline)) void task_vec(const void *q, const 
             acc[g * chunks + c] = (vf){0};
         }
     }
+#if defined(__AVX512BF16__)
+    __m512bh qb[8 * 8];  /* bf16: the query as it is, its dot products scaled after (below) */
+    const float qscale = elem == 2 && chunks % 2 == 0 ? scale : 1.0f;
+    if (elem == 2 && chunks % 2 == 0)
+        for (int64_t g = 0; g < group; ++g)
+            for (int64_t c = 0; c < chunks / 2; ++c)
+                qb[g * 8 + c] = (__m512bh)_mm512_loadu_si512((const uint16_t *)q + (r * hq + h * group + g) * d + c * 2 * LANES);
+#else
+    const float qscale = 1.0f;
+#endif
     /* pass 1: scores, 16 positions at a time (the last group of a row padded with masked positions); the position's
        block and offset are stepped, not divided (an integer division per position cost more than its dot product) */
     int64_t j = 0, offset = 0;
@@ -87,6 +167,18 @@ static inline __attribute__((always_inline)) void task_vec(const void *q, const 
                 for (int64_t g = 0; g < group; ++g) part[g][p] = (vf){0};
                 continue;
             }
+#if defined(__AVX512BF16__)
+            if (elem == 2 && chunks % 2 == 0) {  /* bf16 pairs: 32 products per instruction, the key as it is */
+                __m512i k2[8];
+                for (int64_t c = 0; c < chunks / 2; ++c) k2[c] = _mm512_loadu_si512((const uint16_t *)kc + at + c * 2 * LANES);
+                for (int64_t g = 0; g < group; ++g) {
+                    __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g * 8], (__m512bh)k2[0]);
+                    for (int64_t c = 1; c < chunks / 2; ++c) sum = _mm512_dpbf16_ps(sum, qb[g * 8 + c], (__m512bh)k2[c]);
+                    memcpy(&part[g][p], &sum, sizeof sum);
+                }
+                continue;
+            }
+#endif
             vf k[16];
             for (int64_t c = 0; c < chunks; ++c) k[c] = load16(kc, at + c * LANES, elem);
             for (int64_t g = 0; g < group; ++g) {  /* one register sum per query head: stored once */
@@ -96,7 +188,21 @@ static inline __attribute__((always_inline)) void task_vec(const void *q, const 
             }
         }
         for (int64_t g = 0; g < group; ++g) {
-            vf s = sum16(part[g]);
+            vf s = sum16(part[g]) * qscale;
+#if defined(__AVX512F__)
+            if (first + LANES <= length) {  /* 16 positions at once: masked ones -inf */
+                __m512 v;
+                memcpy(&v, &s, sizeof v);
+                if (mask != NULL) {
+                    const __m128i bytes = _mm_loadu_si128((const __m128i *)(mask + r * length + first));
+                    v = _mm512_mask_blend_ps(_mm_test_epi8_mask(bytes, bytes), _mm512_set1_ps(-INFINITY), v);
+                }
+                _mm512_storeu_ps(scores + g * length + first, v);
+                const float most = _mm512_reduce_max_ps(v);
+                if (most > top[g]) top[g] = most;
+                continue;
+            }
+#endif
             for (int p = 0; p < LANES && first + p < length; ++p) {
                 const int64_t pos = first + p;
                 const float v = (mask != NULL && !mask[r * length + pos]) ? -INFINITY : s[p];
@@ -127,9 +233,22 @@ static inline __attribute__((always_inline)) void task_vec(const void *q, const 
             sum += row[pos];
         }
         const float inv = 1.0f / sum;
-        for (pos = 0; pos < length; ++pos) row[pos] *= inv;
+        for (pos = 0; pos + LANES <= length; pos += LANES) {
+            vf x;
+            memcpy(&x, row + pos, sizeof x);
+            x *= inv;
+            memcpy(row + pos, &x, sizeof x);
+        }
+        for (; pos < length; ++pos) row[pos] *= inv;
     }
     /* pass 2: the weighted values */
+#if defined(__AVX512BF16__)
+    if (elem == 2 && chunks % 2 == 0) {
+        values_bf16(vc, tables, mask, out, r, h, hq, hkv, d, block, nb, scores, (uint16_t *)(scores + group * length),
+                    group);
+        return;
+    }
+#endif
     j = 0, offset = 0;
     for (int64_t pos = 0; pos < length; ++pos) {
         const int64_t at = ((tables[r * nb + j] * block + offset) * hkv + h) * d;
@@ -177,7 +296,8 @@ void hf_paged_decode_attention(const void *q, const void *kc, const void *vc, co
     const int64_t group = hq / hkv, length = nb * block;
 #pragma omp parallel num_threads(threads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(group * length)); /* [group, length] */
+        /* [group, length] fp32 scores, then [group, length + 2] bf16 probabilities */
+        float *scores = malloc(sizeof(float) * (size_t)(group * length) + sizeof(uint16_t) * (size_t)(group * (length + 2)));
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < rows * hkv; ++task)
             task_dispatch(q, kc, vc, tables, mask, out, task / hkv, task % hkv, hq, hkv, d, block, nb, scale, elem,
