@@ -2,7 +2,7 @@
 the float64 oracle and the PyTorch reference it stands in for, on the model path's pools (zeros where nothing was
 written, -1 table entries clamped by the plan): bf16 and fp32, head sizes with their loops as constants (64, 128)
 and not (16 lanes x 5 = 80), 1 to 8 query heads per KV head, blocks of 1 to 16, sliding windows, rows of any length
-side by side; shapes outside the kernel (a head size not a multiple of 16, 9 query heads per KV head) run the
+side by side (odd lengths: the value pass pairs positions), head sizes up to 256; shapes outside the kernel (a head size not a multiple of 16, 9 query heads per KV head) run the
 reference; and the fallback when no compiler builds it."""
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ CASES = [  # (seq_lens, num_kv_heads, group, head_dim, block_size, window)
     ([50, 19], 4, 2, 80, 4, None),  # 80: five 16-lane chunks, the loops' general form
     ([23, 9, 41], 2, 8, 128, 16, None),  # 8 heads per KV head: the most the kernel takes
     ([100, 60, 9], 2, 3, 64, 16, 32),  # sliding window: masked positions and freed blocks
+    ([45, 3, 70], 2, 8, 256, 4, None),  # the largest head the kernel takes, 8 query heads per KV head
+    ([29, 64], 1, 2, 96, 8, None),  # 96: three 32-wide pairs of chunks in the AVX512-BF16 form
 ]
 OUTSIDE = [  # shapes the kernel does not take: the reference runs
     ([23, 9, 41], 2, 9, 64, 16, None),  # 9 heads per KV head

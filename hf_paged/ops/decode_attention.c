@@ -78,7 +78,7 @@ static inline __attribute__((always_inline)) void values_bf16(const void *vc, co
         for (; pos < length; ++pos) probs[g * (length + 2) + pos] = f32_to_bf16(scores[g * length + pos]);
         probs[g * (length + 2) + length] = 0; /* the pair partner of an odd last position */
     }
-    __m512 lo[8 * 4], hi[8 * 4];
+    __m512 lo[8 * 8], hi[8 * 8]; /* [group, d / 32]: up to 8 heads of 256 */
     for (int64_t i = 0; i < group * wide; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
     int64_t j = 0, offset = 0;
     for (int64_t pos = 0; pos < length; pos += 2) {
@@ -91,7 +91,7 @@ static inline __attribute__((always_inline)) void values_bf16(const void *vc, co
                 if (mask != NULL && !mask[r * length + pos + e]) at[e] = -1; /* its slot may hold anything */
             }
         }
-        __m512i vlo[4], vhi[4];
+        __m512i vlo[8], vhi[8];
         for (int64_t c = 0; c < wide; ++c) {
             const __m512i v0 = at[0] < 0 ? _mm512_setzero_si512()
                                          : _mm512_loadu_si512((const uint16_t *)vc + at[0] + c * 2 * LANES);
