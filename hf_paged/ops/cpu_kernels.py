@@ -125,7 +125,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     return out
 
 
-INT8_MAX_ROWS = 32  # above this many rows the products, not the weights' bytes, bound the time: torch's GEMM runs
+INT8_MAX_ROWS = 32  # above this many rows the products, not the weights' bytes, bound the time: oneDNN's GEMM runs
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -133,11 +133,11 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """``x @ (qweight * scales[:, None]).T + bias`` for ``x`` ``[rows, k]`` (bf16 or fp32, CPU), ``qweight`` ``[n, k]``
     int8, ``scales`` ``[n]`` fp32, ``bias`` ``[n]`` in x's dtype or None -> ``[rows, n]`` in x's dtype, as
     :func:`int8_linear_reference` computes it to the output's rounding. None where the kernel does not take it (more
-    than :data:`INT8_MAX_ROWS` rows, ``k`` not a multiple of 16, another dtype or device, the kernels off or not
-    built): the caller runs torch's."""
+    than :data:`INT8_MAX_ROWS` rows, ``k`` not a multiple of 16, another dtype or device, non-contiguous weights, the
+    kernels off or not built): the caller runs torch's."""
     rows, k = x.shape
     if not (enabled() and 0 < rows <= INT8_MAX_ROWS and k % 16 == 0 and x.device.type == "cpu" and x.dtype in _ELEM
-            and qweight.dtype == torch.int8 and scales.dtype == torch.float32):
+            and qweight.dtype == torch.int8 and qweight.is_contiguous() and scales.dtype == torch.float32):
         return None
     lib = library()
     if lib is None:

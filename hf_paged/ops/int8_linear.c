@@ -91,6 +91,7 @@ static inline __attribute__((always_inline)) vf dots_bf16(const uint16_t *x, con
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < k; c += 2 * LANES) {
         for (int j = 0; j < nb; ++j) {
+            /* the next tile's rows, ahead of their use (past the last row the CPU drops the hint) */
             _mm_prefetch((const char *)(w + (n0 + j + PREFETCH_ROWS) * k + c), _MM_HINT_T0);
             const __m512bh wv = load32_i8_bf16(w + (n0 + j) * k + c);
             for (int m = 0; m < mb; ++m)
@@ -150,7 +151,7 @@ void hf_paged_int8_linear(const void *x, const int8_t *w, const float *scales, c
     const int bf16 = 0;
 #endif
     float *xf = NULL; /* the activations once in fp32, where the bf16 path does not take them as they are */
-    if (!bf16 || n % TILE != 0) {
+    if (!bf16) {
         xf = malloc(sizeof(float) * (size_t)(rows * k));
         for (int64_t i = 0; i < rows * k; i += LANES) {
             const vf v = load16(x, i, elem);
