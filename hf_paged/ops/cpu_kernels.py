@@ -74,9 +74,10 @@ def library() -> ctypes.CDLL | None:
                 subprocess.run(cmd, check=True, capture_output=True, timeout=120)
             except (OSError, subprocess.SubprocessError) as err:
                 detail = getattr(err, "stderr", b"") or b""
-                warnings.warn(f"hf_paged: the CPU kernels (decode attention, int8 linears) did not build ({' '.join(cmd[:1])}: "
-                              f"{err}; {detail.decode(errors='replace')[-300:]}); the PyTorch path runs instead "
-                              "(set CC to a C compiler with OpenMP to build it).", RuntimeWarning, stacklevel=3)
+                warnings.warn(f"hf_paged: the CPU kernels (decode attention, int8 linears) did not build "
+                              f"({' '.join(cmd[:1])}: {err}; {detail.decode(errors='replace')[-300:]}); the PyTorch "
+                              "path runs instead (set CC to a C compiler with OpenMP to build it).", RuntimeWarning,
+                              stacklevel=3)
                 return None
             os.replace(built, path)  # atomic: another process may be building the same file
     lib = ctypes.CDLL(str(path))

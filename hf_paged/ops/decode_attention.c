@@ -132,24 +132,26 @@ static inline __attribute__((always_inline)) void task_vec(const void *q, const 
                      void *out, int64_t r, int64_t h, int64_t hq, int64_t hkv, int64_t d, int64_t block,
                      int64_t nb, float scale, int elem, float *scores, int64_t group) {
     const int64_t length = nb * block, chunks = d / LANES;
+#if defined(__AVX512BF16__)
+    const int pairs = elem == 2 && chunks % 2 == 0; /* the AVX512-BF16 form: bf16 heads of a multiple of 32 */
+#else
+    const int pairs = 0;
+#endif
     vf qv[8 * 16], acc[8 * 16], part[8][16];
     float top[8];
     for (int64_t g = 0; g < group; ++g) {
         top[g] = -INFINITY;
-        for (int64_t c = 0; c < chunks; ++c) {
+        for (int64_t c = 0; c < chunks && !pairs; ++c) {
             qv[g * chunks + c] = load16(q, (r * hq + h * group + g) * d + c * LANES, elem) * scale;
             acc[g * chunks + c] = (vf){0};
         }
     }
+    const float qscale = pairs ? scale : 1.0f; /* the pairs form scales the scores, not the query */
 #if defined(__AVX512BF16__)
-    __m512bh qb[8 * 8];  /* bf16: the query as it is, its dot products scaled after (below) */
-    const float qscale = elem == 2 && chunks % 2 == 0 ? scale : 1.0f;
-    if (elem == 2 && chunks % 2 == 0)
-        for (int64_t g = 0; g < group; ++g)
-            for (int64_t c = 0; c < chunks / 2; ++c)
-                qb[g * 8 + c] = (__m512bh)_mm512_loadu_si512((const uint16_t *)q + (r * hq + h * group + g) * d + c * 2 * LANES);
-#else
-    const float qscale = 1.0f;
+    __m512bh qb[8 * 8]; /* the pairs form: the query as it is */
+    for (int64_t g = 0; g < group && pairs; ++g)
+        for (int64_t c = 0; c < chunks / 2; ++c)
+            qb[g * 8 + c] = (__m512bh)_mm512_loadu_si512((const uint16_t *)q + (r * hq + h * group + g) * d + c * 2 * LANES);
 #endif
     /* pass 1: scores, 16 positions at a time (the last group of a row padded with masked positions); the position's
        block and offset are stepped, not divided (an integer division per position cost more than its dot product) */
@@ -168,7 +170,7 @@ static inline __attribute__((always_inline)) void task_vec(const void *q, const 
                 continue;
             }
 #if defined(__AVX512BF16__)
-            if (elem == 2 && chunks % 2 == 0) {  /* bf16 pairs: 32 products per instruction, the key as it is */
+            if (pairs) {  /* 32 products per instruction, the key as it is */
                 __m512i k2[8];
                 for (int64_t c = 0; c < chunks / 2; ++c) k2[c] = _mm512_loadu_si512((const uint16_t *)kc + at + c * 2 * LANES);
                 for (int64_t g = 0; g < group; ++g) {
@@ -243,7 +245,7 @@ static inline __attribute__((always_inline)) void task_vec(const void *q, const 
     }
     /* pass 2: the weighted values */
 #if defined(__AVX512BF16__)
-    if (elem == 2 && chunks % 2 == 0) {
+    if (pairs) {
         values_bf16(vc, tables, mask, out, r, h, hq, hkv, d, block, nb, scores, (uint16_t *)(scores + group * length),
                     group);
         return;

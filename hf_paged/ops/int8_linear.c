@@ -60,19 +60,24 @@ static inline __attribute__((always_inline)) vf dots(const float *x, const int8_
     return sum16(acc);
 }
 
-/* dots with the row count as a constant (its accumulators stay in registers); nb = 16 / mb rounded down to a power
-   of two, so it divides TILE */
-static vf dots_dispatch(const float *x, const int8_t *w, int64_t k, int64_t n0, int mb) {
-    switch (mb) {
-        case 1: return dots(x, w, k, n0, 1, 16);
-        case 2: return dots(x, w, k, n0, 2, 8);
-        case 3: return dots(x, w, k, n0, 3, 4);
-        case 4: return dots(x, w, k, n0, 4, 4);
-        case 5: return dots(x, w, k, n0, 5, 2);
-        case 6: return dots(x, w, k, n0, 6, 2);
-        case 7: return dots(x, w, k, n0, 7, 2);
-        default: return dots(x, w, k, n0, 8, 2);
+/* the columns a chunk of mb rows takes at once: mb * columns <= 16 sums, a power of two that divides TILE */
+#define COLUMNS(mb) ((mb) == 1 ? 16 : (mb) == 2 ? 8 : (mb) <= 4 ? 4 : 2)
+
+/* a dots function called with the row count (1-8) as a constant, so its accumulators stay in registers */
+#define BY_ROWS(fn, x, w, k, n0, mb)                                            \
+    switch (mb) {                                                              \
+        case 1: return fn(x, w, k, n0, 1, COLUMNS(1));                         \
+        case 2: return fn(x, w, k, n0, 2, COLUMNS(2));                         \
+        case 3: return fn(x, w, k, n0, 3, COLUMNS(3));                         \
+        case 4: return fn(x, w, k, n0, 4, COLUMNS(4));                         \
+        case 5: return fn(x, w, k, n0, 5, COLUMNS(5));                         \
+        case 6: return fn(x, w, k, n0, 6, COLUMNS(6));                         \
+        case 7: return fn(x, w, k, n0, 7, COLUMNS(7));                         \
+        default: return fn(x, w, k, n0, 8, COLUMNS(8));                        \
     }
+
+static vf dots_dispatch(const float *x, const int8_t *w, int64_t k, int64_t n0, int mb) {
+    BY_ROWS(dots, x, w, k, n0, mb)
 }
 
 #if defined(__AVX512BF16__)
@@ -104,25 +109,14 @@ static inline __attribute__((always_inline)) vf dots_bf16(const uint16_t *x, con
 }
 
 static vf dots_bf16_dispatch(const uint16_t *x, const int8_t *w, int64_t k, int64_t n0, int mb) {
-    switch (mb) {
-        case 1: return dots_bf16(x, w, k, n0, 1, 16);
-        case 2: return dots_bf16(x, w, k, n0, 2, 8);
-        case 3: return dots_bf16(x, w, k, n0, 3, 4);
-        case 4: return dots_bf16(x, w, k, n0, 4, 4);
-        case 5: return dots_bf16(x, w, k, n0, 5, 2);
-        case 6: return dots_bf16(x, w, k, n0, 6, 2);
-        case 7: return dots_bf16(x, w, k, n0, 7, 2);
-        default: return dots_bf16(x, w, k, n0, 8, 2);
-    }
+    BY_ROWS(dots_bf16, x, w, k, n0, mb)
 }
 #endif
-
-static const int COLUMNS[9] = {0, 16, 8, 4, 4, 2, 2, 2, 2};
 
 /* one tile: columns [first, last) for rows [m0, m0 + mb), the sums into tile[m][column - first] */
 static void tile_sums(const void *x, const float *xf, const int8_t *w, float tile[8][TILE], int64_t k, int64_t m0,
                       int mb, int64_t first, int64_t last, int bf16) {
-    const int nb = COLUMNS[mb];
+    const int nb = COLUMNS(mb);
     for (int64_t n0 = first; n0 < last; n0 += nb) {
         float sums[16];
         if (n0 + nb <= last) {

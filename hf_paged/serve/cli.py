@@ -40,6 +40,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 # of 0.80 s, llama-server's 2.44 s): docs/bench/cpu.md.
 SERVE_BATCH_TOKENS = 2048
 
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hf_paged serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
