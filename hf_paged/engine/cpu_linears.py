@@ -152,6 +152,83 @@ class Int8Linear(_DerivedWeights, nn.Linear):
         return out.reshape(*shape[:-1], self.out_features)
 
 
+class FusedLinears:
+    """Linear layers reading the same input (q/k/v, gate/up) run as one GEMM: ``fused(x) -> tuple`` of the layers'
+    outputs, bit-identical to calling them one by one (a row's output column is the same dot product either way;
+    checked on a probe when the fused weight is made).
+
+    Fuses :class:`PackedLinear` layers (one oneDNN-packed weight of the concatenation) and :class:`Int8Linear` layers
+    of up to ``cpu_kernels.INT8_MAX_ROWS`` rows (their int8 weights and scales concatenated, the C kernel); anything
+    else (other layer classes, gradients, a dtype the layers do not compute in, a prefill's many int8 rows) calls the
+    layers. The fused weight is remade when any layer's weight or bias changes (replaced, or written in place) or a
+    layer changes class; it is held here, not on the model (copies and state dicts never see it)."""
+
+    def __init__(self, layers: tuple[nn.Linear, ...]):
+        self.layers = layers
+        self.sizes = [layer.out_features for layer in layers]
+        self._key: tuple | None = None
+        self._weight = self._scales = self._bias = None  # packed (or int8) weight, int8 scales, bias: concatenated
+
+    def _state(self) -> tuple:
+        return tuple((type(layer), layer.weight.data_ptr(), layer.weight._version, layer.weight.dtype,
+                      None if layer.bias is None else (layer.bias.data_ptr(), layer.bias._version))
+                     for layer in self.layers)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        key = self._state()
+        if key != self._key:
+            self._fuse(key)
+        out = None
+        if self._weight is not None and x.device.type == "cpu" and not torch.is_grad_enabled():
+            out = self._run(x)
+        if out is None:
+            return tuple(layer(x) for layer in self.layers)
+        return out.split(self.sizes, -1)
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self._scales is None:  # packed
+            if x.dtype != self.layers[0].weight.dtype:
+                return None
+            return torch.ops.mkldnn._linear_pointwise(x, self._weight, self._bias, "none", [], "")
+        if _rows(x) > cpu_kernels.INT8_MAX_ROWS:
+            return None
+        shape = x.shape
+        out = cpu_kernels.int8_linear(x.reshape(-1, shape[-1]), self._weight, self._scales, self._bias)
+        return None if out is None else out.reshape(*shape[:-1], out.shape[-1])
+
+    def _fuse(self, key: tuple) -> None:
+        self._key, self._weight, self._scales, self._bias = key, None, None, None
+        kinds = {type(layer) for layer in self.layers}
+        if len(kinds) != 1 or kinds & {PackedLinear, Int8Linear} == set():
+            return
+        biases = [layer.bias for layer in self.layers]
+        if any(b is None for b in biases) and not all(b is None for b in biases):
+            return
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        weight = self.layers[0].weight
+        probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+        if kinds == {PackedLinear}:
+            if not _packable(weight):
+                return
+            try:
+                fused = torch.ops.mkldnn._reorder_linear_weight(torch.cat([l.weight.detach() for l in self.layers]), 8)
+            except RuntimeError:
+                return
+            self._weight, self._bias = fused, bias
+            expected = [F.linear(probe, layer.weight.detach(), layer.bias) for layer in self.layers]
+        else:
+            for layer in self.layers:
+                if layer._quant_key != (layer.weight.data_ptr(), layer.weight._version):
+                    layer._quantize()
+            self._weight = torch.cat([layer._qweight for layer in self.layers])
+            self._scales = torch.cat([layer._scales for layer in self.layers])
+            self._bias = bias
+            expected = [cpu_kernels.int8_linear(probe, l._qweight, l._scales, l.bias) for l in self.layers]
+        got = self._run(probe)
+        if got is None or any(e is None for e in expected) or not torch.equal(got, torch.cat(expected, -1)):
+            self._weight = self._scales = self._bias = None
+
+
 def resolve_mode(model: nn.Module, mode: str) -> str:
     """``mode`` with ``"auto"`` decided for ``model`` (see the module docstring)."""
     if mode not in MODES:

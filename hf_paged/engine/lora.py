@@ -474,11 +474,16 @@ class AdapterSet:
             return None
         return StepAdapters(indices, [])
 
+    @property
+    def wraps_nothing(self) -> bool:
+        """No layer is wrapped yet (no adapter was ever loaded, no PEFT layer bypassed): the model runs as built."""
+        return not self.layers and not self._peft_wrapped
+
     @contextmanager
     def applied(self, step: StepAdapters | None, device):
         """The scope of one forward: the wrapped layers add the step's adapters (``step`` None: base weights only).
         Holds ``weights_lock``, so no load or unload changes the weights mid-forward."""
-        if step is None and not self.layers and not self._peft_wrapped:  # no layer wrapped yet: nothing to scope
+        if step is None and self.wraps_nothing:  # nothing to scope
             yield
             return
         with self.weights_lock:

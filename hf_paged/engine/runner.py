@@ -21,6 +21,7 @@ import torch
 from .. import compat
 from ..cache import StepCache
 from ..ops import resolve_backend
+from ..patches.lean import lean_decoder
 from ..rows import Row
 from ..step import RowInput, Step, StepOptions, plan_engine_step
 from .multimodal import StepMedia, position_offset
@@ -93,10 +94,13 @@ class ModelRunner:
     ``padding``: on CPU, the step sizes run padded (:class:`~hf_paged.engine.padding.PaddingRule`, measured for
     this model at start unless ``measured_padding=False``, as under tensor parallelism, where every rank must pad
     alike and a rank's linears hold a shard; assignable, e.g. ``PaddingRule()`` for none).
+    ``lean``: on CPU, a Llama-shaped model's steps run :class:`~hf_paged.patches.lean.LeanDecoder` (the same
+    logits without transformers' per-layer plumbing) where nothing else needs the model's own forward (images,
+    LoRA adapters, state layers, hooks); None: always the model's forward (``lean=False``, or another family).
     """
 
     def __init__(self, model, kv, backend: str, num_layers: int, graphs=None, media=None,
-                 measured_padding: bool = True):
+                 measured_padding: bool = True, lean: bool = True):
         self.model = model
         self.kv = kv
         self.backend = resolve_backend(backend, model.device)  # "auto" -> what runs on this device
@@ -117,6 +121,9 @@ class ModelRunner:
         self.before_forward = None  # called once the step is planned, before the forward (tensor parallelism)
         self._packed_states = None  # hybrid models: the running step's segments for the state mixers
         self.lora = None  # engine/lora.py's AdapterSet (set by the factory): the step's adapters around the forward
+        self.lean = lean_decoder(model) if lean and self.device.type == "cpu" and graphs is None else None
+        state = getattr(model, "_hf_paged_state", None)
+        self._own_hooks = len(state.handles) if state is not None else 0  # the decoder's planning hooks
 
     def run(self, batch: Batch) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -170,6 +177,9 @@ class ModelRunner:
         rows and 3-axis positions, which replace the packed 1-D positions)."""
         cache = StepCache(self.kv.rows, step, self.num_layers, self._buffers)
         cache.packed_states = self._packed_states
+        if (self.lean is not None and media is None and self._packed_states is None
+                and (self.lora is None or self.lora.wraps_nothing) and self.lean.usable(self._own_hooks)):
+            return self.lean.forward(cache, inputs.input_ids, inputs.position_ids, inputs.logits_index)
         kwargs = {compat.FORWARD_CACHE_KWARG: cache, "use_cache": True, "position_ids": inputs.position_ids[None]}
         if self.keeps_logits:
             kwargs["logits_to_keep"] = inputs.logits_index
