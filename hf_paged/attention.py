@@ -106,7 +106,9 @@ def _short(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _paged_forward(module, query, scaling, kwargs, layer) -> torch.Tensor:
+def paged_forward(module, query, scaling, kwargs, layer) -> torch.Tensor:
+    """``query`` ``[B, Hq, S, D]`` attending through ``layer`` (a :class:`~hf_paged.step.LayerStep`): ``[B, S, Hq,
+    Dv]``, as the attention function hands it back (also the lean forward's attention, ``patches/lean.py``)."""
     batch, num_q_heads, query_len, head_dim = query.shape
     q = query.squeeze(2) if query_len == 1 else query.transpose(1, 2).reshape(batch * query_len, num_q_heads,
                                                                               head_dim)  # [B*S, Hq, D]
@@ -169,7 +171,7 @@ def _make_attention(original: str):
         if layer is not None:
             _check_kwargs(module, kwargs, layer)
         if layer is not None and not layer.no_history:
-            return _paged_forward(module, query, scaling, kwargs, layer), None
+            return paged_forward(module, query, scaling, kwargs, layer), None
         # No cache, another cache, or a first prefill (its K/V are already in the pool; nothing to read back).
         fallback = _eager_of(module) if original == "eager" else compat.ATTENTION_FUNCTIONS[original]
         return fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)

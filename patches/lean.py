@@ -21,6 +21,11 @@ import importlib
 import torch
 from torch import nn
 
+from ..attention import paged_forward
+from ..engine.cpu_linears import FusedLinears
+from ..ops import cpu_kernels
+from ..step import write_layer
+
 # model_type -> the modeling module whose classes the lean forward knows; "qk_norm": RMSNorm on each head's q and k
 # before the rotary (Qwen3).
 FAMILIES = {
@@ -41,7 +46,11 @@ def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rotary_pos_emb``'s operations on ``[T, H, D]`` with ``cos``/``sin`` ``[T, 1, D]``."""
+    """``apply_rotary_pos_emb``'s operations on ``[T, H, D]`` with ``cos``/``sin`` ``[T, 1, D]`` (bf16: the C kernel,
+    the same roundings in one call)."""
+    out = cpu_kernels.rotary(x, cos[:, 0], sin[:, 0])
+    if out is not None:
+        return out
     half = x.shape[-1] // 2
     return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
 
@@ -51,8 +60,6 @@ class LeanDecoder:
     position_ids [T], logits_index [k]) -> [k, vocab]``, with ``cache`` the step's ``StepCache``."""
 
     def __init__(self, model: nn.Module, inner: nn.Module, qk_norm: bool):
-        from ..engine.cpu_linears import FusedLinears  # (the engine's CPU linears; patches/ is imported first)
-
         self.model, self.inner, self.qk_norm = model, inner, qk_norm
         self.layers = list(inner.layers[: inner.config.num_hidden_layers])
         self._fused: dict[tuple, FusedLinears] = {}  # (layer, "qkv" | "gate_up") -> the fused linears
@@ -77,9 +84,6 @@ class LeanDecoder:
 
     def forward(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 logits_index: torch.Tensor) -> torch.Tensor:
-        from ..attention import _paged_forward
-        from ..step import write_layer
-
         inner = self.inner
         hidden = inner.embed_tokens(input_ids)  # [T, C]
         cos, sin = inner.rotary_emb(hidden[None], position_ids[None])  # [1, T, D] each
@@ -96,7 +100,7 @@ class LeanDecoder:
             q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
             step = write_layer(cache.pool, cache.groups, cache.step, cache._buffers, idx, cache.num_layers,
                                k.transpose(0, 1)[None], v.transpose(0, 1)[None], None)
-            out = _paged_forward(attn, q.transpose(0, 1)[None], attn.scaling, {}, step)  # [1, T, Hq, D]
+            out = paged_forward(attn, q.transpose(0, 1)[None], attn.scaling, {}, step)  # [1, T, Hq, D]
             hidden = residual + attn.o_proj(out.reshape(tokens, -1))
             residual = hidden
             gate, up = self._linears(idx, "gate_up", (mlp.gate_proj, mlp.up_proj))(

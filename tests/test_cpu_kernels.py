@@ -109,3 +109,32 @@ def test_without_a_compiler_the_reference_runs(monkeypatch, tmp_path):
         assert torch.equal(got, want)
     finally:
         cpu_kernels.library.cache_clear()
+
+
+@pytest.mark.parametrize("tokens,heads,dim", [(1, 12, 64), (8, 12, 64), (37, 6, 128), (5, 3, 32), (3, 2, 256)])
+def test_rotary_equals_torchs_bf16_operations_bit_for_bit(tokens, heads, dim):
+    """The lean forward's rotary (``rotary.c``) against transformers' ``apply_rotary_pos_emb`` in bf16: the heads a
+    view of a wider row (a fused q/k/v output), values over many binades so products and sums round at ties."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    if cpu_kernels.library() is None:
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(tokens * 1000 + dim)
+    row = torch.randn(tokens, (heads + 3) * dim, generator=gen) * torch.exp2(torch.randint(-8, 8, (1, (heads + 3) * dim),
+                                                                                          generator=gen).float())
+    row = row.to(torch.bfloat16)
+    x = row.view(tokens, heads + 3, dim)[:, 1: heads + 1]  # [T, H, D], tokens at the row's stride
+    angles = torch.rand(tokens, dim // 2, generator=gen) * 100
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    want, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos[None], sin[None])
+    got = cpu_kernels.rotary(x, cos, sin)
+    assert got is not None and got.is_contiguous()
+    assert torch.equal(got, want[0].transpose(0, 1))
+
+
+def test_rotary_leaves_what_it_does_not_take_to_torch():
+    x = torch.randn(2, 3, 64)
+    cos = sin = torch.ones(2, 64)
+    assert cpu_kernels.rotary(x, cos, sin) is None  # fp32: torch's operations
+    x, cos = torch.randn(2, 3, 48).to(torch.bfloat16), torch.ones(2, 48).to(torch.bfloat16)
+    assert cpu_kernels.rotary(x, cos, cos) is None  # a head size that is not a multiple of 32

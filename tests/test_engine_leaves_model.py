@@ -31,10 +31,10 @@ def bf16_model():
 def test_a_model_the_engine_ran_deep_copies_and_saves():
     model = bf16_model()
     first = engine_tokens(model)
-    layer = model.model.layers[0].mlp.up_proj
+    layer = model.model.layers[0].mlp.down_proj  # (up_proj ran fused with gate_proj, in the engine's lean forward)
     assert type(layer) is PackedLinear and layer._packed is not None  # the engine packed it, and it ran packed
     twin = copy.deepcopy(model)  # TRL's reference model; transformers' generate_batch on a copy
-    assert twin.model.layers[0].mlp.up_proj._packed is None  # remade from the weight at its first call
+    assert twin.model.layers[0].mlp.down_proj._packed is None  # remade from the weight at its first call
     assert engine_tokens(twin) == first
     torch.save(model.state_dict(), io.BytesIO())
     torch.save(model, io.BytesIO())

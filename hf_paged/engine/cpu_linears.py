@@ -135,11 +135,16 @@ class Int8Linear(_DerivedWeights, nn.Linear):
         self._scales = scales.contiguous()
         self._quant_key = (self.weight.data_ptr(), self.weight._version)
 
+    def quantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int8 weight ``[out, in]`` and its fp32 scales ``[out]`` for the current weight."""
+        if self._quant_key != (self.weight.data_ptr(), self.weight._version):
+            self._quantize()
+        return self._qweight, self._scales
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
-        if self._quant_key != (self.weight.data_ptr(), self.weight._version):
-            self._quantize()
+        self.quantized()
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [rows, in]
         out = cpu_kernels.int8_linear(x2, self._qweight, self._scales, self.bias)  # a decode step's few rows
@@ -217,13 +222,12 @@ class FusedLinears:
             self._weight, self._bias = fused, bias
             expected = [F.linear(probe, layer.weight.detach(), layer.bias) for layer in self.layers]
         else:
-            for layer in self.layers:
-                if layer._quant_key != (layer.weight.data_ptr(), layer.weight._version):
-                    layer._quantize()
-            self._weight = torch.cat([layer._qweight for layer in self.layers])
-            self._scales = torch.cat([layer._scales for layer in self.layers])
+            quantized = [layer.quantized() for layer in self.layers]
+            self._weight = torch.cat([qweight for qweight, _ in quantized])
+            self._scales = torch.cat([scales for _, scales in quantized])
             self._bias = bias
-            expected = [cpu_kernels.int8_linear(probe, l._qweight, l._scales, l.bias) for l in self.layers]
+            expected = [cpu_kernels.int8_linear(probe, qweight, scales, layer.bias)
+                        for (qweight, scales), layer in zip(quantized, self.layers)]
         got = self._run(probe)
         if got is None or any(e is None for e in expected) or not torch.equal(got, torch.cat(expected, -1)):
             self._weight = self._scales = self._bias = None

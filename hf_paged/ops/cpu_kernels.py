@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "decode_attention.c", HERE / "int8_linear.c")  # one library; both include cpu_vec.h
+SOURCES = (HERE / "decode_attention.c", HERE / "int8_linear.c", HERE / "rotary.c")  # one library; cpu_vec.h shared
 HEADERS = (HERE / "cpu_vec.h",)
 DTYPES = (torch.bfloat16,)  # where the engine and PagedCache use the kernel (it also computes fp32, for tests)
 _ELEM = {torch.bfloat16: 2, torch.float32: 4}
@@ -87,6 +87,9 @@ def library() -> ctypes.CDLL | None:
     fn = lib.hf_paged_int8_linear
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int]
+    fn = lib.hf_paged_rotary
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3
     return lib
 
 
@@ -160,3 +163,22 @@ def int8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
     if bias is not None:
         out = out + bias.double()
     return out.to(x.dtype)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """Rotate-half rotary on the heads of ``x`` ``[T, H, D]`` (bf16; each token's heads back to back, tokens at any
+    stride: a view of a fused q/k/v GEMM's output) with ``cos``/``sin`` ``[T, D]``: ``[T, H, D]`` contiguous, equal bit
+    for bit to torch's ``(x * cos) + (rotate_half(x) * sin)``. None where the kernel does not take it (another
+    dtype, ``D`` not a multiple of 32, the kernels off or not built)."""
+    tokens, heads, dim = x.shape
+    if not (enabled() and x.dtype == torch.bfloat16 and x.device.type == "cpu" and dim % 32 == 0
+            and x.stride(2) == 1 and x.stride(1) == dim and cos.dtype == sin.dtype == x.dtype
+            and cos.shape == sin.shape == (tokens, dim)):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(tokens, heads, dim, dtype=x.dtype)
+    lib.hf_paged_rotary(x.data_ptr(), x.stride(0), tokens, heads, dim, cos.data_ptr(), sin.data_ptr(), out.data_ptr())
+    return out
