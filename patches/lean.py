@@ -37,12 +37,10 @@ FAMILIES = {
 
 
 def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The family's RMSNorm (``LlamaRMSNorm.forward``'s operations)."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    variance = h.pow(2).mean(-1, keepdim=True)
-    h = h * torch.rsqrt(variance + norm.variance_epsilon)
-    return norm.weight * h.to(dtype)
+    """The family's RMSNorm (``LlamaRMSNorm.forward``'s operations; bf16: the C kernel, the same roundings in one
+    call)."""
+    out = cpu_kernels.rms_norm(x, norm.weight, norm.variance_epsilon)
+    return out if out is not None else cpu_kernels.rms_norm_reference(x, norm.weight, norm.variance_epsilon)
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

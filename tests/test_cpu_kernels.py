@@ -138,3 +138,37 @@ def test_rotary_leaves_what_it_does_not_take_to_torch():
     assert cpu_kernels.rotary(x, cos, sin) is None  # fp32: torch's operations
     x, cos = torch.randn(2, 3, 48).to(torch.bfloat16), torch.ones(2, 48).to(torch.bfloat16)
     assert cpu_kernels.rotary(x, cos, cos) is None  # a head size that is not a multiple of 32
+
+
+@pytest.mark.parametrize("width", [16, 64, 100, 576, 896, 2048, 4096, 5120])
+@pytest.mark.parametrize("rows", [1, 8, 33])
+def test_rms_norm_equals_transformers_rmsnorm_bit_for_bit(width, rows):
+    """The lean forward's RMSNorm (``rms_norm.c``) against transformers' own module in bf16: the squares summed in
+    ATen's order (widths below one vector, with a scalar tail, past the sum's cascade levels), values over many
+    binades."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    if cpu_kernels.library() is None:
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(width + rows)
+    norm = LlamaRMSNorm(width, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(width, generator=gen))
+        x = (torch.randn(rows, width, generator=gen) * torch.exp2(torch.randint(-8, 8, (rows, width),
+                                                                                generator=gen))).to(torch.bfloat16)
+        want = norm(x)
+    got = cpu_kernels.rms_norm(x, norm.weight.detach(), norm.variance_epsilon)
+    assert got is not None and torch.equal(got, want)
+
+
+def test_rms_norm_leaves_what_it_does_not_take_to_torch(monkeypatch):
+    x, weight = torch.randn(3, 64), torch.ones(64)
+    assert cpu_kernels.rms_norm(x, weight, 1e-6) is None  # fp32
+    x, weight = x.to(torch.bfloat16), weight.to(torch.bfloat16)
+    assert cpu_kernels.rms_norm(torch.randn(64, 3).to(torch.bfloat16).t(), weight, 1e-6) is None  # strided rows
+    if cpu_kernels.library() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(cpu_kernels, "_RMS_AGREES", {64: False})  # another ATen summing in another order
+    assert cpu_kernels.rms_norm(x, weight, 1e-6) is None
+    monkeypatch.setattr(cpu_kernels, "_RMS_AGREES", {})
+    assert cpu_kernels.rms_norm(x, weight, 1e-6) is not None

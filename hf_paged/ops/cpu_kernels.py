@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "decode_attention.c", HERE / "int8_linear.c", HERE / "rotary.c")  # one library; cpu_vec.h shared
+SOURCES = tuple(HERE / f"{name}.c" for name in ("decode_attention", "int8_linear", "rotary", "rms_norm"))  # one library
 HEADERS = (HERE / "cpu_vec.h",)
 DTYPES = (torch.bfloat16,)  # where the engine and PagedCache use the kernel (it also computes fp32, for tests)
 _ELEM = {torch.bfloat16: 2, torch.float32: 4}
@@ -90,6 +90,9 @@ def library() -> ctypes.CDLL | None:
     fn = lib.hf_paged_rotary
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3
+    fn = lib.hf_paged_rms_norm
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
     return lib
 
 
@@ -181,4 +184,44 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(tokens, heads, dim, dtype=x.dtype)
     lib.hf_paged_rotary(x.data_ptr(), x.stride(0), tokens, heads, dim, cos.data_ptr(), sin.data_ptr(), out.data_ptr())
+    return out
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Transformers' RMSNorm (Llama's and its descendants'), in torch's operations."""
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(x.dtype)
+
+
+_RMS_AGREES: dict[int, bool] = {}  # row width -> whether the kernel equals rms_norm_reference in this process
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """:func:`rms_norm_reference` of bf16 rows ``x`` ``[..., n]`` with a bf16 ``weight`` ``[n]`` in one call
+    (``rms_norm.c``), bit for bit: the kernel sums the squares in ATen's order, which is checked once per row
+    width against torch in this process. None where it does not take the call (another dtype, a strided row, a
+    width whose check failed, the kernels off or not built)."""
+    n = x.shape[-1]
+    if not (enabled() and x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and x.is_contiguous() and weight.is_contiguous() and weight.shape == (n,)):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    agrees = _RMS_AGREES.get(n)
+    if agrees is None:
+        gen = torch.Generator().manual_seed(n)
+        probe = (torch.randn(5, n, generator=gen) * torch.exp2(torch.randint(-8, 8, (5, n), generator=gen))).to(x.dtype)
+        probe_weight = torch.randn(n, generator=gen).to(x.dtype)
+        got = _rms_norm_call(lib, probe, probe_weight, 1e-6)
+        agrees = _RMS_AGREES[n] = torch.equal(got, rms_norm_reference(probe, probe_weight, 1e-6))
+    return _rms_norm_call(lib, x, weight, eps) if agrees else None
+
+
+def _rms_norm_call(lib, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = torch.empty_like(x)
+    lib.hf_paged_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
+                          float(eps))
     return out
