@@ -52,7 +52,7 @@ test-oldest: setup
 test-latest: setup
 	SKIP_IF_MAIN=1 TRANSFORMERS_VENV=$(VENV)-latest bash scripts/test_transformers.sh latest $(VENV) tests/test_generate.py \
 	    tests/test_sharing.py tests/test_robustness.py tests/test_triton_e2e.py tests/test_prefix_differential.py \
-	    $(HYBRID_TESTS)
+	    tests/test_lean_forward.py $(HYBRID_TESTS)
 
 test-hybrid-5.24: setup
 	TRANSFORMERS_VENV=$(VENV)-5.24 bash scripts/test_transformers.sh 5.24.0 $(VENV) $(HYBRID_TESTS)
@@ -62,7 +62,7 @@ test-hybrid-5.24: setup
 # to 74.8% on the same prompts; on an Intel machine it reproduces an AMD run's figures (docs/testing.md).
 FLOAT_TESTS = tests/test_engine_smollm.py tests/test_fp8.py tests/test_prefix_differential.py tests/test_mla_ops.py \
               tests/test_engine_padding.py tests/test_engine_bidirectional.py tests/test_bidirectional.py \
-              tests/test_engine_models.py
+              tests/test_engine_models.py tests/test_lean_forward.py tests/test_cpu_kernels.py
 test-avx2: setup
 	MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q $(FLOAT_TESTS)
 
