@@ -19,7 +19,7 @@ MAIN_VENV=${2:-.venv}
 shift $(( $# < 2 ? $# : 2 ))
 TESTS=("$@")
 [ ${#TESTS[@]} -gt 0 ] || TESTS=(tests/test_generate.py tests/test_sharing.py tests/test_robustness.py
-                                 tests/test_triton_e2e.py tests/test_lean_forward.py)
+                                 tests/test_triton_e2e.py)
 MAIN_PY="$MAIN_VENV/bin/python"
 [ -x "$MAIN_PY" ] || { echo "no python at $MAIN_PY: pass the main venv (e.g. run 'make setup' first)" >&2; exit 2; }
 MAIN_PY=$(cd "$(dirname "$MAIN_PY")" && pwd)/python

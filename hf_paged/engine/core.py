@@ -71,6 +71,9 @@ class EngineCore:
         self.failed_steps = 0
         self.generated_tokens = 0
         self.last_batch_tokens = 0  # tokens the last step ran (0: it could run nothing, e.g. a pool held by others)
+        # Seconds of quiet the engine waits for more arrivals before an idle engine's first step (engine/handoff.py:
+        # requests that come together are prefilled together); at most ARRIVAL_WAIT_CAP times it in all. 0: none.
+        self.arrival_window_s = 0.0
         self.ttft: deque[float] = deque(maxlen=RECENT)
         self.inter_token: deque[float] = deque(maxlen=RECENT)
         self.started = time.perf_counter()

@@ -22,8 +22,8 @@ from .kv import RequestKV
 from .lora import DEFAULT_MAX_LORAS, AdapterSet
 from .manager import DEFAULT_MAX_UNREAD, ContinuousBatchingManager, is_request_setting
 from .multimodal import DEFAULT_ENCODER_CACHE_BYTES, MultimodalInputs, takes_images
-from .options import (DEFAULT_WATERMARK, context_limit, default_batch_tokens, default_pool,
-                      from_continuous_batching_config)
+from .options import (DEFAULT_ARRIVAL_WINDOW_S, DEFAULT_WATERMARK, context_limit, default_batch_tokens,
+                      default_pool, from_continuous_batching_config)
 from .outputs import GenerationOutput, RequestStatus
 from .runner import ModelRunner
 from .sampling import Sampler
@@ -42,7 +42,8 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
                              num_speculative_tokens: int = DEFAULT_NUM_TOKENS,
                              speculative_max_tokens: int | None = None,
                              tokenizer=None, max_loras: int = DEFAULT_MAX_LORAS,
-                             cpu_linears: str = "auto") -> ContinuousBatchingManager:
+                             cpu_linears: str = "auto",
+                             arrival_window_s: float | None = None) -> ContinuousBatchingManager:
     """A continuous-batching manager serving ``model`` from a shared block pool (start it, or use ``with``).
 
     Args:
@@ -97,6 +98,10 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
             fp32 as it is), ``"packed"``, ``"int8"`` (int8 weight-only, one scale per output channel: half of bf16's
             weight bytes, not the same function) or ``"eager"``. The layers change class in place (still
             ``nn.Linear``, same weights).
+        arrival_window_s: an idle engine given requests waits until none has come for this many seconds (at most
+            5 windows) before its first step, so requests a client sends together are prefilled together (one
+            that misses the step is prefilled alone in the next while the others wait to decode). Default: 0.01
+            on CPU, where a prefill step takes long; 0 (none) on CUDA.
 
     Requires transformers >= 5.24 (the attention plumbing the packed forward needs); ``generate()`` with a
     ``PagedCache`` works from 4.56.
@@ -174,6 +179,11 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
                               max_draft=max_draft)
     core = EngineCore(scheduler, runner, Sampler(device=device, tokenizer=tokenizer), max_context=limit, context_reason=reason,
                       speculation=speculation)
+    if arrival_window_s is None:
+        arrival_window_s = DEFAULT_ARRIVAL_WINDOW_S if device.type == "cpu" else 0.0
+    if not arrival_window_s >= 0:
+        raise ValueError(f"arrival_window_s must be >= 0 seconds, got {arrival_window_s!r}.")
+    core.arrival_window_s = float(arrival_window_s)
     defaults = {"logprobs": options.pop("logprobs")} if "logprobs" in options else {}
     return ContinuousBatchingManager(core, generation_config if generation_config is not None
                                      else model.generation_config, vocab_size=config.vocab_size,

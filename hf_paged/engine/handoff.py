@@ -40,6 +40,9 @@ def call_back(deliveries: list[Delivery]) -> None:
                               stacklevel=2)
 
 
+ARRIVAL_WAIT_CAP = 5  # an idle engine's first step waits at most this many arrival windows (see take_requests)
+
+
 @dataclass
 class Taken:
     """(tensor parallelism, rank 0) What one loop iteration takes to broadcast: the new requests, the ids of the
@@ -282,8 +285,8 @@ class Handoff:
                 for req in [*core.scheduler.running, *core.scheduler.waiting]:
                     core.cancel(req)
                 return [], False
-            while self._incoming:
-                core.add(self._incoming.popleft())
+            if self._take_incoming_locked() and core.arrival_window_s > 0 and not core.scheduler.running:
+                self._gather_arrivals_locked(core.arrival_window_s)
             deliveries = []
             for req in self._cancels:
                 deliveries += [self._finish_locked(r) for r in core.cancel(req)]
@@ -298,6 +301,26 @@ class Handoff:
             if not core.has_work and not deliveries:
                 self._cond.wait()
             return deliveries, True
+
+    def _take_incoming_locked(self) -> int:
+        taken = len(self._incoming)
+        while self._incoming:
+            self._core.add(self._incoming.popleft())
+        return taken
+
+    def _gather_arrivals_locked(self, window: float) -> None:
+        """An idle engine given new requests: take those that follow within ``window`` seconds of the last (at most
+        ``ARRIVAL_WAIT_CAP`` windows in all) into the same first step. Clients of a batch send their requests a few
+        ms apart; one that misses the first prefill step is prefilled alone in the next while the others wait to
+        decode, and every later wave inherits the offset (a stall in each request's inter-token latency)."""
+        deadline = time.monotonic() + ARRIVAL_WAIT_CAP * window
+        while not (self._cancels or self._stopping or self._abandoned):
+            remaining = min(window, deadline - time.monotonic())
+            if remaining <= 0:
+                return
+            self._cond.wait(remaining)
+            if not self._take_incoming_locked():
+                return
 
     def deliver(self, touched: list[Request], idle_wait: float = 0.0) -> list[Delivery]:
         """After a step: the deliveries of the requests it ``touched`` (a token or an end). When the step could run

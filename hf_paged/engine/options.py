@@ -17,6 +17,7 @@ CPU_POOL_FRACTION = 0.2  # of the available RAM, at most CPU_POOL_CAP
 CPU_POOL_CAP = 2 * 2**30
 CUDA_POOL_FRACTION = 0.8  # of the free device memory once the model is loaded
 DEFAULT_WATERMARK = 0.01
+DEFAULT_ARRIVAL_WINDOW_S = 0.01  # CPU: an idle engine's wait for requests that come together (factory docstring)
 
 # ContinuousBatchingConfig fields and the engine setting each becomes.
 CB_MAPPED = {
