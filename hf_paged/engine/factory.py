@@ -163,7 +163,7 @@ def init_continuous_batching(model, generation_config=None, *, pool=None, max_ba
     sharded = (getattr(model, "tp_size", None) or 1) > 1  # tensor-parallel weights (with or without a driver)
     runner = ModelRunner(model, kv, paged_backend(model), num_layers,
                          None if state_layers else _decode_graphs(wanted_graphs, device, pool, scheduler.max_num_seqs),
-                         media=media, measured_padding=not sharded)
+                         media=media, measured_padding=not sharded, lean=not sharded)
     adapters = AdapterSet(model, max_loras, runner.backend) if max_loras and not sharded else None
     runner.lora = adapters
     kv.adapters = adapters  # its PEFT bypass is part of every block key's root
