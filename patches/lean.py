@@ -9,9 +9,11 @@ by one). Each operation is the one the family's modeling file runs (RMSNorm upca
 ``down(act(gate) * up)``), so the logits equal the model's own forward over the same ``StepCache`` bit for bit
 (``tests/test_lean_forward.py`` compares them per family, and the differential tester draws the engine with it).
 
-:func:`lean_decoder` returns None (the model's own forward runs) for anything it does not know exactly: another
-family, a module of another class or with its own ``forward`` (a hub kernel, an adapter wrapper), hooks on any
-module, a training model. The inline RMSNorm and rotary are checked once against the family's own on a probe.
+:func:`lean_decoder` returns None (the model's own forward runs) for a model it does not know exactly: another
+family, a module of another class or with its own ``forward`` (a hub kernel, an adapter wrapper), an RMSNorm or
+rotary that computes otherwise than its inline copy (checked once on a probe). Each step, :meth:`LeanDecoder.usable`
+sends the step to the model's own forward while any module has hooks, the model trains or gradients are on; the
+engine's runner also does for steps with images, LoRA layers or state layers.
 """
 
 from __future__ import annotations
@@ -26,13 +28,13 @@ from ..engine.cpu_linears import FusedLinears
 from ..ops import cpu_kernels
 from ..step import write_layer
 
-# model_type -> the modeling module whose classes the lean forward knows; "qk_norm": RMSNorm on each head's q and k
-# before the rotary (Qwen3).
+# model_type -> (the modeling module whose classes the lean forward knows, their name prefix, whether q and k get an
+# RMSNorm per head before the rotary: Qwen3)
 FAMILIES = {
-    "llama": ("llama", False),
-    "mistral": ("mistral", False),
-    "qwen2": ("qwen2", False),
-    "qwen3": ("qwen3", True),
+    "llama": ("llama", "Llama", False),
+    "mistral": ("mistral", "Mistral", False),
+    "qwen2": ("qwen2", "Qwen2", False),
+    "qwen3": ("qwen3", "Qwen3", True),
 }
 
 
@@ -61,14 +63,13 @@ class LeanDecoder:
         self.model, self.inner, self.qk_norm = model, inner, qk_norm
         self.layers = list(inner.layers[: inner.config.num_hidden_layers])
         self._fused: dict[tuple, FusedLinears] = {}  # (layer, "qkv" | "gate_up") -> the fused linears
-        self._fuse = FusedLinears
-        self.modules = list(model.modules())
+        self.modules = list(model.modules())  # whose hooks usable() counts
 
-    def _linears(self, idx: int, part: str, layers: tuple) -> tuple[torch.Tensor, ...]:
+    def _linears(self, idx: int, part: str, layers: tuple) -> FusedLinears:
         """The fused linears of layer ``idx``'s ``part`` (remade when a layer module was replaced)."""
         fused = self._fused.get((idx, part))
         if fused is None or any(a is not b for a, b in zip(fused.layers, layers)):
-            fused = self._fused[idx, part] = self._fuse(layers)
+            fused = self._fused[idx, part] = FusedLinears(layers)
         return fused
 
     def usable(self, hooks_allowed: int) -> bool:
@@ -120,23 +121,25 @@ def lean_decoder(model: nn.Module) -> LeanDecoder | None:
     inner = getattr(model, "model", None)
     if family is None or inner is None or not isinstance(getattr(model, "lm_head", None), nn.Linear):
         return None
-    name, qk_norm = family
+    name, prefix, qk_norm = family
     try:
         modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     except ImportError:
         return None
-    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[name]
     classes = {part: getattr(modeling, prefix + part, None) for part in
                ("ForCausalLM", "Model", "DecoderLayer", "Attention", "MLP", "RMSNorm")}
     if None in classes.values() or type(model) is not classes["ForCausalLM"] or not _exact(inner, classes["Model"]):
         return None
     norm_cls = classes["RMSNorm"]
     for layer in inner.layers[: config.num_hidden_layers]:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if not _exact(layer, classes["DecoderLayer"]):
+            return None
+        attn, mlp = layer.self_attn, layer.mlp
+        if not (_exact(attn, classes["Attention"]) and _exact(mlp, classes["MLP"])):
+            return None
         norms = [layer.input_layernorm, layer.post_attention_layernorm] + ([attn.q_norm, attn.k_norm] if qk_norm
                                                                           else [])
-        if not (_exact(layer, classes["DecoderLayer"]) and _exact(attn, classes["Attention"])
-                and _exact(mlp, classes["MLP"]) and all(_exact(n, norm_cls) for n in norms)):
+        if not all(_exact(n, norm_cls) for n in norms):
             return None
     if not _exact(inner.norm, norm_cls) or not _same_math(modeling, inner.norm):
         return None

@@ -201,6 +201,7 @@ class FusedLinears:
         out = cpu_kernels.int8_linear(x.reshape(-1, shape[-1]), self._weight, self._scales, self._bias)
         return None if out is None else out.reshape(*shape[:-1], out.shape[-1])
 
+    @torch.no_grad()
     def _fuse(self, key: tuple) -> None:
         self._key, self._weight, self._scales, self._bias = key, None, None, None
         kinds = {type(layer) for layer in self.layers}
@@ -216,7 +217,8 @@ class FusedLinears:
             if not _packable(weight):
                 return
             try:
-                fused = torch.ops.mkldnn._reorder_linear_weight(torch.cat([l.weight.detach() for l in self.layers]), 8)
+                joined = torch.cat([layer.weight.detach() for layer in self.layers])
+                fused = torch.ops.mkldnn._reorder_linear_weight(joined, 8)
             except RuntimeError:
                 return
             self._weight, self._bias = fused, bias
