@@ -55,3 +55,25 @@ def test_arrival_window_off_and_refused_values():
         _manager(-1.0)
     model = tiny_model(seed=21)
     assert init_continuous_batching(model)._core.arrival_window_s == 0.01  # CPU's default
+
+
+@pytest.mark.parametrize("flag,expected", [([], None), (["--arrival-window-ms", "0"], 0.0),
+                                           (["--arrival-window-ms", "25"], 0.025)])
+def test_serve_passes_the_arrival_window(monkeypatch, flag, expected):
+    pytest.importorskip("fastapi")
+    from hf_paged.serve import cli
+
+    seen = {}
+
+    class Built(Exception):
+        pass
+
+    def capture(model, **kwargs):
+        seen.update(kwargs)
+        raise Built
+
+    monkeypatch.setattr(cli, "init_continuous_batching", capture)
+    args = cli.parser().parse_args(["--model", "unused", *flag])
+    with pytest.raises(Built):
+        cli.build(args, load=lambda path, dtype: (tiny_model(seed=1), None))
+    assert seen["arrival_window_s"] == expected

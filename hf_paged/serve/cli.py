@@ -63,6 +63,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
                    help="paged attention kernels")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not keep finished prompts' blocks for reuse")
+    p.add_argument("--arrival-window-ms", type=float, default=None,
+                   help="an idle engine given requests waits until none has come for this long (at most 5 times it) "
+                        "before its first step, so requests sent together are prefilled together (default: 10 on "
+                        "CPU, 0 on CUDA; 0 turns it off)")
     p.add_argument("--max-batch-tokens", type=int, default=SERVE_BATCH_TOKENS,
                    help="token budget of one engine step (default %(default)s, as llama-server's batch: prompts that "
                         "arrive together are prefilled in one step, so none waits through the others' chunks after "
@@ -193,7 +197,9 @@ def build(args, load=None):
                                        cuda_graphs=False if args.no_cuda_graphs else None,
                                        tp_timeout_s=getattr(args, "tp_timeout", 60.0), tokenizer=tokenizer,
                                        max_loras=max_loras,
-                                       cpu_linears="int8" if args.dtype == "int8" else "auto")
+                                       cpu_linears="int8" if args.dtype == "int8" else "auto",
+                                       arrival_window_s=None if getattr(args, "arrival_window_ms", None) is None
+                                       else args.arrival_window_ms / 1000)
     for lora, path in loras.items():
         manager.load_adapter(lora, path)
     settings = ServeSettings(model_name=name, api_key=args.api_key,
