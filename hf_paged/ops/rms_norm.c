@@ -14,18 +14,13 @@
 #include "cpu_vec.h"
 
 typedef float v8 __attribute__((vector_size(32)));
-typedef uint32_t vu8 __attribute__((vector_size(32)));
-typedef uint16_t vh8 __attribute__((vector_size(16)));
 
 #define ILP 4
 #define LEVELS 4
 
 static inline v8 squares8(const uint16_t *src) {
-    vh8 h;
-    memcpy(&h, src, sizeof h);
-    vu8 u = __builtin_convertvector(h, vu8) << 16;
     v8 f;
-    memcpy(&f, &u, sizeof f);
+    for (int i = 0; i < 8; ++i) f[i] = bf16_to_f32(src[i]);
     return f * f;
 }
 
