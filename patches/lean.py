@@ -46,11 +46,12 @@ def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rotary_pos_emb``'s operations on ``[T, H, D]`` with ``cos``/``sin`` ``[T, 1, D]`` (bf16: the C kernel,
+    """``apply_rotary_pos_emb``'s operations on ``[T, H, D]`` with ``cos``/``sin`` ``[T, D]`` (bf16: the C kernel,
     the same roundings in one call)."""
-    out = cpu_kernels.rotary(x, cos[:, 0], sin[:, 0])
+    out = cpu_kernels.rotary(x, cos, sin)
     if out is not None:
         return out
+    cos, sin = cos[:, None], sin[:, None]  # [T, 1, D]: over the heads
     half = x.shape[-1] // 2
     return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
 
@@ -86,7 +87,7 @@ class LeanDecoder:
         inner = self.inner
         hidden = inner.embed_tokens(input_ids)  # [T, C]
         cos, sin = inner.rotary_emb(hidden[None], position_ids[None])  # [1, T, D] each
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, D]
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, D], once for every layer
         tokens = hidden.shape[0]
         for idx, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -157,4 +158,4 @@ def _same_math(modeling, norm: nn.Module) -> bool:
         q = torch.randn(1, 2, 3, 8, generator=generator).to(dtype)  # [B, H, T, D]
         cos, sin = (torch.randn(1, 3, 8, generator=generator).to(dtype) for _ in range(2))
         q_ref, _ = modeling.apply_rotary_pos_emb(q, q, cos, sin)
-        return torch.equal(q_ref[0].transpose(0, 1), _rotary(q[0].transpose(0, 1), cos[0, :, None], sin[0, :, None]))
+        return torch.equal(q_ref[0].transpose(0, 1), _rotary(q[0].transpose(0, 1), cos[0], sin[0]))

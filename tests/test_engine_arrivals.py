@@ -40,7 +40,9 @@ def test_a_lone_request_waits_one_quiet_window_and_a_running_engine_none():
         assert ra.first_token_time - ra.created_time >= 0.3  # nobody else came: one window of quiet, then the step
     with _manager(5.0) as manager:  # a window longer than the test: only an idle engine would wait it out
         long = manager.add_request(_prompt(4), max_new_tokens=100_000, do_sample=False, ignore_eos=True)
+        deadline = time.monotonic() + 60
         while manager._core.scheduler.running == []:  # the long request is running (after its own wait)
+            assert time.monotonic() < deadline, "the long request never started"
             time.sleep(0.01)
         b = manager.add_request(_prompt(5), max_new_tokens=2, do_sample=False)
         rb = manager.get_result(b, timeout=60)

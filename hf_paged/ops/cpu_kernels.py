@@ -1,5 +1,5 @@
-"""CPU kernels in C beside their PyTorch references: the decode part of the torch backend's paged attention, and
-int8 weight-only linears for a decode step's few rows.
+"""CPU kernels in C beside their PyTorch references: the decode part of the torch backend's paged attention,
+int8 weight-only linears for a decode step's few rows, and the engine's lean forward's bf16 rotary and RMSNorm.
 
 ``decode_attention.c`` (next to this file) reads each decode row's K/V straight from the pool's blocks through its
 block table: no gather of the blocks into a copy and no SDPA call per part, which at 8 decode rows of ~270
@@ -7,12 +7,14 @@ positions cost ~0.35 ms a layer on a 2-core CPU (about a fifth of a SmolLM2 deco
 ``int8_linear.c`` multiplies a few rows by int8 weights with one scale per output channel
 (:class:`hf_paged.engine.cpu_linears.Int8Linear`): a decode step's linears read each weight once, so their time is
 the weights' bytes, half of bf16's; torch's ``_weight_int8pack_mm`` took longer than the packed bf16 GEMM it was
-to beat. Both are compiled once per machine with the system's C compiler (``$CC`` or ``cc``: ``-O3 -march=native -fopenmp``,
+to beat. ``rotary.c`` and ``rms_norm.c`` compute what transformers' rotate-half rotary and RMSNorm compute in
+torch, bit for bit, in one call each (``patches/lean.py``). All are compiled once per machine with the system's C compiler (``$CC`` or ``cc``: ``-O3 -march=native -fopenmp``,
 under ``$HF_PAGED_CACHE/kernels``, ~1 s) and called through ``ctypes``; without a compiler, or with
 ``HF_PAGED_CPU_KERNELS=0``, the PyTorch reference runs.
 
-Used for bf16 models (:data:`DTYPES`): fp32 keeps SDPA, whose roundings the fp32 token-equality tests pin.
-Results agree with the reference to the output dtype's rounding (fp32 accumulation, exact softmax), not bit for bit.
+The decode attention is used for bf16 models (:data:`DTYPES`): fp32 keeps SDPA, whose roundings the fp32
+token-equality tests pin. Its results, and the int8 linears', agree with their references to the output dtype's
+rounding (fp32 accumulation, exact softmax), not bit for bit; the rotary and RMSNorm agree bit for bit.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def library() -> ctypes.CDLL | None:
                 subprocess.run(cmd, check=True, capture_output=True, timeout=120)
             except (OSError, subprocess.SubprocessError) as err:
                 detail = getattr(err, "stderr", b"") or b""
-                warnings.warn(f"hf_paged: the CPU kernels (decode attention, int8 linears) did not build "
+                warnings.warn(f"hf_paged: the CPU kernels (decode attention, int8 linears, rotary, RMSNorm) did not build "
                               f"({' '.join(cmd[:1])}: {err}; {detail.decode(errors='replace')[-300:]}); the PyTorch "
                               "path runs instead (set CC to a C compiler with OpenMP to build it).", RuntimeWarning,
                               stacklevel=3)
